@@ -1,0 +1,49 @@
+# Every target runs inside .venv/ (created by `make setup`, git-ignored).
+PY      := .venv/bin/python
+VENV_OK := .venv/.installed
+SPEC    ?= experiments/smoke.yaml
+RESULTS ?= results
+
+.PHONY: setup test test-fast lint demo figures tables gpu-check slurm-up slurm-down clean
+
+setup: $(VENV_OK)
+
+$(VENV_OK): pyproject.toml
+	test -x $(PY) || python3.11 -m venv .venv || python3 -m venv .venv
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(VENV_OK)
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not slurm"
+
+lint: setup
+	$(PY) -m ruff check prefixflow harness tests
+	$(PY) -m ruff format --check prefixflow harness tests
+
+demo: setup
+	.venv/bin/pf-bench sweep $(SPEC) --out $(RESULTS)
+	.venv/bin/pf-bench figures --results $(RESULTS) --out $(RESULTS)/figures
+	@echo "records: $(RESULTS)/   figures: $(RESULTS)/figures/"
+
+figures: setup
+	.venv/bin/pf-bench figures --results $(RESULTS) --out $(RESULTS)/figures
+	.venv/bin/pf-bench tables --results $(RESULTS) --out $(RESULTS)/figures
+
+tables: setup
+	.venv/bin/pf-bench tables --results $(RESULTS) --out $(RESULTS)/figures
+
+gpu-check: setup
+	bash scripts/gpu_check.sh
+
+slurm-up:
+	bash scripts/slurm_up.sh
+
+slurm-down:
+	bash scripts/slurm_down.sh
+
+clean:
+	rm -rf .pytest_cache .ruff_cache build *.egg-info

@@ -1,0 +1,1 @@
+"""The pf-bench harness: specs -> cells -> executor -> records -> figures."""
