@@ -1,0 +1,190 @@
+"""harness.measure: the CPU live-bytes meter, the phase observer and rank-max."""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from harness.measure import LiveBytesMeter, PhaseMeter, rank_max
+
+MIB4 = 1024 * 1024 * 4  # 1024 x 1024 fp32
+
+
+def test_known_allocation_is_exact_and_free_is_tracked():
+    meter = LiveBytesMeter()
+    with meter:
+        x = torch.empty(1024, 1024)
+        assert meter.current == MIB4
+        assert meter.peak == MIB4
+        del x
+        gc.collect()
+        assert meter.current == 0
+    assert meter.peak == MIB4
+
+
+def test_views_are_not_double_counted_and_peak_differs_from_current():
+    meter = LiveBytesMeter()
+    with meter:
+        a = torch.empty(1024, 1024)
+        v = a[:10].view(-1)  # a view shares the storage
+        b = torch.empty(2048, 1024)
+        del b
+        assert meter.current == MIB4
+        assert meter.peak == 3 * MIB4
+        meter.reset_peak()
+        assert meter.peak == MIB4
+        del a, v
+
+
+def test_autograd_saved_tensors_and_grads_are_counted():
+    w = torch.randn(256, 256, requires_grad=True)
+    meter = LiveBytesMeter()
+    assert meter.register([w]) == 256 * 256 * 4
+    assert meter.register([w]) == 0  # registering twice counts once
+    with meter:
+        x = torch.randn(64, 256)  # 64 KiB input
+        h = (x @ w).tanh()  # tanh saves its output; matmul saves x and w
+        loss = h.sum()
+        after_fwd = meter.current
+        # w (256 KiB) + x (64 KiB) + x@w (64 KiB, freed only when h is freed? no: a temporary) + h + loss
+        assert after_fwd >= 256 * 256 * 4 + 2 * 64 * 256 * 4
+        loss.backward()
+        assert w.grad is not None
+    # the grad storage was created under the mode, so it is live now
+    assert meter.current >= 256 * 256 * 4 * 2
+    assert meter.peak >= meter.current
+
+
+def test_register_module_counts_parameters_buffers():
+    lin = torch.nn.Linear(128, 64)
+    bn = torch.nn.BatchNorm1d(64)
+    model = torch.nn.Sequential(lin, bn)
+    meter = LiveBytesMeter()
+    n = meter.register(model)
+    expect = sum(p.numel() * 4 for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
+    assert n == expect == meter.current
+
+
+def test_exclude_and_offload_scope_separate_offloaded_bytes():
+    meter = LiveBytesMeter()
+    with meter:
+        a = torch.empty(1024, 1024)
+        assert meter.exclude(a) == MIB4
+        assert meter.exclude(a) == 0
+        assert meter.current == 0 and meter.offloaded == MIB4
+        assert meter.is_offloaded(a)
+        with meter.offload_scope():
+            pool = torch.empty(2 * 1024 * 1024)  # 8 MiB host pool
+        assert meter.offloaded == 3 * MIB4 and meter.current == 0
+        b = torch.empty(1024, 1024)
+        assert meter.current == MIB4
+        del a, pool
+        gc.collect()
+        assert meter.offloaded == 0 and meter.offloaded_peak == 3 * MIB4
+        del b
+
+
+def test_phase_peaks_are_separate():
+    pm = PhaseMeter("cpu")
+    pm.enter("A")
+    a = torch.empty(1024, 1024)
+    pm.exit("A")
+    pm.enter("B")
+    big = torch.empty(4096, 1024)  # 16 MiB only in B
+    del big
+    pm.exit("B")
+    pm.enter("C")
+    del a
+    pm.exit("C")
+    res = pm.results(extended=True)
+    assert res["phase_peak_bytes"]["A"] == MIB4
+    assert res["peak_mem_phase_b_bytes"] == MIB4 + 4 * MIB4  # a is live in B, plus the 16 MiB
+    assert res["phase_peak_bytes"]["C"] == MIB4
+    assert res["peak_mem_bytes"] == 5 * MIB4
+    assert res["mem_meter"] == "cpu-live-bytes"
+
+
+def test_phase_meter_counts_registered_model_and_outer_context():
+    model = torch.nn.Linear(1024, 1024, bias=False)
+    pm = PhaseMeter("cpu", model=model)
+    with pm:
+        pm.enter("full")
+        y = model(torch.ones(1, 1024))
+        pm.exit("full")
+        between = torch.empty(1024, 1024)  # seen because the outer context is active
+        assert pm.live.current >= 2 * MIB4
+        del between, y
+    res = pm.results()
+    assert res["peak_mem_bytes"] >= MIB4 + 1024 * 4
+    # baseline contract: no A/B/C phases -> NaN times, phase-B peak is the whole-step peak
+    assert math.isnan(res["phase_a_s"]) and math.isnan(res["phase_b_s"]) and math.isnan(res["phase_c_s"])
+    assert res["peak_mem_phase_b_bytes"] == res["peak_mem_bytes"]
+
+
+def test_cpu_timing_is_sane():
+    pm = PhaseMeter("cpu")
+    for phase, dur in (("A", 0.02), ("B", 0.05), ("C", 0.01)):
+        pm.enter(phase)
+        time.sleep(dur)
+        pm.exit(phase)
+    res = pm.results()
+    assert 0.018 <= res["phase_a_s"] < 0.2
+    assert 0.048 <= res["phase_b_s"] < 0.3
+    assert 0.009 <= res["phase_c_s"] < 0.2
+    total = res["phase_a_s"] + res["phase_b_s"] + res["phase_c_s"]
+    assert total <= res["step_time_s"] < total + 0.05
+    pm.reset()
+    assert math.isnan(pm.results()["step_time_s"])
+
+
+def test_phase_misuse_raises():
+    pm = PhaseMeter("cpu")
+    with pytest.raises(RuntimeError):
+        pm.exit("A")
+    pm.enter("A")
+    with pytest.raises(RuntimeError):
+        pm.enter("A")
+    with pytest.raises(RuntimeError):
+        pm.results()
+    pm.exit("A")
+
+
+def test_rank_max_identity_when_not_distributed():
+    d = {"step_time_s": 1.5, "mem_meter": "cpu-live-bytes"}
+    assert rank_max(d) == d
+
+
+def _worker(rank: int, world: int, port: int, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        d = {"t": float(rank + 1), "m": 10.0 - rank, "n": math.nan if rank == 0 else 3.0,
+             "all_nan": math.nan, "meter": "cpu-live-bytes"}
+        q.put((rank, rank_max(d)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_rank_max_gloo_two_processes():
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(2, _free_port(), q), nprocs=2, join=True, start_method="spawn")
+    results = dict(q.get() for _ in range(2))
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["t"] == 2.0 and r["m"] == 10.0 and r["n"] == 3.0
+        assert math.isnan(r["all_nan"]) and r["meter"] == "cpu-live-bytes"
