@@ -166,8 +166,13 @@ def _worker(rank: int, world: int, port: int, q) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        d = {"t": float(rank + 1), "m": 10.0 - rank, "n": math.nan if rank == 0 else 3.0,
-             "all_nan": math.nan, "meter": "cpu-live-bytes"}
+        d = {
+            "t": float(rank + 1),
+            "m": 10.0 - rank,
+            "n": math.nan if rank == 0 else 3.0,
+            "all_nan": math.nan,
+            "meter": "cpu-live-bytes",
+        }
         q.put((rank, rank_max(d)))
     finally:
         dist.destroy_process_group()
