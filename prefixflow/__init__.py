@@ -1,0 +1,32 @@
+"""PrefixFlow: training-time KV caching for schedule-level prefix reuse in GRPO training.
+
+>>> model = build_model("llama3:debugmodel", overrides={"dim": 64, "n_layers": 2})
+>>> apply_prefixflow(model)
+>>> stats = train_group(model, group)            # Phase A, B, C; gradients equal the baseline's
+"""
+
+from .apply import AC_MODES, PrefixFlowConfig, apply_ac, apply_prefixflow
+from .group import RolloutGroup
+from .kv_cache import PrefixKVCache
+from .layouts import LAYOUTS
+from .loss import LOSSES, LossConfig
+from .models import build_model, list_models, model_args
+from .schedule import SYSTEMS, GroupStats, train_group
+
+__all__ = [
+    "AC_MODES",
+    "LAYOUTS",
+    "LOSSES",
+    "SYSTEMS",
+    "GroupStats",
+    "LossConfig",
+    "PrefixFlowConfig",
+    "PrefixKVCache",
+    "RolloutGroup",
+    "apply_ac",
+    "apply_prefixflow",
+    "build_model",
+    "list_models",
+    "model_args",
+    "train_group",
+]

@@ -1,0 +1,120 @@
+"""``apply_prefixflow`` and ``apply_ac``: TorchTitan-style in-place model transformations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from .attention import ATTENTION_VARIANTS, AttentionState, PrefixAwareAttention
+
+__all__ = ["PrefixFlowConfig", "PrefixFlowRuntime", "apply_prefixflow", "runtime_of", "apply_ac", "AC_MODES"]
+
+AC_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class PrefixFlowConfig:
+    """How PrefixFlow runs on a model.
+
+    ``grad_kv_dtype``: dtype of the prefix K/V leaves and gK/gV accumulators; ``None`` = fp32 when the model's
+    parameters are bf16/fp16, else the parameter dtype. ``attention``: how suffix attention reads the cache
+    (``"concat"``: one SDPA over ``[prefix ; suffix]`` K/V).
+    """
+
+    grad_kv_dtype: torch.dtype | None = None
+    attention: str = "concat"
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_VARIANTS:
+            raise ValueError(f"PrefixFlowConfig.attention {self.attention!r} unknown; valid: {ATTENTION_VARIANTS}")
+        if self.grad_kv_dtype is not None and not (
+            isinstance(self.grad_kv_dtype, torch.dtype) and self.grad_kv_dtype.is_floating_point
+        ):
+            raise TypeError(f"PrefixFlowConfig.grad_kv_dtype must be a floating torch.dtype or None, got {self.grad_kv_dtype!r}")
+
+
+@dataclass
+class PrefixFlowRuntime:
+    """What ``apply_prefixflow`` attaches to a model: the config and the shared attention state."""
+
+    config: PrefixFlowConfig
+    state: AttentionState
+    n_wrapped: int
+
+    def grad_kv_dtype(self, model: nn.Module) -> torch.dtype:
+        if self.config.grad_kv_dtype is not None:
+            return self.config.grad_kv_dtype
+        dtype = next(model.parameters()).dtype
+        return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _sdpa_wrapper_type():
+    from torchtitan.models.attention import ScaledDotProductAttentionWrapper
+
+    return ScaledDotProductAttentionWrapper
+
+
+def apply_prefixflow(model: nn.Module, config: PrefixFlowConfig | None = None) -> nn.Module:
+    """Wrap every attention layer of a TorchTitan model at its SDPA boundary (in place, idempotent).
+
+    Afterwards ``model(tokens)`` is still the plain full-sequence forward; ``train_group`` switches the
+    wrapped layers into prefix-capture (Phase A) or prefix-aware suffix attention (Phase B). Calling it again
+    only updates the config.
+    """
+    config = config or PrefixFlowConfig()
+    if not isinstance(config, PrefixFlowConfig):
+        raise TypeError(f"config must be a PrefixFlowConfig, got {type(config).__name__}")
+    runtime = getattr(model, "_prefixflow", None)
+    if runtime is not None:
+        runtime.config = replace(config)
+        return model
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__} is not a TorchTitan decoder (no .layers)")
+    sdpa = _sdpa_wrapper_type()
+    state = AttentionState()
+    n = 0
+    for block in layers.values():
+        attention = next((m for m in block.modules() if hasattr(m, "inner_attention")), None)
+        if attention is None or not isinstance(attention.inner_attention, sdpa):
+            kind = None if attention is None else type(attention.inner_attention).__name__
+            raise ValueError(
+                f"PrefixFlow wraps TorchTitan's SDPA attention; this model uses {kind}. "
+                "Build it with attn_type='sdpa' (overrides={'attn_type': 'sdpa'})."
+            )
+        attention.inner_attention = PrefixAwareAttention(attention.inner_attention, n, state)
+        n += 1
+    model._prefixflow = PrefixFlowRuntime(config=config, state=state, n_wrapped=n)
+    return model
+
+
+def runtime_of(model: nn.Module) -> PrefixFlowRuntime:
+    runtime = getattr(model, "_prefixflow", None)
+    if runtime is None:
+        raise ValueError("this model has no PrefixFlow attention; call prefixflow.apply_prefixflow(model) first")
+    return runtime
+
+
+def apply_ac(model: nn.Module, mode: str = "selective") -> nn.Module:
+    """TorchTitan activation checkpointing on every block: ``selective`` (op-level SAC with TorchTitan's save
+    list), ``full``, or ``none``. Works before or after ``apply_prefixflow``."""
+    if mode not in AC_MODES:
+        raise ValueError(f"AC mode {mode!r} unknown; valid: {AC_MODES}")
+    if mode == "none":
+        return model
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac as titan_apply_ac
+    from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
+
+    if any(isinstance(block, CheckpointWrapper) for block in model.layers.values()):
+        raise ValueError("activation checkpointing is already applied to this model")
+    if mode == "selective":
+        config = ActivationCheckpoint(mode="selective", selective_ac_option="op")
+    else:
+        config = ActivationCheckpoint(mode="full")
+    titan_apply_ac(model, config, op_sac_save_list=_op_sac_save_list)
+    model.prefixflow_ac = mode
+    return model

@@ -1,0 +1,113 @@
+"""The SDPA-boundary wrapper and the attention modes the schedule switches between.
+
+TorchTitan's attention modules call ``self.inner_attention(q, k, v, scale=..., enable_gqa=...)`` with
+post-RoPE (and post qk-norm) ``[B, H, L, D]`` tensors. ``PrefixAwareAttention`` replaces that inner module.
+With no mode set it calls the original module unchanged, so ``model(tokens)`` stays the plain
+full-sequence forward. The schedule installs one of three modes for the duration of a phase:
+
+- ``CapturePrefix``  (Phase A): keep each layer's prefix K/V in the cache, attend causally as usual.
+- ``AttendWithPrefix`` (Phase B): suffix queries attend to ``[cached prefix K/V ; suffix K/V]`` under the
+  layout's mask (every prefix key, own suffix causally, never another suffix or a pad).
+- ``MaskedAttention`` (baseline, packed layout): plain attention under a block-diagonal causal mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import PrefixKVCache
+
+__all__ = [
+    "AttentionState",
+    "PrefixAwareAttention",
+    "CapturePrefix",
+    "AttendWithPrefix",
+    "MaskedAttention",
+    "ATTENTION_VARIANTS",
+]
+
+ATTENTION_VARIANTS = ("concat",)
+
+
+class AttentionState:
+    """Shared by all wrapped layers of one model: the mode of the phase that is running (or None)."""
+
+    def __init__(self) -> None:
+        self.mode = None
+
+    @contextlib.contextmanager
+    def use(self, mode) -> Iterator[None]:
+        if self.mode is not None:
+            raise RuntimeError(f"attention mode {type(self.mode).__name__} is already active (nested phases?)")
+        self.mode = mode
+        try:
+            yield
+        finally:
+            self.mode = None
+
+
+class PrefixAwareAttention(nn.Module):
+    """Wraps TorchTitan's SDPA module of one layer; dispatches to the active mode."""
+
+    def __init__(self, inner: nn.Module, layer: int, state: AttentionState) -> None:
+        super().__init__()
+        self.inner = inner
+        self.layer = layer
+        self.state = state
+
+    def forward(self, q, k, v, *, scale=None, enable_gqa: bool = False, is_causal: bool = True):
+        mode = self.state.mode
+        if mode is None:
+            return self.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=is_causal)
+        return mode(self, q, k, v, scale=scale, enable_gqa=enable_gqa)
+
+
+class CapturePrefix:
+    """Phase A: record the live prefix K/V of every layer, then attend exactly as the plain model does."""
+
+    def __init__(self, cache: PrefixKVCache) -> None:
+        self.cache = cache
+
+    def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
+        self.cache.capture(wrapper.layer, k, v)
+        return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
+
+
+class AttendWithPrefix:
+    """Phase B: suffix queries attend to the cached prefix K/V and their own K/V.
+
+    ``mask``: bool ``[b, 1, S, P_c + S]`` (True = may attend) from the suffix layout.
+    The cached K/V (``[1, H_kv, P_c, D]``) are broadcast over the batch with ``expand`` (no copy); SDPA
+    groups query heads over KV heads itself (GQA).
+    """
+
+    def __init__(self, cache: PrefixKVCache, mask: torch.Tensor, variant: str = "concat") -> None:
+        if variant not in ATTENTION_VARIANTS:
+            raise ValueError(f"attention variant {variant!r} unknown; valid: {ATTENTION_VARIANTS}")
+        self.cache = cache
+        self.mask = mask
+        self.variant = variant
+
+    def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
+        cached = self.cache.read(wrapper.layer, k.dtype)
+        if cached is not None:
+            prefix_k, prefix_v = cached
+            b = q.shape[0]
+            k = torch.cat([prefix_k.expand(b, -1, -1, -1), k], dim=2)
+            v = torch.cat([prefix_v.expand(b, -1, -1, -1), v], dim=2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=enable_gqa)
+
+
+class MaskedAttention:
+    """Plain attention under an explicit mask (the baseline's packed layout)."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = mask
+
+    def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=enable_gqa)

@@ -1,0 +1,114 @@
+"""A GRPO rollout group (one prompt, N responses) and its validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RolloutGroup"]
+
+
+def _check_tokens(field: str, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{field} must be a torch.LongTensor of token ids, got {type(t).__name__}")
+    if t.dtype in (torch.bool,) or t.dtype.is_floating_point or t.dtype.is_complex:
+        raise TypeError(f"{field} must hold integer token ids, got dtype {t.dtype}; use tokens.long()")
+    if t.dim() != 1:
+        raise ValueError(f"{field} must be 1-D (a token sequence), got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise ValueError(f"{field} is empty; every prompt and response needs at least one token")
+    if (t < 0).any():
+        raise ValueError(f"{field} has negative token ids (min {int(t.min())}); token ids must be >= 0")
+    return t.long()
+
+
+@dataclass
+class RolloutGroup:
+    """One prompt and its N sampled responses, with per-response advantages.
+
+    ``prompt``: LongTensor[P]; ``responses``: list of N LongTensor[S_i] (lengths may differ);
+    ``advantages``: Tensor[N]; ``old_logprobs`` / ``ref_logprobs``: optional lists of N Tensor[S_i]
+    (per-token log-probs of the responses under the sampling / reference policy). Validated on construction.
+    """
+
+    prompt: torch.Tensor
+    responses: list[torch.Tensor]
+    advantages: torch.Tensor
+    old_logprobs: list[torch.Tensor] | None = None
+    ref_logprobs: list[torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt = _check_tokens("prompt", self.prompt)
+        if isinstance(self.responses, torch.Tensor) or not isinstance(self.responses, (list, tuple)):
+            raise TypeError("responses must be a list of 1-D LongTensors (one per response)")
+        if len(self.responses) == 0:
+            raise ValueError("responses is empty; a rollout group needs at least one response")
+        self.responses = [_check_tokens(f"responses[{i}]", r) for i, r in enumerate(self.responses)]
+        n = len(self.responses)
+        adv = self.advantages
+        if not isinstance(adv, torch.Tensor):
+            adv = torch.as_tensor(adv, dtype=torch.float64)
+        if not adv.dtype.is_floating_point:
+            adv = adv.double()
+        if adv.shape != (n,):
+            raise ValueError(f"advantages must have shape ({n},) (one per response), got {tuple(adv.shape)}")
+        if not torch.isfinite(adv).all():
+            raise ValueError("advantages must be finite (found NaN or inf)")
+        self.advantages = adv
+        for field in ("old_logprobs", "ref_logprobs"):
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if not isinstance(value, (list, tuple)) or len(value) != n:
+                raise ValueError(f"{field} must be a list of {n} tensors, one per response")
+            checked = []
+            for i, (lp, resp) in enumerate(zip(value, self.responses, strict=True)):
+                if not isinstance(lp, torch.Tensor) or not lp.dtype.is_floating_point:
+                    raise TypeError(f"{field}[{i}] must be a floating tensor of per-token log-probs")
+                if lp.shape != resp.shape:
+                    raise ValueError(
+                        f"{field}[{i}] has shape {tuple(lp.shape)} but responses[{i}] has {tuple(resp.shape)}"
+                    )
+                if not torch.isfinite(lp).all():
+                    raise ValueError(f"{field}[{i}] must be finite (found NaN or inf)")
+                checked.append(lp)
+            setattr(self, field, checked)
+
+    @property
+    def n(self) -> int:
+        return len(self.responses)
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.prompt.numel())
+
+    @property
+    def response_lens(self) -> list[int]:
+        return [int(r.numel()) for r in self.responses]
+
+    def check_fits(self, vocab_size: int, max_seq_len: int) -> None:
+        """Raise ValueError if a token id is outside the vocabulary or a sequence exceeds ``max_seq_len``."""
+        for field, t in [("prompt", self.prompt)] + [(f"responses[{i}]", r) for i, r in enumerate(self.responses)]:
+            top = int(t.max())
+            if top >= vocab_size:
+                raise ValueError(f"{field} has token id {top} outside the model's vocabulary [0, {vocab_size})")
+        longest = self.prompt_len + max(self.response_lens)
+        if longest > max_seq_len:
+            raise ValueError(
+                f"prompt ({self.prompt_len}) + longest response ({max(self.response_lens)}) = {longest} tokens "
+                f"exceeds the model's max_seq_len={max_seq_len}; shorten them or build the model with "
+                f"overrides={{'max_seq_len': {longest}}}"
+            )
+
+    def to(self, device) -> RolloutGroup:
+        def move(xs):
+            return None if xs is None else [x.to(device) for x in xs]
+
+        return RolloutGroup(
+            self.prompt.to(device),
+            move(self.responses),
+            self.advantages.to(device),
+            move(self.old_logprobs),
+            move(self.ref_logprobs),
+        )

@@ -1,0 +1,97 @@
+"""The training-time KV cache: per-layer prefix K/V (forward half) and gK/gV (backward half).
+
+Phase A ``capture``s each layer's live prefix K/V (graph attached) and hands Phase B detached leaves that
+require grad; every suffix microbatch reads the leaves, and its backward accumulates gK/gV into
+``leaf.grad``. Phase C ``backward_prefix`` injects the accumulated gradients into the live tensors and runs
+the retained prefix graph once. ``release`` drops everything; nothing survives a group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PrefixKVCache", "LayerKV"]
+
+
+@dataclass
+class LayerKV:
+    live_k: torch.Tensor  # [1, H_kv, P_c, D], attached to the prefix graph
+    live_v: torch.Tensor
+    prefix_k: torch.Tensor  # detached leaf read by suffixes; .grad accumulates gK
+    prefix_v: torch.Tensor
+
+
+class PrefixKVCache:
+    """Per-layer prefix K/V leaves and their gradient accumulators for one rollout group.
+
+    ``grad_dtype``: dtype of the leaves and therefore of gK/gV accumulation (fp32 when the model computes in
+    bf16/fp16, so many suffix microbatches do not accumulate in low precision). Suffixes read
+    ``leaf.to(compute dtype)``, whose backward casts the gradient up before accumulating.
+    """
+
+    def __init__(self, grad_dtype: torch.dtype | None = None) -> None:
+        self.grad_dtype = grad_dtype
+        self.layers: dict[int, LayerKV] = {}
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def prefix_len(self) -> int:
+        if not self.layers:
+            return 0
+        return next(iter(self.layers.values())).live_k.shape[-2]
+
+    def capture(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep a layer's live prefix K/V and create the leaves the suffixes will read."""
+        if layer in self.layers:
+            raise RuntimeError(f"layer {layer} captured twice in one Phase A; release() the cache between groups")
+        dtype = self.grad_dtype or k.dtype
+        self.layers[layer] = LayerKV(
+            live_k=k,
+            live_v=v,
+            prefix_k=k.detach().to(dtype).requires_grad_(True),
+            prefix_v=v.detach().to(dtype).requires_grad_(True),
+        )
+
+    def read(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cached prefix K/V of ``layer`` in the compute dtype (``None`` when the prefix is empty)."""
+        entry = self.layers.get(layer)
+        if entry is None:
+            return None
+        return entry.prefix_k.to(dtype), entry.prefix_v.to(dtype)
+
+    def grad_kv(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Accumulated gK/gV of ``layer`` (``None`` before any suffix backward)."""
+        entry = self.layers[layer]
+        return entry.prefix_k.grad, entry.prefix_v.grad
+
+    def nbytes(self) -> int:
+        """Bytes held by the cache's leaves and gradient accumulators (live K/V are the model's own)."""
+        total = 0
+        for e in self.layers.values():
+            for t in (e.prefix_k, e.prefix_v, e.prefix_k.grad, e.prefix_v.grad):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total
+
+    def backward_prefix(self) -> None:
+        """Phase C: one backward through the retained prefix graph, seeded with the accumulated gK/gV."""
+        roots, grads = [], []
+        for entry in self.layers.values():
+            for live, leaf in ((entry.live_k, entry.prefix_k), (entry.live_v, entry.prefix_v)):
+                if leaf.grad is None or not live.requires_grad:
+                    continue
+                roots.append(live)
+                grads.append(leaf.grad.to(live.dtype))
+        if roots:
+            torch.autograd.backward(roots, grads)
+
+    def release(self) -> None:
+        """Drop live K/V (and with them the prefix graph), leaves and accumulators."""
+        for entry in self.layers.values():
+            entry.prefix_k.grad = None
+            entry.prefix_v.grad = None
+        self.layers.clear()

@@ -1,0 +1,153 @@
+"""TorchTitan model registry: ``"family:flavor"`` + overrides -> a plain, initialised ``nn.Module``."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["build_model", "model_args", "list_models", "rope_buffer", "hidden_dim_of", "head_dim_of"]
+
+
+def _families() -> dict[str, tuple[dict, type]]:
+    # Imported lazily: importing torchtitan costs seconds.
+    from torchtitan.models.llama3 import Transformer, llama3_args
+    from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
+
+    dense_qwen3 = {k: v for k, v in qwen3_args.items() if not getattr(v, "moe_enabled", False)}
+    # Only SDPA flavours: flex/varlen attention have no CPU backward and bypass our SDPA boundary.
+    sdpa_llama3 = {k: v for k, v in llama3_args.items() if getattr(v, "attn_type", "sdpa") == "sdpa"}
+    sdpa_qwen3 = {k: v for k, v in dense_qwen3.items() if getattr(v, "attn_type", "sdpa") == "sdpa"}
+    return {"llama3": (sdpa_llama3, Transformer), "qwen3": (sdpa_qwen3, Qwen3Model)}
+
+
+def list_models() -> list[str]:
+    """All valid ``family:flavor`` names."""
+    return [f"{fam}:{flavor}" for fam, (flavors, _) in _families().items() for flavor in flavors]
+
+
+def _resolve_args(name: str, overrides: dict[str, Any] | None):
+    if not isinstance(name, str) or name.count(":") != 1:
+        raise ValueError(f"model name {name!r} must look like 'family:flavor'; valid names: {list_models()}")
+    family, flavor = name.split(":")
+    families = _families()
+    if family not in families:
+        raise ValueError(f"unknown model family {family!r} in {name!r}; valid families: {sorted(families)}")
+    flavors, cls = families[family]
+    if flavor not in flavors:
+        raise ValueError(f"unknown {family} flavor {flavor!r}; valid flavors: {sorted(flavors)}")
+    args = copy.deepcopy(flavors[flavor])
+    overrides = dict(overrides or {})
+    valid = {f.name for f in dataclasses.fields(args) if not f.name.startswith("_")}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ValueError(f"unknown override field(s) {unknown} for {family}; valid fields: {sorted(valid)}")
+    for key, value in overrides.items():
+        current = getattr(args, key)
+        if current is not None and not isinstance(value, type(current)) and not (
+            isinstance(current, float) and isinstance(value, int)
+        ):
+            raise ValueError(
+                f"override {key}={value!r} has type {type(value).__name__}; "
+                f"{family} expects {type(current).__name__}"
+            )
+    args = dataclasses.replace(args, **overrides)
+    if args.n_heads % (args.n_kv_heads or args.n_heads):
+        raise ValueError(f"n_heads={args.n_heads} must be a multiple of n_kv_heads={args.n_kv_heads}")
+    if family == "llama3" and args.dim % args.n_heads:
+        raise ValueError(f"llama3 needs dim ({args.dim}) divisible by n_heads ({args.n_heads})")
+    return args, cls
+
+
+def build_model(
+    name: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """Build a TorchTitan model by ``family:flavor`` with deterministic random weights.
+
+    The model is created on the meta device, materialised on ``device`` and initialised by TorchTitan's own
+    ``init_weights`` under ``torch.manual_seed(seed)``. Only parameters are cast to ``dtype``: RoPE buffers keep
+    their dtype (``Module.to(dtype)`` would turn Llama3's complex ``freqs_cis`` into a real tensor).
+    ``model(tokens[B, L]) -> logits[B, L, V]``.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    args, cls = _resolve_args(name, overrides)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = cls(args)
+    model.to_empty(device=device)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        model.init_weights(buffer_device=device)
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    if dtype == torch.float64 and name.startswith("llama3:"):
+        _use_fp64_llama3_rope()
+    model.prefixflow_name = name
+    return model
+
+
+def model_args(model: nn.Module):
+    """The TorchTitan ModelArgs dataclass the model was built from."""
+    args = getattr(model, "model_args", None)
+    if args is None:
+        raise TypeError(f"{type(model).__name__} is not a TorchTitan model (no .model_args)")
+    return args
+
+
+def head_dim_of(args) -> int:
+    return getattr(args, "head_dim", None) or args.dim // args.n_heads
+
+
+def hidden_dim_of(args) -> int:
+    """FFN hidden size, computed the way each TorchTitan family does."""
+    if hasattr(args, "hidden_dim"):
+        return args.hidden_dim
+    hidden = int(2 * 4 * args.dim / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
+
+
+def rope_buffer(model: nn.Module) -> torch.Tensor:
+    """The RoPE table each block takes as its second argument (Llama3 ``freqs_cis``, Qwen3 ``rope_cache``)."""
+    for name in ("freqs_cis", "rope_cache"):
+        if hasattr(model, name):
+            return getattr(model, name)
+    raise TypeError(f"{type(model).__name__} has no RoPE buffer (freqs_cis / rope_cache)")
+
+
+def _use_fp64_llama3_rope() -> None:
+    """Let Llama3's RoPE keep fp64 inputs in fp64.
+
+    TorchTitan's ``apply_rotary_emb`` rounds q/k to fp32 (``xq.float()``) whatever the model dtype. In an fp64
+    model that rounding turns 1e-16 differences between two correct schedules into 1e-8 ones, hiding the
+    logic errors fp64 tests exist to catch. The replacement computes in ``promote_types(dtype, float32)``:
+    for fp32/bf16/fp16 inputs that is ``.float()``, the same arithmetic as the original.
+    """
+    from torchtitan.models.llama3.model import model as llama3_model
+
+    original = llama3_model.apply_rotary_emb
+    if getattr(original, "_prefixflow_fp64", False):
+        return
+
+    def apply_rotary_emb(xq, xk, freqs_cis, positions=None):
+        compute = torch.promote_types(xq.dtype, torch.float32)
+        xq_ = torch.view_as_complex(xq.to(compute).reshape(*xq.shape[:-1], -1, 2))
+        xk_ = torch.view_as_complex(xk.to(compute).reshape(*xk.shape[:-1], -1, 2))
+        freqs_cis = llama3_model.reshape_for_broadcast(freqs_cis, xq_, positions)
+        xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+        xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+        return xq_out.type_as(xq), xk_out.type_as(xk)
+
+    apply_rotary_emb._prefixflow_fp64 = True
+    apply_rotary_emb.__wrapped__ = original
+    llama3_model.apply_rotary_emb = apply_rotary_emb

@@ -1,0 +1,211 @@
+"""``train_group``: the three-phase PrefixFlow schedule and the full-sequence baseline.
+
+Both systems share the model, the layouts, the loss and the LM-head placement (only at positions that
+predict a response token); they differ only in the schedule:
+
+- baseline:  for each microbatch of ``[P || S_i]`` sequences: forward, loss, backward.
+- PrefixFlow: ``phase_a_prefix_forward`` (cache K/V of ``P[:-1]`` once), ``phase_b_suffix_microbatches``
+  (suffixes read the cache and accumulate gK/gV), ``phase_c_prefix_backward`` (one delayed prefix backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .apply import PrefixFlowRuntime, runtime_of
+from .attention import AttendWithPrefix, CapturePrefix, MaskedAttention
+from .group import RolloutGroup
+from .kv_cache import PrefixKVCache
+from .layouts import LAYOUTS, Microbatch, build_microbatch, full_sequence_segments, suffix_segments
+from .loss import LossConfig, microbatch_loss, resolve_loss, token_logprobs
+from .models import model_args, rope_buffer
+
+__all__ = [
+    "SYSTEMS",
+    "GroupStats",
+    "train_group",
+    "phase_a_prefix_forward",
+    "phase_b_suffix_microbatches",
+    "phase_c_prefix_backward",
+    "forward_hidden",
+]
+
+SYSTEMS = ("prefixflow", "baseline")
+
+
+@dataclass
+class GroupStats:
+    """What one ``train_group`` call did. ``phase_times`` holds ``A``/``B``/``C`` (PrefixFlow) or ``full``
+    (baseline) in seconds; ``prefix_tokens`` = cached prefix tokens (0 for the baseline); ``suffix_tokens`` =
+    response tokens that carry loss; ``trunk_tokens`` = token slots the transformer processed (pads included)."""
+
+    system: str
+    layout: str
+    loss: float
+    n_microbatches: int
+    prefix_tokens: int
+    suffix_tokens: int
+    trunk_tokens: int
+    phase_times: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.phase_times.values())
+
+
+def forward_hidden(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None, *, final_norm=True):
+    """The TorchTitan forward without the LM head: embeddings, blocks, final norm."""
+    h = model.tok_embeddings(tokens)
+    rope = rope_buffer(model)
+    for block in model.layers.values():
+        h = block(h, rope, None, positions)
+    return model.norm(h) if final_norm else h
+
+
+def _forward_backward(model, mb: Microbatch, group, loss: str, cfg: LossConfig) -> float:
+    """One microbatch: forward, LM head at loss positions only, group-weighted loss, backward."""
+    hidden = forward_hidden(model, mb.tokens, mb.positions)
+    logits = model.output(hidden[mb.loss_rows, mb.loss_cols])
+    value = microbatch_loss(token_logprobs(logits, mb.targets), mb, group, loss, cfg)
+    value.backward()
+    return value.item()
+
+
+def phase_a_prefix_forward(model: nn.Module, runtime: PrefixFlowRuntime, group: RolloutGroup, cache) -> None:
+    """Phase A: run the shared prefix ``P[:-1]`` forward once; each layer leaves its live K/V in ``cache``."""
+    prefix = group.prompt[:-1]
+    if prefix.numel() == 0:
+        return  # one-token prompt: nothing to cache, suffixes start at position 0
+    with runtime.state.use(CapturePrefix(cache)):
+        forward_hidden(model, prefix.unsqueeze(0), None, final_norm=False)
+
+
+def phase_b_suffix_microbatches(
+    model, runtime: PrefixFlowRuntime, group, cache, chunks, layout: str, loss: str, cfg: LossConfig
+) -> float:
+    """Phase B: train the suffixes as ordinary microbatches reading the cache; returns the group loss."""
+    segments = suffix_segments(group)
+    device = group.prompt.device
+    total = 0.0
+    for chunk in chunks:
+        mb = build_microbatch(group, [segments[i] for i in chunk], layout, cached_prefix_len=cache.prefix_len, device=device)
+        with runtime.state.use(AttendWithPrefix(cache, mb.mask, runtime.config.attention)):
+            total += _forward_backward(model, mb, group, loss, cfg)
+    return total
+
+
+def phase_c_prefix_backward(cache: PrefixKVCache) -> None:
+    """Phase C: inject the accumulated gK/gV into the retained prefix graph; one prefix backward."""
+    cache.backward_prefix()
+
+
+def _baseline(model, runtime, group, chunks, layout, loss, cfg) -> float:
+    segments = full_sequence_segments(group)
+    total = 0.0
+    for chunk in chunks:
+        mb = build_microbatch(group, [segments[i] for i in chunk], layout, cached_prefix_len=None, device=group.prompt.device)
+        mode = MaskedAttention(mb.mask) if mb.mask is not None else None
+        with runtime.state.use(mode) if mode is not None else contextlib.nullcontext():
+            total += _forward_backward(model, mb, group, loss, cfg)
+    return total
+
+
+class _PhaseClock:
+    def __init__(self, device: torch.device, observer) -> None:
+        self.device, self.observer, self.times = device, observer, {}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        if self.observer is not None:
+            self.observer.enter(phase)
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.times[phase] = time.perf_counter() - start
+            if self.observer is not None:
+                self.observer.exit(phase)
+
+
+def _chunks(n: int, microbatch: int | None) -> list[list[int]]:
+    size = n if microbatch is None else microbatch
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+def _validate(model, group, system, layout, microbatch) -> None:
+    if not isinstance(group, RolloutGroup):
+        raise TypeError(f"group must be a prefixflow.RolloutGroup, got {type(group).__name__}")
+    if system not in SYSTEMS:
+        raise ValueError(f"system {system!r} unknown; valid systems: {SYSTEMS}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} unknown; valid layouts: {LAYOUTS}")
+    if microbatch is not None and (isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1):
+        raise ValueError(f"microbatch must be None (all responses) or an int >= 1, got {microbatch!r}")
+    args = model_args(model)
+    group.check_fits(args.vocab_size, args.max_seq_len)
+
+
+def train_group(
+    model: nn.Module,
+    group: RolloutGroup,
+    *,
+    system: str = "prefixflow",
+    layout: str = "padded",
+    microbatch: int | None = None,
+    loss: str = "pg",
+    loss_config: dict | LossConfig | None = None,
+    observer=None,
+) -> GroupStats:
+    """Train one rollout group: accumulate its gradients into ``param.grad`` (no zeroing, no optimizer step).
+
+    ``system``: ``"prefixflow"`` (three phases) or ``"baseline"`` (full sequences); ``layout``: ``"padded"`` or
+    ``"packed"``; ``microbatch``: responses per microbatch (None = all). ``observer``: optional object with
+    ``enter(phase)``/``exit(phase)`` called around each phase. All input is validated before any gradient
+    changes. Needs ``apply_prefixflow(model)`` first.
+    """
+    runtime = runtime_of(model)
+    _validate(model, group, system, layout, microbatch)
+    cfg = resolve_loss(loss, loss_config, group)
+    device = next(model.parameters()).device
+    group = group.to(device)
+    chunks = _chunks(group.n, microbatch)
+    clock = _PhaseClock(device, observer)
+    suffix_tokens = sum(group.response_lens)
+    if system == "baseline":
+        with clock("full"):
+            value = _baseline(model, runtime, group, chunks, layout, loss, cfg)
+        trunk = _trunk_tokens(group, chunks, layout, group.prompt_len)
+        return GroupStats(system, layout, value, len(chunks), 0, suffix_tokens, trunk, clock.times)
+
+    cache = PrefixKVCache(runtime.grad_kv_dtype(model))
+    try:
+        with clock("A"):
+            phase_a_prefix_forward(model, runtime, group, cache)
+        with clock("B"):
+            value = phase_b_suffix_microbatches(model, runtime, group, cache, chunks, layout, loss, cfg)
+        with clock("C"):
+            phase_c_prefix_backward(cache)
+    finally:
+        cache.release()
+    prefix = group.prompt_len - 1
+    trunk = prefix + _trunk_tokens(group, chunks, layout, 1)
+    return GroupStats(system, layout, value, len(chunks), prefix, suffix_tokens, trunk, clock.times)
+
+
+def _trunk_tokens(group: RolloutGroup, chunks, layout: str, lead: int) -> int:
+    """Token slots the trunk runs: each sequence is ``lead`` context tokens + its response minus one."""
+    lens = [lead + s - 1 for s in group.response_lens]
+    if layout == "packed":
+        return sum(lens)
+    return sum(len(c) * max(lens[i] for i in c) for c in chunks)
