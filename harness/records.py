@@ -1,0 +1,182 @@
+"""Parquet records: one file per cell (one row per system), atomic writes, collect, status."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+STATUSES = ("ok", "error", "oom", "timeout")
+RECORD_SUFFIX = ".parquet"
+
+# Core columns and their types; records may carry extra columns (model_flops, compile_time_s, ...).
+SCHEMA = pa.schema(
+    [
+        ("cell_id", pa.string()),
+        ("spec", pa.string()),
+        ("git_rev", pa.string()),
+        ("timestamp", pa.string()),
+        ("host", pa.string()),
+        ("device", pa.string()),
+        ("model", pa.string()),
+        ("model_overrides", pa.string()),
+        ("dtype", pa.string()),
+        ("prefix_len", pa.int64()),
+        ("suffix_len", pa.int64()),
+        ("n", pa.int64()),
+        ("prefix_ratio", pa.float64()),
+        ("suffix_spread", pa.float64()),
+        ("layout", pa.string()),
+        ("microbatch", pa.int64()),
+        ("compile", pa.bool_()),
+        ("ac", pa.string()),
+        ("offload", pa.bool_()),
+        ("tp", pa.int64()),
+        ("cp", pa.int64()),
+        ("pp", pa.int64()),
+        ("dp", pa.int64()),
+        ("ep", pa.int64()),
+        ("world_size", pa.int64()),
+        ("system", pa.string()),
+        ("status", pa.string()),
+        ("error", pa.string()),
+        ("warmup", pa.int64()),
+        ("repeats", pa.int64()),
+        ("seed", pa.int64()),
+        ("step_time_s", pa.float64()),
+        ("step_time_min_s", pa.float64()),
+        ("step_time_max_s", pa.float64()),
+        ("phase_a_s", pa.float64()),
+        ("phase_b_s", pa.float64()),
+        ("phase_c_s", pa.float64()),
+        ("peak_mem_bytes", pa.float64()),
+        ("peak_mem_phase_b_bytes", pa.float64()),
+        ("mem_meter", pa.string()),
+        ("tokens", pa.int64()),
+        ("config", pa.string()),
+    ]
+)
+COLUMNS = tuple(SCHEMA.names)
+_REQUIRED = ("cell_id", "spec", "system", "status")
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+def to_table(records: list[dict[str, Any]]) -> pa.Table:
+    """Build a table: core columns typed by SCHEMA (missing -> null), extra columns inferred."""
+    if not records:
+        raise ValueError("no records to write")
+    for rec in records:
+        missing = [c for c in _REQUIRED if not rec.get(c)]
+        if missing:
+            raise ValueError(f"record lacks required columns {missing}")
+        if rec["status"] not in STATUSES:
+            raise ValueError(f"status {rec['status']!r} not one of {STATUSES}")
+    extras = sorted({k for rec in records for k in rec} - set(COLUMNS))
+    arrays, fields = [], []
+    for field in SCHEMA:
+        arrays.append(pa.array([_clean(rec.get(field.name)) for rec in records], type=field.type))
+        fields.append(field)
+    for name in extras:
+        arr = pa.array([_clean(rec.get(name)) for rec in records])
+        if pa.types.is_null(arr.type):
+            arr = arr.cast(pa.float64())
+        arrays.append(arr)
+        fields.append(pa.field(name, arr.type))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+def _atomic_write(table: pa.Table, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            pq.write_table(table, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_records(path: str | Path, records: list[dict[str, Any]]) -> Path:
+    """Write records atomically: a temp file in the same folder, fsync, then os.replace."""
+    return _atomic_write(to_table(records), path)
+
+
+def read_records(path: str | Path) -> pd.DataFrame:
+    return pq.read_table(path).to_pandas()
+
+
+def record_files(root: str | Path, exclude: Iterable[str | Path] = ()) -> list[Path]:
+    """Every record file under ``root``, skipping hidden/underscore folders and temp files."""
+    root = Path(root)
+    skip = {Path(p).resolve() for p in exclude}
+    if root.is_file():
+        return [root]
+    out = []
+    for p in sorted(root.rglob(f"*{RECORD_SUFFIX}")):
+        rel = p.relative_to(root).parts
+        if any(part.startswith((".", "_")) for part in rel) or p.resolve() in skip:
+            continue
+        out.append(p)
+    return out
+
+
+def collect(root: str | Path, exclude: Iterable[str | Path] = ()) -> pd.DataFrame:
+    """Concatenate all records under ``root`` (unknown extra columns kept; unreadable files skipped
+    with a warning); duplicates of (spec, cell_id, system) keep the newest timestamp."""
+    frames = []
+    for p in record_files(root, exclude):
+        try:
+            frames.append(read_records(p))
+        except Exception as e:  # a foreign or damaged file must not hide every other record
+            warnings.warn(f"skipping unreadable record file {p}: {e}", stacklevel=2)
+    if not frames:
+        return pd.DataFrame(columns=list(COLUMNS))
+    df = pd.concat(frames, ignore_index=True, sort=False)
+    for col in COLUMNS:
+        if col not in df.columns:
+            df[col] = None
+    df = df.sort_values("timestamp", kind="stable")
+    df = df.drop_duplicates(subset=["spec", "cell_id", "system"], keep="last")
+    return df.reset_index(drop=True)
+
+
+def write_table(df: pd.DataFrame, path: str | Path) -> Path:
+    """Write a collected DataFrame atomically."""
+    return _atomic_write(pa.Table.from_pandas(df, preserve_index=False), path)
+
+
+def cell_status(df: pd.DataFrame) -> str:
+    """The worst status among a cell's rows (ok < oom < timeout < error)."""
+    order = {"ok": 0, "oom": 1, "timeout": 2, "error": 3}
+    return max(df["status"], key=lambda s: order.get(s, 3))
+
+
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
+    """Per spec: number of cells and rows by status."""
+    if df.empty:
+        return pd.DataFrame(columns=["spec", "cells", *STATUSES])
+    rows = []
+    for spec, g in df.groupby("spec", sort=True):
+        row = {"spec": spec, "cells": g["cell_id"].nunique()}
+        for s in STATUSES:
+            row[s] = int((g["status"] == s).sum())
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,279 @@
+"""One cell: build a model copy per system, warm up, run interleaved repeats, measure, make records."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import math
+import socket
+import statistics
+import subprocess
+import traceback
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.measure import PhaseMeter, rank_max
+from harness.spec import Cell
+from harness.systems import get_system
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+@functools.cache
+def git_rev() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' requested but torch.cuda.is_available() is False")
+    return torch.device(name)
+
+
+def classify(exc: BaseException) -> str:
+    """'oom' for allocator failures (CUDA or host), else 'error'."""
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return "oom"
+    return "oom" if any(t in str(exc).lower() for t in _OOM_TEXT) else "error"
+
+
+def base_record(cell: Cell, device: str = "") -> dict[str, Any]:
+    """The columns every row of a cell shares (also used for error/timeout rows written by executors)."""
+    par = cell.parallel
+    return {
+        "cell_id": cell.cell_id,
+        "spec": cell.spec,
+        "git_rev": git_rev(),
+        "timestamp": datetime.now(UTC).isoformat(timespec="milliseconds"),
+        "host": socket.gethostname(),
+        "device": device or cell.device,
+        "model": cell.model.display,
+        "model_overrides": json.dumps(cell.model.overrides, sort_keys=True),
+        "dtype": cell.dtype,
+        "prefix_len": cell.prefix_len,
+        "suffix_len": cell.suffix_len,
+        "n": cell.n,
+        "prefix_ratio": cell.prefix_ratio,
+        "suffix_spread": cell.suffix_spread,
+        "layout": cell.layout,
+        "microbatch": cell.microbatch,
+        "compile": cell.compile,
+        "ac": cell.ac,
+        "offload": cell.offload,
+        "tp": par.tp,
+        "cp": par.cp,
+        "pp": par.pp,
+        "dp": par.dp,
+        "ep": par.ep,
+        "world_size": cell.world_size,
+        "warmup": cell.warmup,
+        "repeats": cell.repeats,
+        "seed": cell.seed,
+        "config": cell.model_dump_json(),
+    }
+
+
+def failed_records(cell: Cell, status: str, error: str, device: str = "") -> list[dict[str, Any]]:
+    """One row per system of the cell, all with ``status`` and ``error``."""
+    return [
+        {**base_record(cell, device), "system": s, "status": status, "error": error} for s in cell.systems
+    ]
+
+
+def make_group(cell: Cell, vocab_size: int):
+    """A deterministic synthetic rollout group: prompt of P tokens, N responses of length S (or, with
+    ``suffix_spread`` > 0, uniform in [ceil(S*(1-spread)), S]), advantages ~ N(0, 1)."""
+    from prefixflow import RolloutGroup
+
+    gen = torch.Generator().manual_seed(cell.seed)
+    prompt = torch.randint(0, vocab_size, (cell.prefix_len,), generator=gen)
+    if cell.suffix_spread > 0:
+        low = max(1, math.ceil(cell.suffix_len * (1 - cell.suffix_spread)))
+        lens = torch.randint(low, cell.suffix_len + 1, (cell.n,), generator=gen).tolist()
+    else:
+        lens = [cell.suffix_len] * cell.n
+    responses = [torch.randint(0, vocab_size, (s,), generator=gen) for s in lens]
+    advantages = torch.randn(cell.n, generator=gen, dtype=torch.float64)
+    return RolloutGroup(prompt=prompt, responses=responses, advantages=advantages)
+
+
+def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.compile each transformer block (TorchTitan's per-block compile)."""
+    for name, block in list(model.layers.named_children()):
+        model.layers.register_module(name, torch.compile(block))
+    return model
+
+
+def build_for(system_name: str, cell: Cell, device: torch.device):
+    """A fresh model (same seed for every system) transformed for ``system_name``."""
+    from prefixflow import apply_ac, build_model
+
+    system = get_system(system_name)
+    model = build_model(
+        cell.model.name,
+        dtype=DTYPES[cell.dtype],
+        seed=cell.seed,
+        overrides=dict(cell.model.overrides),
+        device=device,
+    )
+    apply_ac(model, cell.ac)
+    model = system.prepare(model, cell)
+    if cell.compile:
+        model = compile_blocks(model)
+    return system, model
+
+
+def _model_columns(model: torch.nn.Module, cell: Cell, system: str) -> dict[str, Any]:
+    """Model shape and FLOP-model columns, so figures need nothing but the table."""
+    from harness import costmodel
+    from prefixflow import model_args
+
+    out: dict[str, Any] = {}
+    try:
+        args = model_args(model)
+        shape = costmodel.as_shape(args)
+    except (TypeError, ValueError, AttributeError):
+        return out
+    out.update(
+        dim=shape.dim,
+        n_layers=shape.n_layers,
+        n_heads=shape.n_heads,
+        n_kv_heads=shape.n_kv_heads,
+        head_dim=shape.head_dim,
+        hidden_dim=shape.hidden_dim,
+        vocab_size=shape.vocab_size,
+        n_params=sum(p.numel() for p in model.parameters()),
+    )
+    if cell.suffix_spread == 0 and system in costmodel.SYSTEMS:
+        out["model_flops"] = float(
+            costmodel.model_flops(system, shape, cell.prefix_len, cell.suffix_len, cell.n)
+        )
+        out["ideal_speedup"] = costmodel.ideal_speedup(shape, cell.prefix_len, cell.suffix_len, cell.n)
+    return out
+
+
+def _summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    steps = [s["step_time_s"] for s in samples]
+    out = {
+        "step_time_s": statistics.median(steps),
+        "step_time_min_s": min(steps),
+        "step_time_max_s": max(steps),
+        "peak_mem_bytes": max(s["peak_mem_bytes"] for s in samples),
+        "peak_mem_phase_b_bytes": max(s["peak_mem_phase_b_bytes"] for s in samples),
+        "mem_meter": samples[0]["mem_meter"],
+    }
+    for key in ("phase_a_s", "phase_b_s", "phase_c_s"):
+        vals = [s[key] for s in samples]
+        out[key] = math.nan if any(math.isnan(v) for v in vals) else statistics.median(vals)
+    return out
+
+
+def _release(model: torch.nn.Module | None, device: torch.device) -> None:
+    if model is not None:
+        model.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_cell(cell: Cell) -> list[dict[str, Any]]:
+    """Run every system of ``cell`` interleaved (A B A B ...); one record per system, never raises for
+    a failing system (status error/oom with the traceback)."""
+    try:
+        device = resolve_device(cell.device)
+    except RuntimeError:
+        return failed_records(cell, "error", traceback.format_exc())
+    if cell.world_size != 1:
+        msg = f"world size {cell.world_size} (tp*cp*pp*dp*ep) > 1 is not runnable yet; only all-1 layouts run"
+        return failed_records(cell, "error", msg, str(device))
+
+    systems, models, failures, extras = {}, {}, {}, {}
+    for name in cell.systems:
+        try:
+            systems[name], models[name] = build_for(name, cell, device)
+            extras[name] = _model_columns(models[name], cell, name)
+        except Exception as e:
+            failures[name] = (classify(e), traceback.format_exc())
+    group = None
+    if models:
+        try:
+            vocab = extras[next(iter(models))].get("vocab_size") or _vocab(next(iter(models.values())))
+            group = make_group(cell, vocab)
+        except Exception as e:
+            for name in models:
+                failures[name] = (classify(e), traceback.format_exc())
+
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in cell.systems}
+    last_stats: dict[str, Any] = {}
+    first_step: dict[str, float] = {}
+    for it in range(cell.warmup + cell.repeats):
+        for name in cell.systems:
+            if name in failures:
+                continue
+            model = models[name]
+            try:
+                model.zero_grad(set_to_none=True)
+                meter = PhaseMeter(device, model=model)
+                with meter:
+                    stats = systems[name].step(model, group, cell, meter)
+                res = rank_max(meter.results())
+                model.zero_grad(set_to_none=True)
+            except Exception as e:
+                failures[name] = (classify(e), traceback.format_exc())
+                models[name] = None
+                _release(model, device)
+                continue
+            if it == 0:
+                first_step[name] = res["step_time_s"]
+            if it >= cell.warmup:
+                samples[name].append(res)
+                last_stats[name] = stats
+
+    tokens = cell.n * cell.prefix_len + (
+        sum(len(r) for r in group.responses) if group else cell.n * cell.suffix_len
+    )
+    records = []
+    for name in cell.systems:
+        rec = {**base_record(cell, str(device)), "system": name, "tokens": tokens, **extras.get(name, {})}
+        rec["threads"] = torch.get_num_threads()
+        if name in failures:
+            rec["status"], rec["error"] = failures[name]
+        else:
+            rec.update(status="ok", error=None, **_summarize(samples[name]))
+            st = last_stats[name]
+            rec.update(
+                loss=float(st.loss),
+                n_microbatches=st.n_microbatches,
+                prefix_tokens=st.prefix_tokens,
+                suffix_tokens=st.suffix_tokens,
+                trunk_tokens=getattr(st, "trunk_tokens", None),
+            )
+            if cell.warmup > 0:
+                rec["first_step_s"] = first_step[name]
+                rec["compile_time_s"] = first_step[name] - rec["step_time_s"] if cell.compile else math.nan
+        records.append(rec)
+    return records
+
+
+def _vocab(model: torch.nn.Module) -> int:
+    from prefixflow import model_args
+
+    return int(model_args(model).vocab_size)

@@ -1,0 +1,93 @@
+"""Training systems behind one interface, and their registry.
+
+A system prepares its own model copy (``prepare``) and trains one rollout group on it (``step``), calling
+``observer.enter(phase)``/``observer.exit(phase)`` around each phase. Add a system with
+:func:`register_system`; the runner looks systems up by the names a spec lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from torch import nn
+
+
+class System(Protocol):
+    name: str
+
+    def prepare(self, model: nn.Module, cell: Any) -> nn.Module:
+        """Transform a freshly built model in place for this system; return the model to train."""
+
+    def step(self, model: nn.Module, group: Any, cell: Any, observer: Any) -> Any:
+        """Accumulate one group's gradients into ``param.grad``; return prefixflow.GroupStats."""
+
+
+_REGISTRY: dict[str, Callable[[], System]] = {}
+
+
+def register_system(name: str, factory: Callable[[], System]) -> None:
+    """Register ``factory`` (a zero-argument callable returning a System) under ``name``."""
+    if name in _REGISTRY:
+        raise ValueError(f"system {name!r} is already registered")
+    _REGISTRY[name] = factory
+
+
+def available_systems() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_system(name: str) -> System:
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise ValueError(f"unknown system {name!r}; registered: {', '.join(available_systems())}") from None
+
+
+def prefixflow_config(cell: Any):
+    """A prefixflow.PrefixFlowConfig for the cell; offload needs a library build that supports it."""
+    from prefixflow import PrefixFlowConfig
+
+    if not getattr(cell, "offload", False):
+        return PrefixFlowConfig()
+    names = {f.name for f in dataclasses.fields(PrefixFlowConfig)}
+    if "offload" not in names:
+        raise ValueError(
+            "offload=True needs prefixflow.PrefixFlowConfig.offload, which this prefixflow build lacks; "
+            "set offload: [false] in the spec"
+        )
+    return PrefixFlowConfig(offload=True)
+
+
+class TrainGroupSystem:
+    """A system that is one ``system=`` value of ``prefixflow.train_group`` on a PrefixFlow-wrapped model."""
+
+    def __init__(self, name: str, library_system: str, uses_offload: bool) -> None:
+        self.name = name
+        self.library_system = library_system
+        self.uses_offload = uses_offload
+
+    def prepare(self, model: nn.Module, cell: Any) -> nn.Module:
+        from prefixflow import PrefixFlowConfig, apply_prefixflow
+
+        # The baseline runs through the same wrapped attention (plain path), so kernels match.
+        config = prefixflow_config(cell) if self.uses_offload else PrefixFlowConfig()
+        return apply_prefixflow(model, config)
+
+    def step(self, model: nn.Module, group: Any, cell: Any, observer: Any) -> Any:
+        from prefixflow import train_group
+
+        return train_group(
+            model,
+            group,
+            system=self.library_system,
+            layout=cell.layout,
+            microbatch=cell.microbatch,
+            loss=cell.loss,
+            observer=observer,
+        )
+
+
+register_system("baseline", lambda: TrainGroupSystem("baseline", "baseline", uses_offload=False))
+register_system("prefixflow", lambda: TrainGroupSystem("prefixflow", "prefixflow", uses_offload=True))
