@@ -6,7 +6,7 @@
 """
 
 from .apply import AC_MODES, PrefixFlowConfig, apply_ac, apply_prefixflow
-from .group import RolloutGroup
+from .group import RolloutGroup, synthetic_group
 from .kv_cache import PrefixKVCache
 from .layouts import LAYOUTS
 from .loss import LOSSES, LossConfig
@@ -28,5 +28,6 @@ __all__ = [
     "build_model",
     "list_models",
     "model_args",
+    "synthetic_group",
     "train_group",
 ]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RolloutGroup"]
+__all__ = ["RolloutGroup", "synthetic_group"]
 
 
 def _check_tokens(field: str, t) -> torch.Tensor:
@@ -112,3 +112,31 @@ class RolloutGroup:
             move(self.old_logprobs),
             move(self.ref_logprobs),
         )
+
+
+def synthetic_group(
+    vocab_size: int,
+    prompt_len: int,
+    response_lens: list[int],
+    *,
+    seed: int = 0,
+    with_logprobs: bool = False,
+) -> RolloutGroup:
+    """A deterministic random group (token ids, standardised advantages) for tests and benchmarks.
+
+    ``with_logprobs`` adds old/ref per-token log-probs near a uniform policy, for ``loss="grpo"``.
+    """
+    if prompt_len < 1 or not response_lens or min(response_lens) < 1:
+        raise ValueError("synthetic_group needs prompt_len >= 1 and at least one response of length >= 1")
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab_size, (prompt_len,), generator=gen)
+    responses = [torch.randint(0, vocab_size, (n,), generator=gen) for n in response_lens]
+    adv = torch.randn(len(response_lens), generator=gen, dtype=torch.float64)
+    if len(response_lens) > 1:
+        adv = (adv - adv.mean()) / (adv.std() + 1e-6)
+    old = ref = None
+    if with_logprobs:
+        base = -float(torch.log(torch.tensor(float(vocab_size))))
+        old = [base + 0.1 * torch.randn(n, generator=gen, dtype=torch.float64) for n in response_lens]
+        ref = [base + 0.1 * torch.randn(n, generator=gen, dtype=torch.float64) for n in response_lens]
+    return RolloutGroup(prompt, responses, adv, old, ref)
