@@ -1,0 +1,71 @@
+"""Every paper figure and table as a pure function of the collected records DataFrame.
+
+Each figure function takes ``(df, out_dir)``, writes PNG files and returns their paths, or raises
+:class:`SkipFigure` with the reason when its records are absent. :func:`render_all` and
+:func:`render_tables` run them all, log what they skipped and return what they wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+
+from .common import SkipFigure, pair_speedups
+from .fig9 import figure9a, figure9b
+from .fig10 import figure10a, figure10b, frontier_table
+from .fig11 import figure11
+from .smoke import smoke_overview
+from .tables import alignment_table, speedup_table
+
+__all__ = [
+    "FIGURES",
+    "SkipFigure",
+    "frontier_table",
+    "pair_speedups",
+    "render_all",
+    "render_tables",
+]
+
+log = logging.getLogger(__name__)
+
+FIGURES: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {
+    "fig9a": figure9a,
+    "fig9b": figure9b,
+    "fig10a": figure10a,
+    "fig10b": figure10b,
+    "fig11": figure11,
+    "smoke": smoke_overview,
+}
+
+
+def _run(name: str, fn, *args) -> list[Path]:
+    try:
+        return fn(*args)
+    except SkipFigure as why:
+        log.info("skip %s: %s", name, why)
+        return []
+
+
+def render_all(df: pd.DataFrame, out_dir: str | Path, only: list[str] | None = None) -> list[Path]:
+    """Render every figure whose records are present (or the names in ``only``); return the PNG paths."""
+    unknown = set(only or ()) - set(FIGURES)
+    if unknown:
+        raise ValueError(f"unknown figures {sorted(unknown)}; known: {sorted(FIGURES)}")
+    paths: list[Path] = []
+    for name, fn in FIGURES.items():
+        if only is None or name in only:
+            paths += _run(name, fn, df, Path(out_dir))
+    return paths
+
+
+def render_tables(df: pd.DataFrame, out_dir: str | Path, alignment=None) -> list[Path]:
+    """Write the speedup table and, given ``alignment`` (DataFrame, file or folder), Table 3."""
+    paths = _run("speedup table", speedup_table, df, Path(out_dir))
+    if alignment is None:
+        log.info("skip table3: no alignment records given")
+    else:
+        paths += _run("table3", alignment_table, alignment, Path(out_dir))
+    return paths

@@ -1,0 +1,134 @@
+"""Shared helpers for figures and tables: record selection, speedup pairing, saving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+GIB = 1024**3
+MIB = 1024**2
+
+# Columns that identify a configuration (a cell) apart from the system. `offload` is left out: the
+# baseline cannot offload, so a PrefixFlow(+offload) record pairs with the baseline of its cell.
+CONFIG_COLUMNS = (
+    "spec", "model", "model_overrides", "dtype", "device", "prefix_len", "suffix_len", "n",
+    "suffix_spread", "layout", "microbatch", "compile", "ac", "tp", "cp", "pp", "dp", "ep", "world_size",
+)  # fmt: skip
+
+
+class SkipFigure(Exception):
+    """Raised by a figure function when the records it needs are absent; the message says why."""
+
+
+def flag(df: pd.DataFrame, col: str) -> pd.Series:
+    """A boolean column with missing values (or a missing column) read as False."""
+    if col not in df.columns:
+        return pd.Series(False, index=df.index)
+    return df[col].map(lambda v: bool(v) if isinstance(v, bool | np.bool_ | int | np.integer) else False)
+
+
+def frontier_mask(df: pd.DataFrame) -> pd.Series:
+    """Rows that are capacity-frontier probes (they carry a memory budget)."""
+    if "budget_bytes" in df.columns:
+        return df["budget_bytes"].notna()
+    if "probe" in df.columns:
+        return df["probe"].notna()
+    return pd.Series(False, index=df.index)
+
+
+def measured(df: pd.DataFrame) -> pd.DataFrame:
+    """Successful non-frontier records."""
+    if df.empty or "status" not in df.columns:
+        return df.iloc[0:0]
+    return df[(df["status"] == "ok") & ~frontier_mask(df)]
+
+
+def variant(df: pd.DataFrame) -> pd.Series:
+    """``system`` with ``+offload`` appended where the record ran with offload."""
+    return df["system"].astype(str) + np.where(flag(df, "offload"), "+offload", "")
+
+
+def prefix_ratio(df: pd.DataFrame) -> pd.Series:
+    if "prefix_ratio" in df.columns and df["prefix_ratio"].notna().all():
+        return df["prefix_ratio"].astype(float)
+    return df["prefix_len"] / (df["prefix_len"] + df["suffix_len"])
+
+
+def restrict_to_mode(df: pd.DataFrame, cols) -> pd.DataFrame:
+    """Keep the rows holding the most common value of each present column, in order (NaN counts)."""
+    for col in cols:
+        if col in df.columns and not df.empty:
+            key = df[col].astype(str)
+            df = df[key == key.value_counts().idxmax()]
+    return df
+
+
+def _keys(df: pd.DataFrame) -> list[str]:
+    return [c for c in CONFIG_COLUMNS if c in df.columns]
+
+
+def pair_speedups(df: pd.DataFrame, systems=("prefixflow",)) -> pd.DataFrame:
+    """Speedup of each system over the baseline of the same configuration.
+
+    Records are matched on every config column except ``system`` (and ``offload``, which only the
+    non-baseline side can have). Repeated measurements of one configuration are reduced by the median.
+    Returns one row per (configuration, system, offload) with ``baseline_s``, ``system_s``, ``speedup``
+    and, where present, ``ideal_speedup``.
+    """
+    m = measured(df)
+    if m.empty or "system" not in m.columns:
+        return pd.DataFrame()
+    keys = _keys(m)
+    m = m.assign(_offload=flag(m, "offload"))
+    # groupby drops NaN keys, so compare configurations through their string form
+    skeys = [f"_k_{c}" for c in keys]
+    m = m.assign(**{sk: m[c].astype(str) for sk, c in zip(skeys, keys, strict=True)})
+    base = m[m["system"] == "baseline"].groupby(skeys, dropna=False)["step_time_s"].median()
+    base = base.rename("baseline_s").reset_index()
+    other = m[m["system"].isin(systems)]
+    if base.empty or other.empty:
+        return pd.DataFrame()
+    agg = {"step_time_s": "median", **{c: "first" for c in keys}}
+    if "ideal_speedup" in other.columns:
+        agg["ideal_speedup"] = "median"
+    for col in ("phase_a_s", "phase_b_s", "phase_c_s", "peak_mem_phase_b_bytes", "prefix_ratio"):
+        if col in other.columns:
+            agg[col] = "median"
+    sys_rows = other.groupby([*skeys, "system", "_offload"], dropna=False).agg(agg).reset_index()
+    sys_rows = sys_rows.rename(columns={"step_time_s": "system_s", "_offload": "offload"})
+    out = sys_rows.merge(base, on=skeys, how="inner").drop(columns=skeys)
+    out["speedup"] = out["baseline_s"] / out["system_s"]
+    out["prefix_ratio"] = prefix_ratio(out)
+    return out.reset_index(drop=True)
+
+
+def theme() -> None:
+    sns.set_theme(style="whitegrid", context="paper")
+
+
+def mem_unit(values) -> tuple[float, str]:
+    """GiB when the largest value reaches 1 GiB, else MiB."""
+    top = np.nanmax(np.asarray(values, dtype=float)) if len(values) else 0.0
+    return (GIB, "GiB") if top >= GIB else (MIB, "MiB")
+
+
+def save(fig, out_dir: str | Path, name: str) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def split_label(prefix_len, suffix_len) -> str:
+    return f"{int(prefix_len)}/{int(suffix_len)}"

@@ -1,0 +1,171 @@
+"""Figure 10: (a) Phase-B peak memory at a fixed total length across splits; (b) capacity frontier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from .common import (
+    SkipFigure,
+    flag,
+    frontier_mask,
+    measured,
+    mem_unit,
+    restrict_to_mode,
+    save,
+    split_label,
+    theme,
+    variant,
+)
+
+VARIANTS = ("baseline", "prefixflow", "prefixflow+offload")
+COLORS = {"baseline": "#7f7f7f", "prefixflow": "#1f77b4", "prefixflow+offload": "#2ca02c"}
+
+
+def fixed_total_peaks(df: pd.DataFrame) -> pd.DataFrame:
+    """Median Phase-B peak per (split, variant) at the total length with the most splits (eager only)."""
+    m = measured(df)
+    if m.empty or "peak_mem_phase_b_bytes" not in m.columns:
+        return pd.DataFrame()
+    m = m[~flag(m, "compile") & m["peak_mem_phase_b_bytes"].notna()]
+    m = m.assign(variant=variant(m), total=m["prefix_len"] + m["suffix_len"])
+    m = m[m["variant"].isin(VARIANTS)]
+    if m.empty:
+        return pd.DataFrame()
+    # the (spec, total length, N) with the most variants, then the most splits
+    m = m.assign(_spec=m["spec"].astype(str) if "spec" in m.columns else "")
+    g = m.groupby(["_spec", "total", "n"])
+    score = pd.DataFrame({"v": g["variant"].nunique(), "s": g["prefix_len"].nunique()})
+    spec, total, n = score.sort_values(["v", "s"], ascending=False).index[0]
+    m = m[(m["_spec"] == spec) & (m["total"] == total) & (m["n"] == n)]
+    m = restrict_to_mode(m, ["model", "dtype", "device"])
+    # within each variant, one setting of the suffix-side knobs (the most common)
+    m = pd.concat([restrict_to_mode(g, ["layout", "microbatch", "ac"]) for _, g in m.groupby("variant")])
+    out = m.groupby(["prefix_len", "suffix_len", "variant"], as_index=False)[
+        "peak_mem_phase_b_bytes"
+    ].median()
+    return out.sort_values(["prefix_len", "variant"]).reset_index(drop=True)
+
+
+def figure10a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    """Grouped bars: Phase-B peak per split for baseline, PrefixFlow, PrefixFlow+offload."""
+    peaks = fixed_total_peaks(df)
+    if peaks.empty or peaks["variant"].nunique() < 2:
+        raise SkipFigure("no Phase-B peak records of at least two systems at a common total length")
+    theme()
+    scale, unit = mem_unit(peaks["peak_mem_phase_b_bytes"])
+    splits = peaks[["prefix_len", "suffix_len"]].drop_duplicates().sort_values("prefix_len")
+    labels = [split_label(p, s) for p, s in splits.itertuples(index=False)]
+    present = [v for v in VARIANTS if v in set(peaks["variant"])]
+    width = 0.8 / len(present)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    x = np.arange(len(labels))
+    for i, v in enumerate(present):
+        sub = peaks[peaks["variant"] == v].set_index("prefix_len")["peak_mem_phase_b_bytes"]
+        ys = [sub.get(p, np.nan) / scale for p in splits["prefix_len"]]
+        bars = ax.bar(x + (i - (len(present) - 1) / 2) * width, ys, width, label=v, color=COLORS[v])
+        if v != "baseline" and "baseline" in present:
+            base = peaks[peaks["variant"] == "baseline"].set_index("prefix_len")["peak_mem_phase_b_bytes"]
+            for bar, p in zip(bars, splits["prefix_len"], strict=True):
+                b, y = base.get(p, np.nan), sub.get(p, np.nan)
+                if np.isfinite(b) and np.isfinite(y) and b > 0:
+                    ax.annotate(
+                        f"{(y / b - 1) * 100:+.0f}%",
+                        (bar.get_x() + bar.get_width() / 2, y / scale),
+                        ha="center",
+                        va="bottom",
+                        fontsize=6,
+                    )
+    ax.set_xticks(x, labels)
+    ax.set_xlabel("split P/S (fixed total length)")
+    ax.set_ylabel(f"Phase-B peak memory ({unit})")
+    ax.set_title("Figure 10a: Phase-B peak at fixed total length")
+    ax.legend(fontsize=7)
+    return [save(fig, out_dir, "fig10a_phase_b_peak")]
+
+
+def frontier_table(df: pd.DataFrame, budget: float | None = None) -> tuple[pd.DataFrame, pd.DataFrame, float]:
+    """Frontier probes and the largest fitting total length per variant.
+
+    A probe fits when its status is ``ok`` and its peak (``peak_mem_bytes``) is within the budget. The
+    budget defaults to the most common ``budget_bytes`` among the probes; passing one re-reads the same
+    probes under another budget (probes the search recorded as ``oom`` never fit).
+    Returns ``(probes, frontier, budget)``.
+    """
+    if df.empty or "status" not in df.columns:
+        return pd.DataFrame(), pd.DataFrame(), float("nan")
+    p = df[frontier_mask(df)]
+    if p.empty:
+        return p, pd.DataFrame(), float("nan")
+    if budget is None:
+        budget = float(p["budget_bytes"].value_counts().idxmax()) if "budget_bytes" in p.columns else np.inf
+        if "budget_bytes" in p.columns:
+            p = p[p["budget_bytes"] == budget]
+    peak = p["peak_mem_bytes"].astype(float) if "peak_mem_bytes" in p.columns else np.nan
+    fits = (p["status"] == "ok") & ~(peak > budget)
+    p = p.assign(variant=variant(p), total=p["prefix_len"] + p["suffix_len"], fits=fits)
+    rows = []
+    for v, g in p.groupby("variant"):
+        ok = g[g["fits"]]
+        best = ok.loc[ok["total"].idxmax()] if not ok.empty else None
+        rows.append({
+            "variant": v,
+            "max_total": int(best["total"]) if best is not None else 0,
+            "prefix_len": int(best["prefix_len"]) if best is not None else 0,
+            "suffix_len": int(best["suffix_len"]) if best is not None else 0,
+            "probes": len(g),
+        })  # fmt: skip
+    front = pd.DataFrame(rows)
+    if "baseline" in set(front["variant"]) and front.loc[front["variant"] == "baseline", "max_total"].iloc[0]:
+        base = front.loc[front["variant"] == "baseline", "max_total"].iloc[0]
+        front["vs_baseline"] = front["max_total"] / base
+    return p.reset_index(drop=True), front, budget
+
+
+def figure10b(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    """Left: every probe's peak vs total length against the budget; right: the frontier per variant."""
+    probes, front, budget = frontier_table(df)
+    if front.empty:
+        raise SkipFigure("no capacity-frontier probe records (budget_bytes/probe)")
+    theme()
+    scale, unit = mem_unit(list(probes["peak_mem_bytes"].dropna()) + [budget if np.isfinite(budget) else 0])
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(9.0, 3.8))
+    for v, g in probes.groupby("variant"):
+        color = COLORS.get(v, "#9467bd")
+        g = g.sort_values("total")
+        for fits, mk in ((True, "o"), (False, "x")):
+            s = g[g["fits"] == fits]
+            ax0.plot(
+                s["total"],
+                s["peak_mem_bytes"] / scale,
+                mk,
+                color=color,
+                label=v if fits else None,
+                mfc=color if fits else "none",
+            )
+    if np.isfinite(budget):
+        ax0.axhline(budget / scale, color="red", ls="--", lw=1, label="budget")
+    ax0.set_xlabel("total length P+S (tokens)")
+    ax0.set_ylabel(f"peak memory ({unit})")
+    ax0.set_title("probes (x = does not fit)")
+    ax0.legend(fontsize=7)
+    order = [v for v in VARIANTS if v in set(front["variant"])] + sorted(
+        set(front["variant"]) - set(VARIANTS)
+    )
+    f = front.set_index("variant").loc[order]
+    bars = ax1.bar(order, f["max_total"], color=[COLORS.get(v, "#9467bd") for v in order])
+    for bar, (v, row) in zip(bars, f.iterrows(), strict=True):
+        txt = f"{int(row['max_total'])}"
+        if "vs_baseline" in f.columns and np.isfinite(row.get("vs_baseline", np.nan)) and v != "baseline":
+            txt += f"\n{row['vs_baseline']:.2f}x"
+        ax1.annotate(
+            txt, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7
+        )
+    ax1.set_ylabel("largest fitting P+S (tokens)")
+    ax1.set_title(f"frontier under {budget / scale:.2f} {unit}" if np.isfinite(budget) else "frontier")
+    ax1.tick_params(axis="x", labelsize=7)
+    fig.suptitle("Figure 10b: capacity frontier")
+    return [save(fig, out_dir, "fig10b_capacity_frontier")]

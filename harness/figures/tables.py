@@ -1,0 +1,133 @@
+"""Tables: the speedup table (markdown + LaTeX) and Table 3 (multi-step G/L/W alignment)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from .common import SkipFigure, flag, pair_speedups
+
+ALIGN_QUANTITIES = ("G", "L", "W")
+
+
+def _cell(v) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        return f"{v:.3g}" if abs(v) < 1e-2 and v != 0 else f"{v:.3f}"
+    return str(v)
+
+
+def to_markdown(df: pd.DataFrame) -> str:
+    """A GitHub markdown table (no external dependency)."""
+    head = "| " + " | ".join(map(str, df.columns)) + " |"
+    sep = "| " + " | ".join("---" for _ in df.columns) + " |"
+    rows = ["| " + " | ".join(_cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join([head, sep, *rows]) + "\n"
+
+
+def _tex(s: str) -> str:
+    for a, b in (("\\", r"\textbackslash{}"), ("_", r"\_"), ("%", r"\%"), ("&", r"\&"), ("#", r"\#")):
+        s = s.replace(a, b)
+    return s
+
+
+def to_latex(df: pd.DataFrame, caption: str, label: str) -> str:
+    """A booktabs ``table`` environment."""
+    cols = "l" * len(df.columns)
+    lines = [
+        r"\begin{table}[t]", r"\centering", rf"\caption{{{_tex(caption)}}}", rf"\label{{{label}}}",
+        rf"\begin{{tabular}}{{{cols}}}", r"\toprule",
+        " & ".join(_tex(str(c)) for c in df.columns) + r" \\", r"\midrule",
+    ]  # fmt: skip
+    lines += [" & ".join(_tex(_cell(v)) for v in row) + r" \\" for row in df.itertuples(index=False)]
+    lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}"]
+    return "\n".join(lines) + "\n"
+
+
+def _write(out_dir: str | Path, name: str, table: pd.DataFrame, caption: str) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    md, tex = out / f"{name}.md", out / f"{name}.tex"
+    md.write_text(f"**{caption}**\n\n" + to_markdown(table))
+    tex.write_text(to_latex(table, caption, f"tab:{name}"))
+    return [md, tex]
+
+
+def speedup_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per paired configuration and non-baseline system, sorted for reading."""
+    sp = pair_speedups(df, systems=("prefixflow", "prefix_grouper"))
+    if sp.empty:
+        return sp
+    sp = sp.assign(compile=flag(sp, "compile"), offload=flag(sp, "offload"))
+    cols = {
+        "model": "model", "system": "system", "compile": "compiled", "offload": "offload",
+        "prefix_len": "P", "suffix_len": "S", "prefix_ratio": "r", "n": "N",
+        "baseline_s": "baseline s", "system_s": "system s", "speedup": "speedup", "ideal_speedup": "ideal",
+    }  # fmt: skip
+    sp = sp.sort_values([c for c in ("model", "system", "compile", "offload", "prefix_len", "n") if c in sp])
+    table = sp[[c for c in cols if c in sp.columns]].rename(columns=cols)
+    if "ideal" in table.columns:
+        table["of ideal"] = table["speedup"] / table["ideal"]
+    for c in ("P", "S", "N"):
+        table[c] = table[c].astype(int)
+    return table.reset_index(drop=True)
+
+
+def speedup_table(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    table = speedup_frame(df)
+    if table.empty:
+        raise SkipFigure("no baseline/system pairs for a speedup table")
+    return _write(
+        out_dir, "speedup", table, "Measured speedup over the baseline (median step time) and model ideal"
+    )
+
+
+def load_alignment(source) -> pd.DataFrame:
+    """An alignment table from a DataFrame, a .parquet/.csv file, or a folder of such files."""
+    if isinstance(source, pd.DataFrame):
+        return source
+    path = Path(source)
+    files = [path] if path.is_file() else sorted([*path.glob("*.parquet"), *path.glob("*.csv")])
+    frames = [pd.read_parquet(f) if f.suffix == ".parquet" else pd.read_csv(f) for f in files]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def alignment_frame(align: pd.DataFrame) -> pd.DataFrame:
+    """Table 3: max |diff| of loss (L), gradients (G) and updated weights (W) per step, and the verdict.
+
+    Extra identifying columns (model, dtype, parallel layout, ...) become leading row keys.
+    """
+    need = {"step", "quantity", "max_abs_diff", "pass"}
+    if align.empty or not need <= set(align.columns):
+        return pd.DataFrame()
+    api = pd.api.types
+    extra = [
+        c
+        for c in align.columns
+        if c not in need and not (api.is_numeric_dtype(align[c]) or api.is_bool_dtype(align[c]))
+    ]
+    keys = [*extra, "step"]
+    wide = align.pivot_table(index=keys, columns="quantity", values="max_abs_diff", aggfunc="max")
+    wide = wide[
+        [q for q in ALIGN_QUANTITIES if q in wide.columns]
+        + [q for q in wide.columns if q not in ALIGN_QUANTITIES]
+    ]
+    wide.columns = [f"max|d{q}|" for q in wide.columns]
+    verdict = align.groupby(keys)["pass"].all().map({True: "pass", False: "FAIL"}).rename("result")
+    return wide.join(verdict).reset_index()
+
+
+def alignment_table(align, out_dir: str | Path) -> list[Path]:
+    table = alignment_frame(load_alignment(align))
+    if table.empty:
+        raise SkipFigure("no alignment records (columns step, quantity, max_abs_diff, pass)")
+    return _write(
+        out_dir,
+        "table3_alignment",
+        table,
+        "Table 3: multi-step alignment with the baseline (G gradients, L loss, W weights)",
+    )

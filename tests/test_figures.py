@@ -1,0 +1,260 @@
+"""harness.figures: every figure renders from synthetic records, absent records skip, pairing is right."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pandas as pd
+import pytest
+
+from harness.figures import FIGURES, frontier_table, pair_speedups, render_all, render_tables
+from harness.figures.fig10 import fixed_total_peaks
+from harness.figures.fig11 import budget_points
+from harness.figures.tables import alignment_frame, speedup_frame, to_latex, to_markdown
+
+MIB = 1024**2
+BASE = {
+    "spec": "synthetic", "model": "llama3:debugmodel", "dtype": "fp32", "device": "cpu", "layout": "padded",
+    "tp": 1, "cp": 1, "pp": 1, "dp": 1, "ep": 1, "status": "ok", "error": None, "repeats": 3,
+    "mem_meter": "cpu-live-bytes", "compile": False, "offload": False, "ac": "selective", "microbatch": 1,
+}  # fmt: skip
+
+
+def _rec(system, P, S, n, **kw):
+    r = {**BASE, "system": system, "prefix_len": P, "suffix_len": S, "n": n, "prefix_ratio": P / (P + S)}
+    r["cell_id"] = f"{P}-{S}-{n}-{kw.get('compile', False)}-{kw.get('microbatch', 1)}-{kw.get('ac', 'sel')}"
+    r.update(kw)
+    return r
+
+
+def speed_records():
+    rows = []
+    for compiled in (False, True):
+        for P in (256, 768, 1280):
+            S = 1536 - P
+            for n in (2, 4, 8, 16):
+                base = n * (P + S) * 1e-4
+                pf = (P + n * S) * 1e-4 + 0.01
+                ideal = n * (P + S) / (P + n * S)
+                rows.append(
+                    _rec(
+                        "baseline",
+                        P,
+                        S,
+                        n,
+                        spec="claim3",
+                        compile=compiled,
+                        step_time_s=base,
+                        peak_mem_bytes=200 * MIB,
+                        peak_mem_phase_b_bytes=200 * MIB,
+                    )
+                )
+                rows.append(
+                    _rec(
+                        "prefixflow",
+                        P,
+                        S,
+                        n,
+                        spec="claim3",
+                        compile=compiled,
+                        step_time_s=pf,
+                        ideal_speedup=ideal,
+                        phase_a_s=0.1,
+                        phase_b_s=0.2,
+                        phase_c_s=0.1,
+                        peak_mem_bytes=150 * MIB,
+                        peak_mem_phase_b_bytes=120 * MIB,
+                    )
+                )
+    return rows
+
+
+def memory_records():
+    rows = []
+    for P in (256, 768, 1280):
+        S = 1536 - P
+        rows.append(_rec("baseline", P, S, 8, step_time_s=1.0, peak_mem_phase_b_bytes=1000 * MIB))
+        rows.append(_rec("prefixflow", P, S, 8, step_time_s=0.5, peak_mem_phase_b_bytes=(1000 - P / 2) * MIB))
+        rows.append(
+            _rec(
+                "prefixflow",
+                P,
+                S,
+                8,
+                offload=True,
+                step_time_s=0.55,
+                peak_mem_phase_b_bytes=(1000 - P * 0.6) * MIB,
+            )
+        )
+    for b in (1, 2, 4, 8):
+        for ac in ("selective", "full-save"):
+            for off in (False, True):
+                oom = b == 8 and not off
+                rows.append(
+                    _rec(
+                        "prefixflow",
+                        1280,
+                        256,
+                        16,
+                        microbatch=b,
+                        ac=ac,
+                        offload=off,
+                        status="oom" if oom else "ok",
+                        step_time_s=None if oom else 2.0 / b,
+                        phase_b_s=None if oom else 1.5 / b + (0 if ac == "full-save" else 0.2),
+                        peak_mem_phase_b_bytes=None if oom else (300 + 50 * b - 40 * off) * MIB,
+                    )
+                )
+    return rows
+
+
+def frontier_records(budget=512 * MIB):
+    rows = []
+    for system, off, per_tok in (
+        ("baseline", False, 0.4),
+        ("prefixflow", False, 0.3),
+        ("prefixflow", True, 0.2),
+    ):
+        for i, total in enumerate((1024, 1536, 2048, 2560, 3072)):
+            P = total * 5 // 6
+            peak = per_tok * total * MIB
+            rows.append(
+                _rec(
+                    system,
+                    P,
+                    total - P,
+                    8,
+                    offload=off,
+                    probe=i,
+                    budget_bytes=budget,
+                    status="ok" if peak <= budget else "oom",
+                    peak_mem_bytes=peak,
+                    step_time_s=1.0,
+                )
+            )
+    return rows
+
+
+def all_records():
+    return pd.DataFrame(speed_records() + memory_records() + frontier_records())
+
+
+def test_every_figure_renders_a_png(tmp_path):
+    df = all_records()
+    t0 = time.perf_counter()
+    paths = render_all(df, tmp_path)
+    elapsed = time.perf_counter() - t0
+    names = sorted(p.name for p in paths)
+    assert names == sorted([
+        "fig9a_speedup_eager.png", "fig9b_speedup_compiled.png", "fig10a_phase_b_peak.png",
+        "fig10b_capacity_frontier.png", "fig11_suffix_budget.png", "smoke_overview.png",
+    ])  # fmt: skip
+    for p in paths:
+        assert p.stat().st_size > 5000
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert elapsed < 20
+
+
+def test_missing_records_are_skipped_with_a_reason(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="harness.figures"):
+        only_eager = pd.DataFrame([r for r in speed_records() if not r["compile"]])
+        only_eager = only_eager.drop(columns=["peak_mem_phase_b_bytes"])
+        paths = render_all(only_eager, tmp_path)
+    names = {p.name for p in paths}
+    assert names == {"fig9a_speedup_eager.png", "smoke_overview.png"}
+    text = caplog.text
+    for name in ("fig9b", "fig10a", "fig10b", "fig11"):
+        assert f"skip {name}" in text
+    assert render_all(pd.DataFrame(), tmp_path / "empty") == []
+    assert render_tables(pd.DataFrame(), tmp_path / "empty") == []
+    with pytest.raises(ValueError):
+        render_all(only_eager, tmp_path, only=["fig99"])
+
+
+def test_speedup_pairing_matches_config_and_takes_medians():
+    rows = [
+        _rec("baseline", 768, 768, 4, step_time_s=2.0),
+        _rec("baseline", 768, 768, 4, step_time_s=4.0, seed=1),  # repeat -> median 3.0
+        _rec("prefixflow", 768, 768, 4, step_time_s=1.0, ideal_speedup=3.5),
+        _rec("prefixflow", 768, 768, 4, step_time_s=1.5, offload=True),  # pairs with the same baseline
+        _rec("baseline", 768, 768, 8, step_time_s=10.0),
+        _rec("prefixflow", 768, 768, 8, step_time_s=2.0),
+        _rec("prefixflow", 768, 768, 8, step_time_s=0.1, compile=True),  # no compiled baseline: unpaired
+        _rec("prefixflow", 768, 768, 8, step_time_s=0.1, dtype="bf16"),  # other dtype: unpaired
+        _rec("baseline", 768, 768, 16, step_time_s=1.0, status="error"),  # failed: ignored
+        _rec("prefixflow", 768, 768, 16, step_time_s=0.5),
+    ]
+    sp = pair_speedups(pd.DataFrame(rows)).sort_values(["n", "offload"]).reset_index(drop=True)
+    assert list(sp["n"]) == [4, 4, 8]
+    assert list(sp["offload"]) == [False, True, False]
+    assert list(sp["speedup"]) == pytest.approx([3.0, 2.0, 5.0])
+    assert sp.loc[0, "ideal_speedup"] == 3.5
+    assert list(sp["compile"]) == [False, False, False] and set(sp["dtype"]) == {"fp32"}
+
+
+def test_pairing_handles_missing_config_values():
+    rows = [
+        _rec("baseline", 64, 64, 2, step_time_s=1.0, microbatch=None, ac=None),
+        _rec("prefixflow", 64, 64, 2, step_time_s=0.25, microbatch=None, ac=None),
+    ]
+    sp = pair_speedups(pd.DataFrame(rows))
+    assert list(sp["speedup"]) == [4.0]
+
+
+def test_memory_figures_select_one_setting():
+    df = all_records()
+    peaks = fixed_total_peaks(df)
+    assert len(peaks) == 9 and set(peaks["variant"]) == {"baseline", "prefixflow", "prefixflow+offload"}
+    assert set(peaks.loc[peaks["variant"] == "baseline", "peak_mem_phase_b_bytes"]) == {1000 * MIB}
+    off = peaks[peaks["variant"] == "prefixflow+offload"].set_index("prefix_len")["peak_mem_phase_b_bytes"]
+    assert off[1280] == pytest.approx((1000 - 1280 * 0.6) * MIB)
+    pts = budget_points(df)
+    assert len(pts) == 16 and set(pts["spec"]) == {"synthetic"} and set(pts["n"]) == {16}
+    assert (pts["status"] == "oom").sum() == 2
+
+
+def test_frontier_table_and_budget_reread():
+    df = pd.DataFrame(frontier_records(budget=512 * MIB))
+    probes, front, budget = frontier_table(df)
+    assert budget == 512 * MIB and len(probes) == 15
+    f = front.set_index("variant")["max_total"]
+    # 0.4 MiB/token -> 1280 fits up to 1024; 0.3 -> 1536; 0.2 -> 2560
+    assert f.to_dict() == {"baseline": 1024, "prefixflow": 1536, "prefixflow+offload": 2560}
+    assert front.set_index("variant").loc["prefixflow+offload", "vs_baseline"] == pytest.approx(2.5)
+    _, tighter, _ = frontier_table(df, budget=400 * MIB)
+    assert tighter.set_index("variant")["max_total"].to_dict()["prefixflow+offload"] == 1536
+
+
+def test_tables_markdown_latex_and_alignment(tmp_path):
+    df = pd.DataFrame(speed_records())
+    table = speedup_frame(df)
+    assert len(table) == 24 and {"speedup", "ideal", "of ideal"} <= set(table.columns)
+    row = table[(table["P"] == 1280) & (table["N"] == 16) & ~table["compiled"]].iloc[0]
+    assert row["speedup"] == pytest.approx(16 * 1536e-4 / (1280e-4 + 16 * 256e-4 + 0.01))
+    align = pd.DataFrame([
+        {"model": "llama3", "step": s, "quantity": q, "max_abs_diff": 1e-7 * s, "pass": not (s == 20 and q == "W")}
+        for s in (1, 10, 20) for q in ("L", "G", "W")
+    ])  # fmt: skip
+    csv = tmp_path / "alignment.csv"
+    align.to_csv(csv, index=False)
+    frame = alignment_frame(align)
+    assert list(frame.columns) == ["model", "step", "max|dG|", "max|dL|", "max|dW|", "result"]
+    assert list(frame["result"]) == ["pass", "pass", "FAIL"]
+    paths = render_tables(df, tmp_path / "out", alignment=csv)
+    assert sorted(p.name for p in paths) == [
+        "speedup.md",
+        "speedup.tex",
+        "table3_alignment.md",
+        "table3_alignment.tex",
+    ]
+    md = (tmp_path / "out" / "table3_alignment.md").read_text()
+    assert "| model | step |" in md and "FAIL" in md
+    tex = (tmp_path / "out" / "speedup.tex").read_text()
+    assert r"\toprule" in tex and r"\end{tabular}" in tex and "llama3:debugmodel" in tex
+    assert to_markdown(pd.DataFrame({"a_b": [1.0]})).startswith("| a_b |")
+    assert r"a\_b" in to_latex(pd.DataFrame({"a_b": [1.0]}), "cap", "tab:x")
+
+
+def test_registry_is_complete():
+    assert set(FIGURES) == {"fig9a", "fig9b", "fig10a", "fig10b", "fig11", "smoke"}
