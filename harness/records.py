@@ -103,6 +103,7 @@ def _atomic_write(table: pa.Table, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp creates 0600; records are shared results
         with os.fdopen(fd, "wb") as fh:
             pq.write_table(table, fh)
             fh.flush()

@@ -1,0 +1,364 @@
+"""``pf-bench``: the harness command line (thin: parse, call, print)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import pandas as pd
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from harness.spec import Cell, ModelSpec, Parallel, SpecError, load_spec
+
+app = typer.Typer(
+    help="PrefixFlow benchmark harness: specs -> cells -> records -> figures.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+_WIDTH = None if sys.stdout.isatty() else 200  # no truncated tables in logs and pipes
+console = Console(width=_WIDTH)
+err_console = Console(stderr=True, width=_WIDTH)
+
+
+class Layout(StrEnum):
+    padded = "padded"
+    packed = "packed"
+
+
+class DType(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp64 = "fp64"
+
+
+class AC(StrEnum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class ExecutorKind(StrEnum):
+    local = "local"
+    slurm = "slurm"
+    debug = "debug"
+
+
+class Preset(StrEnum):
+    cpu = "cpu"
+    paper = "paper"
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    err_console.print(f"[red]error:[/red] {msg}", highlight=False, markup=True)
+    raise typer.Exit(code)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``FIELD=VALUE`` pairs; values become int, float or bool where they parse as one, else str."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{item!r} is not FIELD=VALUE (e.g. dim=64)", param_hint="--override")
+        value: Any = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for conv in (int, float):
+                try:
+                    value = conv(raw)
+                    break
+                except ValueError:
+                    continue
+        out[key] = value
+    return out
+
+
+def _json_safe(rec: dict[str, Any]) -> dict[str, Any]:
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in rec.items()}
+
+
+def _fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _table(df: pd.DataFrame, title: str | None = None) -> Table:
+    table = Table(title=title)
+    for col in df.columns:
+        table.add_column(str(col))
+    for row in df.itertuples(index=False):
+        table.add_row(*(_fmt(v) for v in row))
+    return table
+
+
+RUN_COLUMNS = [
+    "system",
+    "status",
+    "step_time_s",
+    "step_time_min_s",
+    "step_time_max_s",
+    "phase_a_s",
+    "phase_b_s",
+    "phase_c_s",
+    "peak_mem_bytes",
+    "peak_mem_phase_b_bytes",
+    "mem_meter",
+]
+
+
+@app.command()
+def run(
+    model: Annotated[str, typer.Option(help="TorchTitan model 'family:flavor', e.g. llama3:debugmodel")],
+    prefix_len: Annotated[int, typer.Option(help="prompt (shared prefix) length P")],
+    suffix_len: Annotated[int, typer.Option(help="response length S")],
+    n: Annotated[int, typer.Option(help="responses per group N")],
+    override: Annotated[list[str], typer.Option(help="ModelArgs override FIELD=VALUE (repeatable)")] = [],  # noqa: B006
+    layout: Layout = Layout.padded,
+    microbatch: Annotated[int | None, typer.Option(help="responses per microbatch (default: all)")] = None,
+    dtype: DType = DType.fp32,
+    systems: Annotated[str, typer.Option(help="comma-separated systems")] = "baseline,prefixflow",
+    warmup: int = 1,
+    repeats: int = 3,
+    compile: Annotated[bool, typer.Option("--compile", help="torch.compile each block")] = False,
+    ac: AC = AC.none,
+    offload: Annotated[bool, typer.Option("--offload", help="offload dormant prefix activations")] = False,
+    seed: int = 0,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON record per system")] = False,
+    out: Annotated[Path | None, typer.Option(help="also write the Parquet record under OUT/adhoc/")] = None,
+) -> None:
+    """Run one cell in-process and print its records."""
+    from harness.records import write_records
+    from harness.runner import run_cell
+    from harness.sweep import spec_folder
+
+    try:
+        cell = Cell(
+            spec="adhoc",
+            model=ModelSpec(name=model, overrides=parse_overrides(override)),
+            prefix_len=prefix_len,
+            suffix_len=suffix_len,
+            n=n,
+            layout=layout.value,
+            microbatch=microbatch,
+            dtype=dtype.value,
+            compile=compile,
+            ac=ac.value,
+            offload=offload,
+            parallel=Parallel(),
+            systems=tuple(s.strip() for s in systems.split(",") if s.strip()),
+            seed=seed,
+            device=device,
+            warmup=warmup,
+            repeats=repeats,
+        )
+    except ValidationError as e:
+        _fail("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()))
+    records = run_cell(cell)
+    if out is not None:
+        path = write_records(spec_folder(out, cell.spec) / f"{cell.cell_id}.parquet", records)
+        err_console.print(f"record: {path}")
+    if as_json:
+        for rec in records:
+            typer.echo(json.dumps(_json_safe(rec)))
+    else:
+        df = pd.DataFrame(records)
+        console.print(_table(df[[c for c in RUN_COLUMNS if c in df.columns]], title=f"cell {cell.cell_id}"))
+    for rec in records:
+        if rec["status"] != "ok":
+            err_console.print(f"[red]{rec['system']}: {rec['status']}[/red]\n{rec['error']}", highlight=False)
+    if any(rec["status"] != "ok" for rec in records):
+        raise typer.Exit(1)
+
+
+def _load(spec_path: Path, preset: Preset):
+    try:
+        return load_spec(spec_path, preset.value)
+    except SpecError as e:
+        _fail(str(e))
+
+
+@app.command()
+def sweep(
+    spec: Annotated[Path, typer.Argument(help="sweep spec (YAML)")],
+    executor: ExecutorKind = ExecutorKind.local,
+    out: Annotated[Path, typer.Option(help="results folder")] = Path("results"),
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="list the cells and what would run")] = False,
+    max_jobs: Annotated[int | None, typer.Option(min=1, help="concurrent cells (default: spec)")] = None,
+    retry_failed: Annotated[bool, typer.Option("--retry-failed", help="rerun cells not ok")] = False,
+    preset: Preset = Preset.cpu,
+) -> None:
+    """Run every missing cell of SPEC (resumable: recorded cells are skipped)."""
+    from harness.executors import make_executor
+    from harness.sweep import plan, run_sweep
+
+    s = _load(spec, preset)
+    if dry_run:
+        p = plan(s, out, retry_failed)
+        todo = {c.cell_id for c in p.todo}
+        rows = [
+            {
+                "cell_id": c.cell_id,
+                "model": c.model.display,
+                "P": c.prefix_len,
+                "S": c.suffix_len,
+                "N": c.n,
+                "layout": c.layout,
+                "mb": c.microbatch,
+                "dtype": c.dtype,
+                "compile": c.compile,
+                "ac": c.ac,
+                "offload": c.offload,
+                "world": c.world_size,
+                "state": "run" if c.cell_id in todo else f"done ({p.done[c.cell_id]})",
+            }
+            for c in p.cells
+        ]
+        console.print(_table(pd.DataFrame(rows), title=f"{s.name}: {len(p.cells)} cells, {len(todo)} to run"))
+        return
+    try:
+        ex = make_executor(executor.value, s.executor, max_jobs)
+    except (RuntimeError, ValueError) as e:
+        _fail(str(e))
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task(s.name, total=None)
+
+        def on_start(p) -> None:
+            progress.update(task, total=len(p.todo))
+            progress.console.print(
+                f"{s.name}: {len(p.cells)} cells, {len(p.done)} recorded, "
+                f"{len(p.todo)} to run ({executor.value}) -> {p.folder}"
+            )
+
+        def on_done(cell, status: str) -> None:
+            progress.advance(task)
+            if status != "ok":
+                progress.console.print(f"[yellow]cell {cell.cell_id}: {status}[/yellow]")
+
+        try:
+            p = run_sweep(s, out, ex, retry_failed=retry_failed, on_start=on_start, on_done=on_done)
+        except RuntimeError as e:
+            _fail(str(e))
+    counts = pd.Series(list(p.done.values())).value_counts().to_dict()
+    console.print(
+        f"{s.name}: {len(p.cells)} cells, ran {len(p.todo)}; statuses {counts}; records in {p.folder}"
+    )
+
+
+@app.command()
+def status(results: Annotated[Path, typer.Argument(help="results folder")] = Path("results")) -> None:
+    """Cells recorded per spec, by status, and how many are still missing."""
+    from harness.sweep import status_table
+
+    if not results.exists():
+        _fail(f"{results} does not exist")
+    df = status_table(results)
+    if df.empty:
+        console.print(f"no records under {results}")
+        return
+    console.print(_table(df, title=f"records under {results}"))
+    for row in df.itertuples(index=False):
+        if row.missing == 0:
+            console.print(f"{row.spec}: all {row.expected} cells recorded; a sweep would run nothing")
+        elif row.missing is not None and not pd.isna(row.missing):
+            console.print(
+                f"{row.spec}: {row.missing} of {row.expected} cells missing; a sweep would run them"
+            )
+
+
+@app.command()
+def collect(
+    results: Annotated[Path, typer.Argument(help="results folder")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="collected Parquet file")],
+) -> None:
+    """Concatenate every record under RESULTS into one Parquet table."""
+    from harness.records import collect as collect_records
+    from harness.records import write_table
+
+    df = collect_records(results, exclude=[output])
+    write_table(df, output)
+    console.print(f"{len(df)} rows ({df['cell_id'].nunique()} cells) -> {output}")
+
+
+def _render(kind: str, results: Path, out: Path) -> None:
+    from harness.records import collect as collect_records
+
+    df = collect_records(results)
+    if df.empty:
+        _fail(f"no records under {results}; run `pf-bench sweep SPEC --out {results}` first")
+    import harness.figures as figures
+
+    fn = figures.render_all if kind == "figures" else figures.render_tables
+    out.mkdir(parents=True, exist_ok=True)
+    made = fn(df, out)
+    for path in made or []:
+        console.print(str(path))
+    console.print(f"{kind}: {len(made or [])} written to {out}")
+
+
+@app.command()
+def figures(
+    results: Annotated[Path, typer.Option(help="results folder")] = Path("results"),
+    out: Annotated[Path, typer.Option(help="figure folder")] = Path("results/figures"),
+) -> None:
+    """Render every figure whose records are present (from the records alone)."""
+    _render("figures", results, out)
+
+
+@app.command()
+def tables(
+    results: Annotated[Path, typer.Option(help="results folder")] = Path("results"),
+    out: Annotated[Path, typer.Option(help="table folder")] = Path("results/figures"),
+) -> None:
+    """Render the paper's tables (markdown and LaTeX) from the records."""
+    _render("tables", results, out)
+
+
+@app.command()
+def align(
+    model: Annotated[str, typer.Option(help="TorchTitan model 'family:flavor'")] = "llama3:debugmodel",
+    override: Annotated[list[str], typer.Option(help="ModelArgs override FIELD=VALUE (repeatable)")] = [],  # noqa: B006
+    steps: Annotated[int, typer.Option(min=1, help="optimizer steps to compare")] = 3,
+    dtype: DType = DType.fp32,
+    prefix_len: int = 48,
+    suffix_len: int = 16,
+    n: int = 4,
+) -> None:
+    """Table 3: PrefixFlow vs baseline gradients, losses and weights over STEPS steps."""
+    from prefixflow.alignment import run_alignment
+
+    result = run_alignment(
+        model=model,
+        overrides=parse_overrides(override),
+        steps=steps,
+        dtype=dtype.value,
+        prefix_len=prefix_len,
+        suffix_len=suffix_len,
+        n=n,
+    )
+    if isinstance(result, pd.DataFrame):
+        console.print(_table(result, title="alignment (Table 3)"))
+    elif isinstance(result, list) and result and isinstance(result[0], dict):
+        console.print(_table(pd.DataFrame(result), title="alignment (Table 3)"))
+    else:
+        console.print(result)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,71 @@
+"""``python -m harness.worker JOB.json``: run one cell and write its record file atomically.
+
+JOB.json holds ``{"cell": <Cell as JSON>, "record_path": "<.../CELL_ID.parquet>"}``. The record is always
+written, whatever the cell does (status ok/error/oom); only a hard kill leaves it to the executor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from harness.records import cell_status, write_records
+from harness.spec import Cell
+
+THREADS_ENV = "PF_BENCH_THREADS"
+
+
+def write_job(path: Path, cell: Cell, record_path: Path) -> Path:
+    """Write a job file atomically (temp + rename) for ``python -m harness.worker``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"cell": cell.model_dump(mode="json"), "record_path": str(record_path)}))
+    os.replace(tmp, path)
+    return path
+
+
+def read_job(path: str | Path) -> tuple[Cell, Path]:
+    data: dict[str, Any] = json.loads(Path(path).read_text())
+    return Cell.model_validate(data["cell"]), Path(data["record_path"])
+
+
+def _set_threads() -> None:
+    value = os.environ.get(THREADS_ENV) or os.environ.get("SLURM_CPUS_PER_TASK")
+    if value and value.isdigit() and int(value) > 0:
+        import torch
+
+        torch.set_num_threads(int(value))
+
+
+def run_job(cell: Cell, record_path: Path) -> str:
+    """Run ``cell`` and write its records; returns the cell's status."""
+    from harness.runner import failed_records, run_cell
+
+    _set_threads()
+    try:
+        records = run_cell(cell)
+    except Exception:
+        records = failed_records(cell, "error", traceback.format_exc())
+    write_records(record_path, records)
+    import pandas as pd
+
+    return cell_status(pd.DataFrame(records))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m harness.worker JOB.json", file=sys.stderr)
+        return 2
+    cell, record_path = read_job(argv[0])
+    status = run_job(cell, record_path)
+    print(f"cell {cell.cell_id}: {status}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
