@@ -20,7 +20,8 @@ class PrefixFlowConfig:
 
     ``grad_kv_dtype``: dtype of the prefix K/V leaves and gK/gV accumulators; ``None`` = fp32 when the model's
     parameters are bf16/fp16, else the parameter dtype. ``attention``: how suffix attention reads the cache
-    (``"concat"``: one SDPA over ``[prefix ; suffix]`` K/V).
+    (``"concat"``: one SDPA over ``[prefix ; suffix]`` K/V; ``"split"``: prefix and suffix parts merged by
+    log-sum-exp, no K/V copy).
     """
 
     grad_kv_dtype: torch.dtype | None = None

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import PrefixKVCache
+from .split_attention import split_attention, suffix_bias
 
 __all__ = [
     "AttentionState",
@@ -31,7 +32,7 @@ __all__ = [
     "ATTENTION_VARIANTS",
 ]
 
-ATTENTION_VARIANTS = ("concat",)
+ATTENTION_VARIANTS = ("concat", "split")
 
 
 class AttentionState:
@@ -83,7 +84,9 @@ class AttendWithPrefix:
 
     ``mask``: bool ``[b, 1, S, P_c + S]`` (True = may attend) from the suffix layout.
     The cached K/V (``[1, H_kv, P_c, D]``) are broadcast over the batch with ``expand`` (no copy); SDPA
-    groups query heads over KV heads itself (GQA).
+    groups query heads over KV heads itself (GQA). ``variant="concat"`` runs one SDPA over
+    ``[prefix ; suffix]`` K/V; ``"split"`` reads the cache in place (:mod:`prefixflow.split_attention`) and
+    needs only the mask's suffix columns.
     """
 
     def __init__(self, cache: PrefixKVCache, mask: torch.Tensor, variant: str = "concat") -> None:
@@ -92,9 +95,15 @@ class AttendWithPrefix:
         self.cache = cache
         self.mask = mask
         self.variant = variant
+        self._split_mask = None
 
     def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
         cached = self.cache.read(wrapper.layer, k.dtype)
+        if cached is not None and self.variant == "split":
+            if self._split_mask is None:  # built once per microbatch, shared by every layer
+                suffix = self.mask[..., self.mask.shape[-1] - q.shape[2] :]
+                self._split_mask = suffix_bias(suffix, q.dtype)
+            return split_attention(q, k, v, *cached, None, scale=scale, prepared=self._split_mask)
         if cached is not None:
             prefix_k, prefix_v = cached
             b = q.shape[0]
