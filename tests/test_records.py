@@ -1,0 +1,156 @@
+"""Parquet records: schema, atomic writes, collect, status summary."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+
+from harness import records
+from harness.records import (
+    COLUMNS,
+    cell_status,
+    collect,
+    read_records,
+    summarize,
+    to_table,
+    write_records,
+    write_table,
+)
+
+
+def _rec(cell="c1", system="baseline", status="ok", **extra):
+    return {
+        "cell_id": cell,
+        "spec": "s",
+        "system": system,
+        "status": status,
+        "timestamp": "2026-01-01T00:00:00",
+        "prefix_len": 8,
+        "suffix_len": 4,
+        "n": 2,
+        "microbatch": None,
+        "step_time_s": 0.5,
+        "phase_a_s": math.nan,
+        **extra,
+    }
+
+
+REQUIRED = [
+    "cell_id",
+    "spec",
+    "git_rev",
+    "timestamp",
+    "host",
+    "device",
+    "model",
+    "dtype",
+    "prefix_len",
+    "suffix_len",
+    "n",
+    "prefix_ratio",
+    "layout",
+    "microbatch",
+    "compile",
+    "ac",
+    "offload",
+    "tp",
+    "cp",
+    "pp",
+    "dp",
+    "ep",
+    "system",
+    "status",
+    "error",
+    "repeats",
+    "step_time_s",
+    "step_time_min_s",
+    "step_time_max_s",
+    "phase_a_s",
+    "phase_b_s",
+    "phase_c_s",
+    "peak_mem_bytes",
+    "peak_mem_phase_b_bytes",
+    "mem_meter",
+    "tokens",
+]
+
+
+def test_schema_has_every_issue_column():
+    assert set(REQUIRED) <= set(COLUMNS)
+
+
+def test_roundtrip_types_and_extras(tmp_path):
+    path = write_records(tmp_path / "c1.parquet", [_rec(model_flops=1e9), _rec(system="prefixflow")])
+    df = read_records(path)
+    assert list(df["system"]) == ["baseline", "prefixflow"]
+    assert df["prefix_len"].dtype == "int64"
+    assert pd.isna(df["microbatch"]).all() and pd.isna(df["phase_a_s"]).all()
+    assert df.loc[0, "model_flops"] == 1e9 and pd.isna(df.loc[1, "model_flops"])
+    assert (path.stat().st_mode & 0o777) == 0o644
+    assert [p.name for p in tmp_path.iterdir()] == ["c1.parquet"]  # no temp file left
+
+
+def test_to_table_rejects_bad_records():
+    with pytest.raises(ValueError, match="status"):
+        to_table([_rec(status="done")])
+    with pytest.raises(ValueError, match="required"):
+        to_table([{"cell_id": "c", "spec": "s", "status": "ok"}])
+    with pytest.raises(ValueError, match="no records"):
+        to_table([])
+
+
+def test_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
+    path = write_records(tmp_path / "c1.parquet", [_rec(step_time_s=1.0)])
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(records.pq, "write_table", boom)
+    with pytest.raises(OSError, match="disk full"):
+        write_records(path, [_rec(step_time_s=2.0)])
+    monkeypatch.undo()
+    assert read_records(path)["step_time_s"].tolist() == [1.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c1.parquet"]
+
+
+def test_collect_tolerates_extras_garbage_and_temp_files(tmp_path):
+    write_records(tmp_path / "a" / "c1.parquet", [_rec(compile_time_s=3.0)])
+    write_records(tmp_path / "a" / "c2.parquet", [_rec(cell="c2", ideal_speedup=1.5)])
+    write_records(tmp_path / "b" / "c3.parquet", [_rec(cell="c3", status="error", error="Traceback ...")])
+    (tmp_path / "a" / "broken.parquet").write_bytes(b"not parquet")
+    (tmp_path / "a" / ".c4.parquet.x.tmp").write_bytes(b"half")
+    write_records(tmp_path / "a" / "_jobs" / "ignored.parquet", [_rec(cell="zz")])
+    with pytest.warns(UserWarning, match="broken.parquet"):
+        df = collect(tmp_path)
+    assert sorted(df["cell_id"]) == ["c1", "c2", "c3"]
+    assert {"compile_time_s", "ideal_speedup"} <= set(df.columns)
+    out = write_table(df, tmp_path / "all.parquet")
+    assert len(pq.read_table(out)) == 3
+    with pytest.warns(UserWarning):
+        assert len(collect(tmp_path, exclude=[out])) == 3
+        assert len(collect(tmp_path)) == 3  # the collected copy deduplicates against its sources
+
+
+def test_duplicates_keep_the_newest(tmp_path):
+    write_records(tmp_path / "x.parquet", [_rec(status="error", timestamp="2026-01-01T00:00:00")])
+    write_records(tmp_path / "y.parquet", [_rec(status="ok", timestamp="2026-01-02T00:00:00")])
+    df = collect(tmp_path)
+    assert df["status"].tolist() == ["ok"]
+
+
+def test_collect_empty_folder(tmp_path):
+    df = collect(tmp_path)
+    assert df.empty and set(REQUIRED) <= set(df.columns)
+
+
+def test_status_summary_and_worst_status():
+    df = pd.DataFrame(
+        [_rec(), _rec(system="prefixflow", status="oom"), _rec(cell="c2"), _rec(cell="c3", status="timeout")]
+    )
+    s = summarize(df).set_index("spec")
+    assert s.loc["s", "cells"] == 3 and s.loc["s", "ok"] == 2 and s.loc["s", "oom"] == 1
+    assert cell_status(df[df.cell_id == "c1"]) == "oom"
+    assert cell_status(pd.DataFrame([_rec(status="timeout"), _rec(status="error")])) == "error"
