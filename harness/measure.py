@@ -161,13 +161,19 @@ class PhaseMeter:
     also see allocations between phases. Pass ``model`` (or call :meth:`register`) so parameters count
     as live, as they do in ``torch.cuda.max_memory_allocated``. Create one meter per measured step or
     call :meth:`reset`. A phase entered more than once accumulates time and keeps its largest peak.
+
+    The CPU meter costs some Python work per aten op (~15 us); for timing-only repeats pass
+    ``track_memory=False`` (memory is then NaN, ``mem_meter="none"``). CUDA memory stats are free.
     """
 
-    def __init__(self, device: str | torch.device, model: torch.nn.Module | None = None) -> None:
+    def __init__(
+        self, device: str | torch.device, model: torch.nn.Module | None = None, track_memory: bool = True
+    ) -> None:
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
-        self.mem_meter = CUDA_METER if self.is_cuda else CPU_METER
-        self.live = None if self.is_cuda else LiveBytesMeter(self.device.type)
+        self.track_memory = track_memory or self.is_cuda
+        self.mem_meter = CUDA_METER if self.is_cuda else CPU_METER if track_memory else "none"
+        self.live = LiveBytesMeter(self.device.type) if not self.is_cuda and track_memory else None
         if model is not None and self.live is not None:
             self.live.register(model)
         self._outer = False
@@ -199,10 +205,6 @@ class PhaseMeter:
             self._outer = False
             self.live.__exit__(*exc)
 
-    def _sync(self) -> None:
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
-
     def enter(self, phase: str) -> None:
         if phase in self._open:
             raise RuntimeError(f"phase {phase!r} entered twice without exit")
@@ -215,9 +217,10 @@ class PhaseMeter:
             start.record()
             self._open[phase] = start
         else:
-            if not self._outer:
-                self.live.__enter__()
-            self.live.reset_peak()
+            if self.live is not None:
+                if not self._outer:
+                    self.live.__enter__()
+                self.live.reset_peak()
             self._open[phase] = time.perf_counter()
         if self._first is None:
             self._first = self._open[phase]
@@ -237,11 +240,14 @@ class PhaseMeter:
             now = time.perf_counter()
             self.times[phase] = self.times.get(phase, 0.0) + (now - start)
             self._last = now
-            peak, off_peak = self.live.peak, self.live.offloaded_peak
-            if not self._outer:
-                self.live.__exit__(None, None, None)
-        self.peaks[phase] = max(self.peaks.get(phase, 0), peak)
-        self.offloaded_peaks[phase] = max(self.offloaded_peaks.get(phase, 0), off_peak)
+            if self.live is None:
+                peak, off_peak = math.nan, math.nan
+            else:
+                peak, off_peak = self.live.peak, self.live.offloaded_peak
+                if not self._outer:
+                    self.live.__exit__(None, None, None)
+        self.peaks[phase] = max(self.peaks.get(phase, peak), peak)
+        self.offloaded_peaks[phase] = max(self.offloaded_peaks.get(phase, off_peak), off_peak)
 
     def _resolve_times(self) -> tuple[dict[str, float], float]:
         if self._first is None:
@@ -259,7 +265,7 @@ class PhaseMeter:
         if self._open:
             raise RuntimeError(f"phases still open: {sorted(self._open)}")
         times, step = self._resolve_times()
-        peak = max(self.peaks.values(), default=0)
+        peak = max(self.peaks.values(), default=math.nan)
         phase_b_peak = self.peaks.get("B", peak)
         res = {
             "phase_a_s": times.get("A", math.nan),
@@ -273,8 +279,8 @@ class PhaseMeter:
         if extended:
             res["phase_peak_bytes"] = dict(self.peaks)
             res["phase_times_s"] = times
-            res["offloaded_peak_bytes"] = float(max(self.offloaded_peaks.values(), default=0))
-            res["offloaded_peak_phase_b_bytes"] = float(self.offloaded_peaks.get("B", 0))
+            res["offloaded_peak_bytes"] = float(max(self.offloaded_peaks.values(), default=math.nan))
+            res["offloaded_peak_phase_b_bytes"] = float(self.offloaded_peaks.get("B", math.nan))
         return res
 
 

@@ -193,3 +193,36 @@ def test_rank_max_gloo_two_processes():
         r = results[rank]
         assert r["t"] == 2.0 and r["m"] == 10.0 and r["n"] == 3.0
         assert math.isnan(r["all_nan"]) and r["meter"] == "cpu-live-bytes"
+
+
+def test_timing_only_mode_skips_memory():
+    pm = PhaseMeter("cpu", track_memory=False)
+    assert pm.live is None and pm.mem_meter == "none"
+    pm.enter("full")
+    torch.empty(1024, 1024)
+    pm.exit("full")
+    res = pm.results(extended=True)
+    assert math.isnan(res["peak_mem_bytes"]) and math.isnan(res["peak_mem_phase_b_bytes"])
+    assert res["step_time_s"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_phase_meter_events_and_max_allocated():
+    pm = PhaseMeter("cuda")
+    keep = torch.empty(1024, 1024, device="cuda")
+    pm.enter("A")
+    a = torch.empty(1024, 1024, device="cuda")
+    pm.exit("A")
+    pm.enter("B")
+    big = torch.empty(4096, 1024, device="cuda")
+    del big
+    pm.exit("B")
+    pm.enter("C")
+    torch.cuda._sleep(1_000_000)
+    pm.exit("C")
+    res = pm.results(extended=True)
+    assert res["mem_meter"] == "cuda-max-allocated"
+    assert res["phase_peak_bytes"]["B"] - res["phase_peak_bytes"]["A"] >= 4 * MIB4
+    assert res["phase_c_s"] > 0 and res["step_time_s"] >= res["phase_c_s"]
+    del a, keep
