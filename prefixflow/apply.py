@@ -21,11 +21,15 @@ class PrefixFlowConfig:
     ``grad_kv_dtype``: dtype of the prefix K/V leaves and gK/gV accumulators; ``None`` = fp32 when the model's
     parameters are bf16/fp16, else the parameter dtype. ``attention``: how suffix attention reads the cache
     (``"concat"``: one SDPA over ``[prefix ; suffix]`` K/V; ``"split"``: prefix and suffix parts merged by
-    log-sum-exp, no K/V copy).
+    log-sum-exp, no K/V copy). ``offload``: move the dormant saved tensors of the prefix graph out of device
+    memory from Phase A to Phase C (``prefixflow.offload``); ``offload_prefetch``: load them back ahead of the
+    prefix backward (False = demand-load only).
     """
 
     grad_kv_dtype: torch.dtype | None = None
     attention: str = "concat"
+    offload: bool = False
+    offload_prefetch: bool = True
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_VARIANTS:
@@ -34,6 +38,9 @@ class PrefixFlowConfig:
             isinstance(self.grad_kv_dtype, torch.dtype) and self.grad_kv_dtype.is_floating_point
         ):
             raise TypeError(f"PrefixFlowConfig.grad_kv_dtype must be a floating torch.dtype or None, got {self.grad_kv_dtype!r}")
+        for name in ("offload", "offload_prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"PrefixFlowConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass

@@ -24,6 +24,7 @@ from .kv_cache import PrefixKVCache
 from .layouts import LAYOUTS, Microbatch, build_microbatch, full_sequence_segments, suffix_segments
 from .loss import LossConfig, microbatch_loss, resolve_loss, token_logprobs
 from .models import model_args, rope_buffer
+from .offload import OffloadStats, PrefixOffload, offloading
 
 __all__ = [
     "SYSTEMS",
@@ -52,6 +53,7 @@ class GroupStats:
     suffix_tokens: int
     trunk_tokens: int
     phase_times: dict[str, float] = field(default_factory=dict)
+    offload: OffloadStats | None = None  # set when PrefixFlowConfig.offload is on
 
     @property
     def total_s(self) -> float:
@@ -76,12 +78,15 @@ def _forward_backward(model, mb: Microbatch, group, loss: str, cfg: LossConfig) 
     return value.item()
 
 
-def phase_a_prefix_forward(model: nn.Module, runtime: PrefixFlowRuntime, group: RolloutGroup, cache) -> None:
-    """Phase A: run the shared prefix ``P[:-1]`` forward once; each layer leaves its live K/V in ``cache``."""
+def phase_a_prefix_forward(
+    model: nn.Module, runtime: PrefixFlowRuntime, group: RolloutGroup, cache, offload: PrefixOffload | None = None
+) -> None:
+    """Phase A: run the shared prefix ``P[:-1]`` forward once; each layer leaves its live K/V in ``cache``.
+    With ``offload``, the other tensors the prefix graph saves move out of device memory as they are saved."""
     prefix = group.prompt[:-1]
     if prefix.numel() == 0:
         return  # one-token prompt: nothing to cache, suffixes start at position 0
-    with runtime.state.use(CapturePrefix(cache)):
+    with runtime.state.use(CapturePrefix(cache)), offloading(offload):
         forward_hidden(model, prefix.unsqueeze(0), None, final_norm=False)
 
 
@@ -99,8 +104,11 @@ def phase_b_suffix_microbatches(
     return total
 
 
-def phase_c_prefix_backward(cache: PrefixKVCache) -> None:
-    """Phase C: inject the accumulated gK/gV into the retained prefix graph; one prefix backward."""
+def phase_c_prefix_backward(cache: PrefixKVCache, offload: PrefixOffload | None = None) -> None:
+    """Phase C: inject the accumulated gK/gV into the retained prefix graph; one prefix backward.
+    With ``offload``, its saved tensors are prefetched in reverse layer order (or demand-loaded)."""
+    if offload is not None:
+        offload.prefetch()
     cache.backward_prefix()
 
 
@@ -189,18 +197,23 @@ def train_group(
         return GroupStats(system, layout, value, len(chunks), 0, suffix_tokens, trunk, clock.times)
 
     cache = PrefixKVCache(runtime.grad_kv_dtype(model))
+    config = runtime.config
+    offload = PrefixOffload(model, cache, prefetch=config.offload_prefetch) if config.offload else None
     try:
         with clock("A"):
-            phase_a_prefix_forward(model, runtime, group, cache)
+            phase_a_prefix_forward(model, runtime, group, cache, offload)
         with clock("B"):
             value = phase_b_suffix_microbatches(model, runtime, group, cache, chunks, layout, loss, cfg)
         with clock("C"):
-            phase_c_prefix_backward(cache)
+            phase_c_prefix_backward(cache, offload)
     finally:
-        cache.release()
+        cache.release()  # drops the prefix graph first, then the pool its saved tensors point into
+        if offload is not None:
+            offload.release()
     prefix = group.prompt_len - 1
     trunk = prefix + _trunk_tokens(group, chunks, layout, 1)
-    return GroupStats(system, layout, value, len(chunks), prefix, suffix_tokens, trunk, clock.times)
+    offload_stats = offload.stats if offload is not None else None
+    return GroupStats(system, layout, value, len(chunks), prefix, suffix_tokens, trunk, clock.times, offload_stats)
 
 
 def _trunk_tokens(group: RolloutGroup, chunks, layout: str, lead: int) -> int:

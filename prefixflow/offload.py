@@ -1,0 +1,426 @@
+"""Offload of dormant prefix saved tensors between Phase A and Phase C (paper §4.2, DESIGN §3).
+
+During Phase B only the prefix K/V (read) and gK/gV (written) are hot; every other tensor the prefix graph
+saved for backward is dormant until Phase C. ``PrefixOffload`` moves those tensors out of device memory:
+
+* **Pack (Phase A).** ``saving()`` installs ``torch.autograd.graph.saved_tensors_hooks`` around the prefix
+  forward. A saved tensor stays resident (the hook keeps ``tensor.detach()``) when it is not a plain
+  float/complex tensor on the model's device, when its storage is smaller than ``min_bytes`` (default 4 KiB),
+  or when its storage is one Phase B reads: a parameter/buffer of the model or a live K/V of the cache
+  (``CapturePrefix`` records K/V before the attention kernel saves them). Everything else is offloaded **by
+  storage**: the whole untyped storage is copied out once (several saved views of one storage share one
+  slot) and the tensor is rebuilt on unpack with its exact dtype, offset, size and stride, so the backward
+  sees bit-identical inputs. Each saved tensor is tagged with the block that produced it (forward pre-hooks).
+* **Tiers.** ``"cuda-pinned"``: copies to a pinned host pool on a side stream (``record_stream`` keeps the
+  source alive until its copy is done, then the caching allocator reuses it). The pool is a list of pinned
+  chunks; the first is sized 1.5x the Phase-A offload footprint measured in the previous group of the same
+  model (64 MiB when there is none yet) and it grows by 1.5x when full, so no dry pass is needed.
+  ``"cpu-file"``: on a CPU the "device" is process memory, so the tier is a temporary file (unlinked at
+  once, closed at release): a worker thread ``pwrite``s each storage and the in-memory tensor is dropped,
+  so the bytes leave the process's working memory (they live in the kernel's page cache / on disk).
+  ``saving()`` waits for the outstanding copies when Phase A ends, so Phase B starts with them freed.
+* **Prefetch / demand-load (Phase C).** ``prefetch()`` starts loading the deepest layer's slots (and
+  ``ahead`` more layers) in reverse layer order; each time the backward reaches a lower layer the window
+  moves down. Loads run on a side stream (CUDA) or the worker thread into buffers allocated by the caller.
+  A slot that is not back yet when the backward needs it is waited for, or loaded on demand if its load
+  has not started; with ``prefetch=False`` every slot is demand-loaded. Correctness never depends on overlap.
+* **Dead slots.** Phase A runs the last block completely but Phase C only needs what leads to K/V; autograd
+  frees the rest of the graph when Phase A's output is dropped. A slot whose every saved handle died is
+  freed and never loaded (``dropped_bytes``), so ``offloaded = prefetched + demand_loaded + dropped``.
+* **Release.** ``release()`` (after Phase C, or from the schedule's ``finally`` on an exception) stops the
+  worker, closes the file or frees the pinned chunks; nothing survives a group.
+
+With activation checkpointing the checkpoint's own hooks are innermost inside each block, so offload only
+sees what AC leaves saved outside them: the block inputs (non-reentrant ``checkpoint`` saves them with
+``save_for_backward``). The tensors selective AC keeps are held by its own cache and stay resident.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import tempfile
+import threading
+import weakref
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["OffloadStats", "PrefixOffload", "TIER_CPU", "TIER_CUDA", "DEFAULT_MIN_BYTES"]
+
+TIER_CUDA = "cuda-pinned"
+TIER_CPU = "cpu-file"
+DEFAULT_MIN_BYTES = 4096
+POOL_HEADROOM = 1.5
+MIN_PINNED_CHUNK = 64 << 20
+_FOOTPRINT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> last group's offloaded bytes
+
+
+@dataclass
+class OffloadStats:
+    """What the offload of one group did (bytes are whole storages)."""
+
+    tier: str
+    prefetch: bool
+    saved_tensors: int = 0  # pack-hook calls
+    kept: dict[str, int] = field(default_factory=dict)  # reason -> saved tensors kept resident
+    offloaded_tensors: int = 0  # distinct storages moved out
+    offloaded_bytes: int = 0
+    prefetched_bytes: int = 0
+    demand_loaded_bytes: int = 0
+    dropped_bytes: int = 0  # moved out, then freed by autograd without being needed
+    pool_capacity_bytes: int = 0
+    released: bool = False
+
+    @property
+    def loaded_bytes(self) -> int:
+        return self.prefetched_bytes + self.demand_loaded_bytes
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "loaded_bytes": self.loaded_bytes}
+
+
+class _Slot:
+    __slots__ = ("index", "layer", "nbytes", "version", "handles", "where", "data", "pending", "loaded")
+
+    def __init__(self, index: int, layer: int, nbytes: int, version: int) -> None:
+        self.index, self.layer, self.nbytes, self.version = index, layer, nbytes, version
+        self.handles = 0
+        self.where = None  # tier location: file offset, or (pinned region, copy-out event)
+        self.data = None  # the storage's bytes back on the device (uint8)
+        self.pending = None  # an in-flight load (Future or CUDA event)
+        self.loaded = False
+
+
+class _Packed:
+    """What autograd stores instead of an offloaded tensor: its slot and its view geometry."""
+
+    __slots__ = ("owner", "slot", "dtype", "offset", "size", "stride")
+
+    def __init__(self, owner: PrefixOffload, slot: _Slot, t: torch.Tensor) -> None:
+        self.owner, self.slot, self.dtype = owner, slot, t.dtype
+        self.offset, self.size, self.stride = t.storage_offset(), tuple(t.shape), t.stride()
+        slot.handles += 1
+
+    def __del__(self) -> None:
+        self.owner._drop_handle(self.slot)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over the whole storage of ``t`` (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+class _FilePool:
+    """CPU tier: an unlinked temporary file, written and read by one worker thread."""
+
+    tier = TIER_CPU
+
+    def __init__(self) -> None:
+        fd, path = tempfile.mkstemp(prefix="prefixflow-offload-", suffix=".bin")
+        os.unlink(path)  # the name goes now; the space goes when the fd closes, even if the process dies
+        self.fd, self.path, self.size = fd, path, 0
+        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixflow-offload")
+        self.writes: list = []
+
+    def _write(self, src: torch.Tensor, offset: int) -> None:
+        view, done = memoryview(src.numpy()), 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+
+    def _read(self, dst: torch.Tensor, offset: int) -> None:
+        view, done = memoryview(dst.numpy()), 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n == 0:
+                raise OSError(f"offload file {self.path} ended early at byte {offset + done}")
+            done += n
+
+    def store(self, slot: _Slot, src: torch.Tensor) -> None:
+        slot.where, self.size = self.size, self.size + slot.nbytes
+        self.writes.append(self.io.submit(self._write, src, slot.where))  # holds src until written
+
+    def finish_stores(self) -> None:
+        writes, self.writes = self.writes, []
+        for w in writes:
+            w.result()
+
+    def start_load(self, slot: _Slot) -> None:
+        slot.data = torch.empty(slot.nbytes, dtype=torch.uint8)  # allocated here, where meters see it
+        slot.pending = self.io.submit(self._read, slot.data, slot.where)
+
+    def complete_load(self, slot: _Slot) -> bool:
+        """Wait for a started load; run it here if the worker has not begun it. True = it was prefetched."""
+        if slot.pending.cancel():
+            self._read(slot.data, slot.where)
+            return False
+        slot.pending.result()
+        return True
+
+    def abandon(self, slot: _Slot) -> bool:
+        """A started load nobody will consume: cancel it if it has not begun. True = the bytes were read."""
+        if slot.pending.cancel():
+            return False
+        slot.pending.result()
+        return True
+
+    def load_now(self, slot: _Slot) -> None:
+        self.finish_stores()
+        slot.data = torch.empty(slot.nbytes, dtype=torch.uint8)
+        self._read(slot.data, slot.where)
+
+    def free(self, slot: _Slot) -> None:
+        pass  # file space is returned at close; slots are never rewritten within a group
+
+    def capacity(self) -> int:
+        return self.size
+
+    def close(self) -> None:
+        self.io.shutdown(wait=True, cancel_futures=True)
+        self.writes = []
+        os.close(self.fd)
+        self.fd = -1
+
+
+class _PinnedPool:
+    """CUDA tier: pinned host chunks (bump-allocated), copies on a side stream and a prefetch stream."""
+
+    tier = TIER_CUDA
+
+    def __init__(self, device: torch.device, hint: int) -> None:
+        self.device = device
+        self.out_stream = torch.cuda.Stream(device)
+        self.in_stream = torch.cuda.Stream(device)
+        self.chunks: list[list] = []  # [pinned uint8 tensor, bytes used]
+        self.first = max(int(hint * POOL_HEADROOM), MIN_PINNED_CHUNK)
+
+    def _region(self, nbytes: int) -> torch.Tensor:
+        need = (nbytes + 511) // 512 * 512
+        if not self.chunks or self.chunks[-1][1] + need > self.chunks[-1][0].numel():
+            grow = self.first if not self.chunks else int(self.capacity() * (POOL_HEADROOM - 1))
+            self.chunks.append([torch.empty(max(need, grow), dtype=torch.uint8, pin_memory=True), 0])
+        chunk = self.chunks[-1]
+        region, chunk[1] = chunk[0][chunk[1] : chunk[1] + nbytes], chunk[1] + need
+        return region
+
+    def store(self, slot: _Slot, src: torch.Tensor) -> None:
+        region = self._region(slot.nbytes)
+        self.out_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.out_stream):
+            region.copy_(src, non_blocking=True)
+            src.record_stream(self.out_stream)  # the allocator reuses src only after this copy
+            done = torch.cuda.Event()
+            done.record(self.out_stream)
+        slot.where = (region, done)
+
+    def finish_stores(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.out_stream)
+
+    def start_load(self, slot: _Slot) -> None:
+        region, copied_out = slot.where
+        with torch.cuda.stream(self.in_stream):
+            self.in_stream.wait_event(copied_out)
+            slot.data = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
+            slot.data.copy_(region, non_blocking=True)
+            slot.pending = torch.cuda.Event()
+            slot.pending.record(self.in_stream)
+
+    def complete_load(self, slot: _Slot) -> bool:
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(slot.pending)
+        slot.data.record_stream(current)
+        return True
+
+    def abandon(self, slot: _Slot) -> bool:
+        return True  # the copy is already queued on the prefetch stream
+
+    def load_now(self, slot: _Slot) -> None:
+        region, copied_out = slot.where
+        torch.cuda.current_stream(self.device).wait_event(copied_out)
+        slot.data = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
+        slot.data.copy_(region, non_blocking=True)  # stream-ordered before the backward that reads it
+
+    def free(self, slot: _Slot) -> None:
+        pass  # bump allocation: regions are returned with their chunk at close
+
+    def capacity(self) -> int:
+        return sum(c[0].numel() for c in self.chunks)
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)  # no copy may still read or write a chunk
+        self.chunks.clear()
+
+
+class PrefixOffload:
+    """Offload of the dormant saved tensors of one group's prefix graph (see the module docstring).
+
+    ``model``: the TorchTitan model (its parameters/buffers stay resident, its blocks give layer tags);
+    ``cache``: the group's ``PrefixKVCache`` (its live K/V stay resident); ``prefetch``: False = demand-load
+    only; ``min_bytes``: storages below this stay resident; ``ahead``: layers loaded ahead of the backward.
+    """
+
+    def __init__(self, model: nn.Module, cache, *, prefetch: bool = True, min_bytes: int = DEFAULT_MIN_BYTES,
+                 ahead: int = 1) -> None:
+        self.model, self.cache, self.min_bytes, self.ahead = model, cache, min_bytes, ahead
+        self.device = next(model.parameters()).device
+        self._blocks = list(getattr(model, "layers", {}).values()) if hasattr(model, "layers") else []
+        self._protected = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        hint = _FOOTPRINT.get(model, 0)
+        self.pool = _PinnedPool(self.device, hint) if self.device.type == "cuda" else _FilePool()
+        self.stats = OffloadStats(tier=self.pool.tier, prefetch=prefetch)
+        self._lock = threading.RLock()
+        self._slots: list[_Slot] = []
+        self._by_storage: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._layer = -1
+        self._frontier: int | None = None  # lowest layer the backward has reached
+        self._scheduled: set[int] = set()
+
+    # -- Phase A ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Offload what the enclosed forward saves; on normal exit wait for the copies out."""
+        hooks = [b.register_forward_pre_hook(functools.partial(self._enter_block, i)) for i, b in enumerate(self._blocks)]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+            with self._lock:
+                self.pool.finish_stores()
+        finally:
+            for h in hooks:
+                h.remove()
+            self._layer = -1
+
+    def _enter_block(self, index: int, module, args) -> None:
+        self._layer = index
+
+    def _keep_reason(self, t: torch.Tensor) -> str | None:
+        if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
+            return "subclass"
+        if not (t.dtype.is_floating_point or t.dtype.is_complex) or t.is_conj() or t.is_neg():
+            return "non_float"
+        if t.device != self.device or t.layout != torch.strided:
+            return "other_device"
+        storage = t.untyped_storage()
+        if storage.nbytes() < self.min_bytes:
+            return "small"
+        ptr = storage.data_ptr()
+        if ptr in self._protected:
+            return "param"
+        for e in self.cache.layers.values():
+            if ptr in (e.live_k.untyped_storage().data_ptr(), e.live_v.untyped_storage().data_ptr()):
+                return "kv"
+        return None
+
+    def _pack(self, t: torch.Tensor):
+        with self._lock:
+            self.stats.saved_tensors += 1
+            reason = self._keep_reason(t)
+            if reason is not None:
+                self.stats.kept[reason] = self.stats.kept.get(reason, 0) + 1
+                return t.detach()
+            storage = t.untyped_storage()
+            slot = self._by_storage.get(storage)
+            if slot is None or slot.version != t._version or slot.handles == 0:
+                slot = _Slot(len(self._slots), self._layer, storage.nbytes(), t._version)
+                self._slots.append(slot)
+                self._by_storage[storage] = slot
+                self.pool.store(slot, _bytes_of(t.detach()))
+                self.stats.offloaded_tensors += 1
+                self.stats.offloaded_bytes += slot.nbytes
+                self.stats.pool_capacity_bytes = self.pool.capacity()
+            return _Packed(self, slot, t)
+
+    # -- Phase C ------------------------------------------------------------------------------------
+    def prefetch(self) -> None:
+        """Phase C is starting: begin loading the deepest layers (no-op when prefetch is off)."""
+        with self._lock:
+            live = [s.layer for s in self._slots if s.handles > 0]
+            if self.stats.prefetch and live:
+                self._advance(max(live))
+
+    def _advance(self, frontier: int) -> None:
+        """The backward reached ``frontier``: start loads down to ``frontier - ahead``, deepest first."""
+        self._frontier = frontier
+        for layer in range(frontier, frontier - self.ahead - 1, -1):
+            if layer < -1 or layer in self._scheduled:
+                continue
+            self._scheduled.add(layer)
+            for slot in reversed(self._slots):
+                if slot.layer == layer and slot.handles > 0 and not slot.loaded:
+                    self.pool.start_load(slot)
+                    slot.loaded = True
+
+    def _unpack(self, packed) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        slot = packed.slot
+        with self._lock:
+            if self.stats.released:
+                raise RuntimeError("PrefixOffload: a saved tensor was unpacked after the pool was released")
+            if slot.data is None:  # never scheduled: demand-load
+                self.pool.load_now(slot)
+                slot.loaded = True
+                self.stats.demand_loaded_bytes += slot.nbytes
+            elif slot.pending is not None:
+                prefetched = self.pool.complete_load(slot)
+                slot.pending = None
+                if prefetched:
+                    self.stats.prefetched_bytes += slot.nbytes
+                else:
+                    self.stats.demand_loaded_bytes += slot.nbytes
+            data = slot.data
+            if self.stats.prefetch and (self._frontier is None or slot.layer < self._frontier):
+                self._advance(slot.layer)
+        out = torch.empty(0, dtype=packed.dtype, device=data.device)
+        return out.set_(data.untyped_storage(), packed.offset, packed.size, packed.stride)
+
+    def _drop_handle(self, slot: _Slot) -> None:
+        with self._lock:
+            slot.handles -= 1
+            if slot.handles > 0 or self.stats.released:
+                return
+            if slot.pending is not None:  # a prefetch nobody will consume
+                if self.pool.abandon(slot):
+                    self.stats.prefetched_bytes += slot.nbytes
+                else:
+                    slot.loaded = False
+                slot.pending = None
+            if not slot.loaded:
+                self.stats.dropped_bytes += slot.nbytes
+            slot.data = None
+            self.pool.free(slot)
+
+    # -- end of group -------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Free the pool (file closed / pinned chunks returned); idempotent. Call after the prefix graph is gone."""
+        with self._lock:
+            if self.stats.released:
+                return
+            self.stats.pool_capacity_bytes = self.pool.capacity()
+            self.stats.released = True
+            try:
+                self.pool.close()
+            finally:
+                for slot in self._slots:
+                    slot.data = slot.pending = None
+                self._slots.clear()
+                self._by_storage.clear()
+                _FOOTPRINT[self.model] = self.stats.offloaded_bytes
+
+    @property
+    def closed(self) -> bool:
+        return self.stats.released
+
+
+@contextlib.contextmanager
+def offloading(offload: PrefixOffload | None) -> Iterator[None]:
+    """``offload.saving()``, or nothing when offload is off."""
+    if offload is None:
+        yield
+    else:
+        with offload.saving():
+            yield
