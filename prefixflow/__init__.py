@@ -11,6 +11,7 @@ from .kv_cache import PrefixKVCache
 from .layouts import LAYOUTS
 from .loss import LOSSES, LossConfig
 from .models import build_model, list_models, model_args
+from .offload import OffloadStats, PrefixOffload
 from .schedule import SYSTEMS, GroupStats, train_group
 
 __all__ = [
@@ -20,8 +21,10 @@ __all__ = [
     "SYSTEMS",
     "GroupStats",
     "LossConfig",
+    "OffloadStats",
     "PrefixFlowConfig",
     "PrefixKVCache",
+    "PrefixOffload",
     "RolloutGroup",
     "apply_ac",
     "apply_prefixflow",
