@@ -40,6 +40,7 @@ __all__ = [
     "speedup_terms",
     "flops_breakdown",
     "dense_flops_per_token",
+    "record_costs",
     "SYSTEMS",
 ]
 
@@ -183,3 +184,11 @@ def dense_flops_per_token(shape, seq_len: int, causal: bool = False) -> float:
     shape = as_shape(shape)
     pairs = seq_len * seq_len if not causal else seq_len * (seq_len + 1) // 2
     return _train_flops(shape, seq_len, pairs, seq_len) / seq_len
+
+
+def record_costs(system: str, shape, P: int, S: int, N: int, overhead: float = 0.0) -> dict[str, float]:
+    """The cost-model columns of one record: ``model_flops`` of ``system`` and the group's ``ideal_speedup``."""
+    return {
+        "model_flops": float(model_flops(system, shape, P, S, N)),
+        "ideal_speedup": ideal_speedup(shape, P, S, N, overhead=overhead),
+    }

@@ -11,6 +11,7 @@ from harness.costmodel import (
     flops_breakdown,
     ideal_speedup,
     model_flops,
+    record_costs,
     speedup_terms,
 )
 
@@ -132,3 +133,9 @@ def test_qwen3_args_match_torchtitan_count():
     seq = 64
     _, tt = args.get_nparams_and_flops(model, seq)
     assert dense_flops_per_token(shape, seq) == tt - 6 * _norm_params(model)
+
+
+def test_record_costs_columns():
+    rec = record_costs("baseline", TINY, 3, 2, 2)
+    assert rec["model_flops"] == 8832.0
+    assert rec["ideal_speedup"] == pytest.approx(8832 / model_flops("prefixflow", TINY, 3, 2, 2))

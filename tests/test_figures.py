@@ -258,3 +258,11 @@ def test_tables_markdown_latex_and_alignment(tmp_path):
 
 def test_registry_is_complete():
     assert set(FIGURES) == {"fig9a", "fig9b", "fig10a", "fig10b", "fig11", "smoke"}
+
+
+def test_flag_reads_bools_tiers_and_missing_values():
+    from harness.figures.common import flag
+
+    df = pd.DataFrame({"offload": [True, False, None, float("nan"), "mmap", "none", 1, 0]})
+    assert list(flag(df, "offload")) == [True, False, False, False, True, False, True, False]
+    assert not flag(df, "absent").any()

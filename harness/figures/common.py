@@ -28,11 +28,24 @@ class SkipFigure(Exception):
     """Raised by a figure function when the records it needs are absent; the message says why."""
 
 
+_FALSE_STRINGS = {"", "none", "off", "false", "no", "0", "nan"}
+
+
+def _truthy(v) -> bool:
+    if v is None:
+        return False
+    if isinstance(v, str):
+        return v.strip().lower() not in _FALSE_STRINGS  # e.g. an offload tier name such as "mmap"
+    if isinstance(v, float | np.floating):
+        return bool(v) and not np.isnan(v)
+    return bool(v)
+
+
 def flag(df: pd.DataFrame, col: str) -> pd.Series:
-    """A boolean column with missing values (or a missing column) read as False."""
+    """A boolean view of a flag column: missing values (or a missing column), "none"/"off" read False."""
     if col not in df.columns:
         return pd.Series(False, index=df.index)
-    return df[col].map(lambda v: bool(v) if isinstance(v, bool | np.bool_ | int | np.integer) else False)
+    return df[col].map(_truthy).astype(bool)
 
 
 def frontier_mask(df: pd.DataFrame) -> pd.Series:
