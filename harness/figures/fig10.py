@@ -79,11 +79,12 @@ def figure10a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
                         va="bottom",
                         fontsize=6,
                     )
+    ax.set_ylim(0, np.nanmax(peaks["peak_mem_phase_b_bytes"]) / scale * 1.2)
     ax.set_xticks(x, labels)
     ax.set_xlabel("split P/S (fixed total length)")
     ax.set_ylabel(f"Phase-B peak memory ({unit})")
     ax.set_title("Figure 10a: Phase-B peak at fixed total length")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", ncol=len(present))
     return [save(fig, out_dir, "fig10a_phase_b_peak")]
 
 

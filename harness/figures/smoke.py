@@ -34,7 +34,9 @@ def smoke_overview(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     if m.empty or not {"prefix_len", "suffix_len", "n", "step_time_s"} <= set(m.columns):
         raise SkipFigure("no successful measured records")
     m = m.assign(cell=cell_labels(m), variant=variant(m))
-    cells = sorted(m["cell"].unique(), key=lambda c: (len(c), c))
+    sort_cols = [c for c in ("compile", "prefix_len", "suffix_len", "n", "layout", "microbatch") if c in m]
+    m = m.assign(compile=flag(m, "compile")) if "compile" in m.columns else m
+    cells = list(dict.fromkeys(m.sort_values(sort_cols, na_position="first")["cell"]))
     if len(cells) > MAX_CELLS:
         log.info("smoke overview: showing the first %d of %d cells", MAX_CELLS, len(cells))
         cells = cells[:MAX_CELLS]
