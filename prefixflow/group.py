@@ -89,10 +89,14 @@ class RolloutGroup:
 
     def check_fits(self, vocab_size: int, max_seq_len: int) -> None:
         """Raise ValueError if a token id is outside the vocabulary or a sequence exceeds ``max_seq_len``."""
-        for field, t in [("prompt", self.prompt)] + [(f"responses[{i}]", r) for i, r in enumerate(self.responses)]:
+        for field, t in [("prompt", self.prompt)] + [
+            (f"responses[{i}]", r) for i, r in enumerate(self.responses)
+        ]:
             top = int(t.max())
             if top >= vocab_size:
-                raise ValueError(f"{field} has token id {top} outside the model's vocabulary [0, {vocab_size})")
+                raise ValueError(
+                    f"{field} has token id {top} outside the model's vocabulary [0, {vocab_size})"
+                )
         longest = self.prompt_len + max(self.response_lens)
         if longest > max_seq_len:
             raise ValueError(

@@ -47,7 +47,9 @@ class PrefixKVCache:
     def capture(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep a layer's live prefix K/V and create the leaves the suffixes will read."""
         if layer in self.layers:
-            raise RuntimeError(f"layer {layer} captured twice in one Phase A; release() the cache between groups")
+            raise RuntimeError(
+                f"layer {layer} captured twice in one Phase A; release() the cache between groups"
+            )
         dtype = self.grad_dtype or k.dtype
         self.layers[layer] = LayerKV(
             live_k=k,

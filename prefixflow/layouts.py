@@ -15,7 +15,14 @@ import torch
 
 from .group import RolloutGroup
 
-__all__ = ["Segment", "Microbatch", "full_sequence_segments", "suffix_segments", "build_microbatch", "LAYOUTS"]
+__all__ = [
+    "Segment",
+    "Microbatch",
+    "full_sequence_segments",
+    "suffix_segments",
+    "build_microbatch",
+    "LAYOUTS",
+]
 
 LAYOUTS = ("padded", "packed")
 
@@ -53,7 +60,9 @@ def full_sequence_segments(group: RolloutGroup) -> list[Segment]:
 def suffix_segments(group: RolloutGroup) -> list[Segment]:
     """PrefixFlow's suffix inputs ``[P[-1], S_1 .. S_{n-1}]`` after a cached prefix of ``|P|-1`` tokens."""
     p = group.prompt_len
-    return [Segment(i, torch.cat([group.prompt[-1:], r[:-1]]), p - 1, 0) for i, r in enumerate(group.responses)]
+    return [
+        Segment(i, torch.cat([group.prompt[-1:], r[:-1]]), p - 1, 0) for i, r in enumerate(group.responses)
+    ]
 
 
 def _loss_index(group: RolloutGroup, segments: list[Segment], row_of, col_of):
@@ -105,7 +114,9 @@ def build_microbatch(
     elif layout == "packed":
         starts = torch.tensor([0] + lens).cumsum(0)
         tokens = torch.cat([s.tokens for s in segments]).unsqueeze(0)
-        positions = torch.cat([s.first_position + torch.arange(n) for s, n in zip(segments, lens, strict=True)])
+        positions = torch.cat(
+            [s.first_position + torch.arange(n) for s, n in zip(segments, lens, strict=True)]
+        )
         positions = positions.unsqueeze(0)
         seg_id = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(lens))
         q = torch.arange(int(starts[-1]))

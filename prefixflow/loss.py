@@ -48,7 +48,9 @@ def resolve_loss(loss: str, loss_config: dict | LossConfig | None, group: Rollou
     if cfg.aggregation not in AGGREGATIONS:
         raise ValueError(f"loss_config.aggregation {cfg.aggregation!r} unknown; valid: {AGGREGATIONS}")
     if loss == "pg" and cfg.aggregation != "seq-mean-token-mean":
-        raise ValueError("loss='pg' is defined with aggregation 'seq-mean-token-mean'; use loss='grpo' otherwise")
+        raise ValueError(
+            "loss='pg' is defined with aggregation 'seq-mean-token-mean'; use loss='grpo' otherwise"
+        )
     if cfg.clip_eps_low < 0 or cfg.clip_eps_high < 0 or cfg.kl_coef < 0:
         raise ValueError("loss_config clip_eps_low, clip_eps_high and kl_coef must be >= 0")
     if loss == "grpo" and cfg.kl_coef > 0 and group.ref_logprobs is None:

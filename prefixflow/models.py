@@ -47,8 +47,10 @@ def _resolve_args(name: str, overrides: dict[str, Any] | None):
         raise ValueError(f"unknown override field(s) {unknown} for {family}; valid fields: {sorted(valid)}")
     for key, value in overrides.items():
         current = getattr(args, key)
-        if current is not None and not isinstance(value, type(current)) and not (
-            isinstance(current, float) and isinstance(value, int)
+        if (
+            current is not None
+            and not isinstance(value, type(current))
+            and not (isinstance(current, float) and isinstance(value, int))
         ):
             raise ValueError(
                 f"override {key}={value!r} has type {type(value).__name__}; "

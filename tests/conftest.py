@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny TorchTitan shapes (dim 32-64, 2 layers) for fast exactness tests."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Tiny shapes with GQA (4 query heads over 2 KV heads).
+TINY = {
+    "llama3": (
+        "llama3:debugmodel",
+        {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 97},
+    ),
+    "qwen3": (
+        "qwen3:debugmodel",
+        {
+            "dim": 64,
+            "n_layers": 2,
+            "n_heads": 4,
+            "n_kv_heads": 2,
+            "head_dim": 16,
+            "hidden_dim": 96,
+            "vocab_size": 97,
+        },
+    ),
+}
+
+
+@pytest.fixture(params=sorted(TINY))
+def family(request) -> str:
+    return request.param
+
+
+def tiny_model(family: str, dtype=torch.float64, ac: str = "none", seed: int = 0, **extra):
+    import prefixflow as pf
+
+    name, overrides = TINY[family]
+    model = pf.build_model(name, dtype=dtype, seed=seed, overrides={**overrides, **extra})
+    pf.apply_ac(model, ac)
+    return pf.apply_prefixflow(model)

@@ -1,0 +1,128 @@
+"""fp64: PrefixFlow and the baseline reproduce an independent full-sequence computation to <= 1e-9."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _reference import max_rel_diff, reference_pg
+from conftest import tiny_model
+
+import prefixflow as pf
+
+TOL = 1e-9
+
+
+def random_group(seed: int, vocab: int = 97, prompt_len: int | None = None, n: int | None = None, max_len=9):
+    gen = torch.Generator().manual_seed(seed)
+    prompt_len = prompt_len or int(torch.randint(2, 24, (1,), generator=gen))
+    n = n or int(torch.randint(2, 6, (1,), generator=gen))
+    lens = torch.randint(1, max_len + 1, (n,), generator=gen).tolist()
+    return pf.synthetic_group(vocab, prompt_len, lens, seed=seed)
+
+
+def grads(model):
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("system", ["prefixflow", "baseline"])
+def test_matches_independent_full_sequence(family, ac, layout, system):
+    model = tiny_model(family, ac=ac)
+    for seed in range(2):
+        group = random_group(seed)
+        want_loss, want = reference_pg(model, group)
+        for microbatch in (None, 1, 2):
+            model.zero_grad(set_to_none=True)
+            stats = pf.train_group(model, group, system=system, layout=layout, microbatch=microbatch)
+            assert abs(stats.loss - want_loss) <= TOL * max(1.0, abs(want_loss))
+            assert max_rel_diff(grads(model), want) <= TOL, (seed, microbatch)
+
+
+def test_one_token_prompt_has_empty_cache_and_matches(family):
+    model = tiny_model(family)
+    group = random_group(3, prompt_len=1)
+    want_loss, want = reference_pg(model, group)
+    for layout in ("padded", "packed"):
+        model.zero_grad(set_to_none=True)
+        stats = pf.train_group(model, group, layout=layout, microbatch=2)
+        assert stats.prefix_tokens == 0
+        assert abs(stats.loss - want_loss) <= TOL * max(1.0, abs(want_loss))
+        assert max_rel_diff(grads(model), want) <= TOL
+
+
+def test_first_response_token_is_predicted_by_last_prompt_token(family):
+    """Single-token responses: the whole loss lives at the prompt's last position (trap 1)."""
+    model = tiny_model(family)
+    group = pf.synthetic_group(97, 11, [1, 1, 1], seed=5)
+    want_loss, want = reference_pg(model, group)
+    model.zero_grad(set_to_none=True)
+    stats = pf.train_group(model, group)
+    assert stats.suffix_tokens == 3
+    assert abs(stats.loss - want_loss) <= TOL * max(1.0, abs(want_loss))
+    assert max_rel_diff(grads(model), want) <= TOL
+    # The LM head received gradient only from the three predictions, so it is nonzero.
+    assert model.output.weight.grad.abs().sum() > 0
+
+
+def test_qwen3_without_qk_norm_matches():
+    model = tiny_model("qwen3", qk_norm=False)
+    group = random_group(7)
+    want_loss, want = reference_pg(model, group)
+    model.zero_grad(set_to_none=True)
+    pf.train_group(model, group, layout="packed", microbatch=2)
+    assert max_rel_diff(grads(model), want) <= TOL
+
+
+def test_multi_head_attention_without_gqa_matches():
+    model = tiny_model("llama3", n_kv_heads=4)
+    group = random_group(8)
+    _, want = reference_pg(model, group)
+    model.zero_grad(set_to_none=True)
+    pf.train_group(model, group)
+    assert max_rel_diff(grads(model), want) <= TOL
+
+
+def test_grpo_and_token_mean_agree_between_systems(family):
+    model = tiny_model(family)
+    group = pf.synthetic_group(97, 14, [3, 7, 2, 5], seed=11, with_logprobs=True)
+    config = {"clip_eps_low": 0.05, "clip_eps_high": 0.08, "kl_coef": 0.1, "aggregation": "token-mean"}
+    model.zero_grad(set_to_none=True)
+    base = pf.train_group(model, group, system="baseline", loss="grpo", loss_config=config)
+    want = [g.clone() for g in grads(model)]
+    for layout, microbatch in (("padded", 1), ("packed", 3)):
+        model.zero_grad(set_to_none=True)
+        stats = pf.train_group(
+            model, group, layout=layout, microbatch=microbatch, loss="grpo", loss_config=config
+        )
+        assert abs(stats.loss - base.loss) <= TOL * max(1.0, abs(base.loss))
+        assert max_rel_diff(grads(model), want) <= TOL
+
+
+def test_grpo_without_old_logprobs_equals_pg_gradient(family):
+    """With old_logprobs=None the ratio is 1 (detached current policy), so the gradient is the pg one."""
+    model = tiny_model(family)
+    group = random_group(12)
+    _, want = reference_pg(model, group)
+    model.zero_grad(set_to_none=True)
+    pf.train_group(model, group, loss="grpo")
+    assert max_rel_diff(grads(model), want) <= TOL
+
+
+def test_gradients_accumulate_across_groups(family):
+    model = tiny_model(family)
+    g1, g2 = random_group(20), random_group(21)
+    _, w1 = reference_pg(model, g1)
+    _, w2 = reference_pg(model, g2)
+    model.zero_grad(set_to_none=True)
+    pf.train_group(model, g1)
+    pf.train_group(model, g2, layout="packed")
+    assert max_rel_diff(grads(model), [a + b for a, b in zip(w1, w2, strict=True)]) <= TOL
+
+
+def test_microbatch_split_does_not_rescale_loss(family):
+    """Trap 5: per-token weights are fixed by the group, never renormalised per microbatch."""
+    model = tiny_model(family)
+    group = random_group(30, n=5)
+    values = {mb: pf.train_group(model, group, microbatch=mb).loss for mb in (None, 1, 2, 5)}
+    assert max(values.values()) - min(values.values()) <= 1e-12
