@@ -1,0 +1,197 @@
+"""pf-bench end to end: smoke sweep (once per module), rerun, status, collect, run, errors, lazy commands."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from harness.cli import app, parse_overrides
+from harness.records import COLUMNS, collect
+from harness.spec import expand, load_spec
+
+REPO = Path(__file__).resolve().parent.parent
+SMOKE = REPO / "experiments" / "smoke.yaml"
+runner = CliRunner()
+TINY_RUN = [
+    "--model",
+    "llama3:debugmodel",
+    "--override",
+    "dim=32",
+    "--override",
+    "n_heads=2",
+    "--override",
+    "n_layers=2",
+    "--override",
+    "vocab_size=128",
+    "--prefix-len",
+    "12",
+    "--suffix-len",
+    "4",
+    "--n",
+    "2",
+    "--warmup",
+    "0",
+    "--repeats",
+    "1",
+]
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("smoke")
+    res = invoke("sweep", SMOKE, "--out", out)
+    assert res.exit_code == 0, res.output
+    return out
+
+
+@pytest.mark.slow
+def test_smoke_sweep_records_every_cell_and_system(smoke):
+    cells = expand(load_spec(SMOKE))
+    df = collect(smoke)
+    assert sorted(df["cell_id"].unique()) == sorted(c.cell_id for c in cells)
+    assert set(df["system"]) == {"baseline", "prefixflow"} and len(df) == 2 * len(cells)
+    assert set(df["status"]) == {"ok"}, df[["cell_id", "system", "error"]]
+    assert set(COLUMNS) <= set(df.columns)
+    assert set(df["layout"]) == {"padded", "packed"} and (df["step_time_s"] > 0).all()
+    assert (df["step_time_min_s"] <= df["step_time_s"]).all() and (
+        df["step_time_s"] <= df["step_time_max_s"]
+    ).all()
+    assert df["git_rev"].str.len().gt(0).all() and (df["repeats"] == 3).all()
+
+
+@pytest.mark.slow
+def test_second_sweep_runs_nothing_and_status_says_so(smoke):
+    before = {p: p.stat().st_mtime_ns for p in (smoke / "smoke").glob("*.parquet")}
+    res = invoke("sweep", SMOKE, "--out", smoke)
+    assert res.exit_code == 0 and "0 to run" in res.output and "ran 0" in res.output
+    assert {p: p.stat().st_mtime_ns for p in (smoke / "smoke").glob("*.parquet")} == before
+    res = invoke("status", smoke)
+    assert res.exit_code == 0 and "a sweep would run nothing" in res.output
+    res = invoke("sweep", SMOKE, "--out", smoke, "--dry-run")
+    assert res.exit_code == 0 and "0 to run" in res.output and "done (ok)" in res.output
+
+
+@pytest.mark.slow
+def test_collect_writes_one_table(smoke, tmp_path):
+    out = tmp_path / "all.parquet"
+    res = invoke("collect", smoke, "-o", out)
+    assert res.exit_code == 0, res.output
+    assert len(pd.read_parquet(out)) == 2 * len(expand(load_spec(SMOKE)))
+
+
+@pytest.mark.slow
+def test_figures_and_tables_call_the_renderers(smoke, tmp_path, monkeypatch):
+    calls = []
+    fake = types.ModuleType("harness.figures")
+    fake.render_all = lambda df, out: calls.append(("figures", len(df), out)) or [out / "fig.png"]
+    fake.render_tables = lambda df, out: calls.append(("tables", len(df), out)) or [out / "t.md"]
+    monkeypatch.setitem(sys.modules, "harness.figures", fake)
+    assert invoke("figures", "--results", smoke, "--out", tmp_path / "f").exit_code == 0
+    assert invoke("tables", "--results", smoke, "--out", tmp_path / "f").exit_code == 0
+    n = 2 * len(expand(load_spec(SMOKE)))
+    assert calls == [("figures", n, tmp_path / "f"), ("tables", n, tmp_path / "f")]
+    res = runner.invoke(app, ["figures", "--results", str(tmp_path / "empty"), "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "no records" in res.output
+
+
+def test_dry_run_on_empty_folder_lists_cells(tmp_path):
+    res = invoke("sweep", SMOKE, "--out", tmp_path, "--dry-run")
+    n = len(expand(load_spec(SMOKE)))
+    assert res.exit_code == 0 and f"{n} to run" in res.output
+    assert not (tmp_path / "smoke").exists()
+
+
+def test_malformed_spec_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(SMOKE.read_text().replace("layout: [padded, packed]", "layout: [padded, diagonal]"))
+    res = runner.invoke(app, ["sweep", str(bad), "--out", str(tmp_path)])
+    assert res.exit_code == 2
+    assert "bad.yaml" in res.output and "axes.layout.1" in res.output and "'padded' or 'packed'" in res.output
+
+
+def test_run_json_prints_one_record_per_system(tmp_path):
+    res = invoke("run", *TINY_RUN, "--layout", "packed", "--json", "--out", tmp_path)
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+    assert [r["system"] for r in lines] == ["baseline", "prefixflow"]
+    assert all(r["status"] == "ok" and r["layout"] == "packed" and r["n"] == 2 for r in lines)
+    assert lines[0]["phase_a_s"] is None and lines[1]["phase_a_s"] > 0
+    files = list((tmp_path / "adhoc").glob("*.parquet"))
+    assert len(files) == 1 and files[0].stem == lines[0]["cell_id"]
+
+
+def test_run_table_and_failures_exit_nonzero():
+    res = invoke("run", *TINY_RUN, "--systems", "prefixflow")
+    assert res.exit_code == 0 and "prefixflow" in res.output and "cpu-live-bytes" in res.output
+    res = runner.invoke(app, ["run", *TINY_RUN, "--systems", "prefixflow,nosuch"])
+    assert res.exit_code == 1 and "unknown system 'nosuch'" in res.output
+    res = runner.invoke(app, ["run", *TINY_RUN, "--layout", "diagonal"])
+    assert res.exit_code == 2
+
+
+def test_parse_overrides():
+    assert parse_overrides(["dim=64", "norm_eps=1e-5", "name=x", "flag=true"]) == {
+        "dim": 64,
+        "norm_eps": 1e-5,
+        "name": "x",
+        "flag": True,
+    }
+    with pytest.raises(Exception, match="FIELD=VALUE"):
+        parse_overrides(["dim"])
+
+
+def test_align_calls_the_alignment_api(monkeypatch):
+    seen = {}
+    fake = types.ModuleType("prefixflow.alignment")
+
+    def run_alignment(**kw):
+        seen.update(kw)
+        return pd.DataFrame([{"step": 1, "grad_max_rel": 1e-7, "pass": True}])
+
+    fake.run_alignment = run_alignment
+    monkeypatch.setitem(sys.modules, "prefixflow.alignment", fake)
+    res = invoke(
+        "align",
+        "--model",
+        "qwen3:debugmodel",
+        "--override",
+        "dim=32",
+        "--steps",
+        "2",
+        "--dtype",
+        "fp64",
+        "--prefix-len",
+        "10",
+        "--suffix-len",
+        "3",
+        "--n",
+        "2",
+    )
+    assert res.exit_code == 0 and "grad_max_rel" in res.output
+    assert seen == {
+        "model": "qwen3:debugmodel",
+        "overrides": {"dim": 32},
+        "steps": 2,
+        "dtype": "fp64",
+        "prefix_len": 10,
+        "suffix_len": 3,
+        "n": 2,
+    }
+
+
+def test_help_everywhere():
+    for cmd in ([], ["run"], ["sweep"], ["status"], ["collect"], ["figures"], ["tables"], ["align"]):
+        res = runner.invoke(app, [*cmd, "--help"])
+        assert res.exit_code == 0 and "Usage" in res.output
+    res = invoke("run", "--help")
+    assert "--offload" in res.output and "--ac" in res.output and "--json" in res.output
