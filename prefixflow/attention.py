@@ -96,13 +96,14 @@ class AttendWithPrefix:
         self.mask = mask
         self.variant = variant
         self._split_mask = None
+        if variant == "split" and len(cache):
+            # Built once per microbatch, eagerly (it inspects the mask), shared by every layer.
+            dtype = next(iter(cache.layers.values())).live_k.dtype
+            self._split_mask = suffix_bias(mask[..., mask.shape[-1] - mask.shape[-2] :], dtype)
 
     def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
         cached = self.cache.read(wrapper.layer, k.dtype)
         if cached is not None and self.variant == "split":
-            if self._split_mask is None:  # built once per microbatch, shared by every layer
-                suffix = self.mask[..., self.mask.shape[-1] - q.shape[2] :]
-                self._split_mask = suffix_bias(suffix, q.dtype)
             return split_attention(q, k, v, *cached, None, scale=scale, prepared=self._split_mask)
         if cached is not None:
             prefix_k, prefix_v = cached
