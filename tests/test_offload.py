@@ -1,0 +1,196 @@
+"""Offload of dormant prefix saved tensors (prefixflow.offload): bitwise-neutral, real, and released."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import prefixflow as pf
+import prefixflow.schedule as schedule
+from harness.measure import LiveBytesMeter
+from prefixflow.group import synthetic_group
+
+MODES = {
+    "off": pf.PrefixFlowConfig(),
+    "prefetch": pf.PrefixFlowConfig(offload=True),
+    "demand": pf.PrefixFlowConfig(offload=True, offload_prefetch=False),
+}
+
+
+def run(model, group, mode: str, **kwargs):
+    pf.apply_prefixflow(model, MODES[mode])
+    model.zero_grad(set_to_none=True)
+    stats = pf.train_group(model, group, **kwargs)
+    return stats, [p.grad.clone() for p in model.parameters()]
+
+
+def pool_fds() -> list[str]:
+    """Open file descriptors of this process that point at an offload pool file."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if "prefixflow-offload-" in target:
+            found.append(target)
+    return found
+
+
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_gradients_bitwise_equal_with_prefetch_and_demand_load(family, ac, layout):
+    model = tiny_model(family, ac=ac)
+    group = synthetic_group(97, 40, [5, 9, 3, 7], seed=1)
+    want_stats, want = run(model, group, "off", layout=layout, microbatch=2)
+    assert want_stats.offload is None
+    for mode in ("prefetch", "demand"):
+        stats, got = run(model, group, mode, layout=layout, microbatch=2)
+        assert stats.loss == want_stats.loss
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), mode
+        off = stats.offload
+        assert off.tier == pf.offload.TIER_CPU and off.released
+        assert off.offloaded_bytes > 0
+        # Every offloaded byte came back exactly once, except what autograd freed unneeded.
+        assert off.loaded_bytes == off.offloaded_bytes - off.dropped_bytes > 0
+        if mode == "prefetch":
+            assert off.prefetched_bytes > 0
+        else:
+            assert off.prefetched_bytes == 0 and off.demand_loaded_bytes == off.loaded_bytes
+        if ac == "none":
+            assert off.kept.get("kv", 0) >= 2 * 2  # K and V of both layers stayed resident
+    assert not pool_fds()
+
+
+def test_one_slot_per_storage_exact_views_and_resident_kinds():
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(64, 64, dtype=torch.float64))
+    x = torch.randn(32, 64, dtype=torch.float64, requires_grad=True)
+    tiny = torch.randn(4, dtype=torch.float64, requires_grad=True)
+
+    def forward():
+        h = x * 2
+        y = h.sin().sum() + h[:, 3:].t().cos().sum() + h.exp().exp().sum()  # h saved twice, as two views
+        return y + model.w.sin().sum() + tiny.sin().sum() + h.gather(1, torch.zeros(32, 1, dtype=torch.long)).sum()
+
+    forward().backward()
+    want = [t.grad.clone() for t in (x, tiny, model.w)]
+    for t in (x, tiny, model.w):
+        t.grad = None
+    for prefetch in (True, False):
+        off = pf.PrefixOffload(model, pf.PrefixKVCache(), prefetch=prefetch)
+        with off.saving():
+            loss = forward()
+        assert len(pool_fds()) == 1
+        off.prefetch()
+        loss.backward()
+        del loss
+        off.release()
+        got = [t.grad.clone() for t in (x, tiny, model.w)]
+        for t in (x, tiny, model.w):
+            t.grad = None
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        s = off.stats
+        # h (one storage, saved by sin, the strided view and gather) and the two exp outputs: three slots.
+        assert s.offloaded_tensors == 3 and s.offloaded_bytes == 3 * 32 * 64 * 8
+        assert s.kept == {"param": 1, "small": 1, "non_float": 1}
+        assert s.loaded_bytes == s.offloaded_bytes and s.dropped_bytes == 0
+        assert (s.prefetched_bytes > 0) == prefetch
+        assert not pool_fds()
+
+
+def test_pool_exists_during_phase_b_and_is_gone_after_the_group():
+    model = tiny_model("llama3")
+    group = synthetic_group(97, 40, [6, 6, 6], seed=3)
+    pf.apply_prefixflow(model, MODES["prefetch"])
+    during = {}
+
+    class Probe:
+        def enter(self, phase):
+            if phase == "B":
+                during["fds"] = pool_fds()
+
+        def exit(self, phase):
+            pass
+
+    stats = pf.train_group(model, group, observer=Probe())
+    assert len(during["fds"]) == 1 and during["fds"][0].endswith("(deleted)")  # unlinked, still open
+    assert not pool_fds() and stats.offload.released
+    assert stats.offload.pool_capacity_bytes == stats.offload.offloaded_bytes
+
+
+def test_pool_released_after_an_exception_mid_phase_b(monkeypatch):
+    model = tiny_model("qwen3")
+    group = synthetic_group(97, 40, [5, 7, 4], seed=4)
+    _, want = run(model, group, "off", microbatch=1)
+    real = schedule._forward_backward
+    calls = {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom in the second suffix microbatch")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(schedule, "_forward_backward", failing)
+    pf.apply_prefixflow(model, MODES["prefetch"])
+    with pytest.raises(RuntimeError, match="boom"):
+        pf.train_group(model, group, microbatch=1)
+    assert not pool_fds()
+    monkeypatch.setattr(schedule, "_forward_backward", real)
+    _, got = run(model, group, "demand", microbatch=1)  # the next group is unaffected
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+class PhaseLive:
+    """Observer: live bytes when each phase starts and its peak (LiveBytesMeter)."""
+
+    def __init__(self, meter: LiveBytesMeter) -> None:
+        self.meter, self.start, self.peak = meter, {}, {}
+
+    def enter(self, phase):
+        self.start[phase] = self.meter.current
+        self.meter.reset_peak()
+
+    def exit(self, phase):
+        self.peak[phase] = self.meter.peak
+
+
+def measure(model, group, mode: str):
+    pf.apply_prefixflow(model, MODES[mode])
+    model.zero_grad(set_to_none=True)
+    meter = LiveBytesMeter()
+    meter.register(model)
+    probe = PhaseLive(meter)
+    before = meter.current
+    with meter:
+        stats = pf.train_group(model, group, observer=probe)
+    grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
+    probe.residual = meter.current - before - grads  # bytes a group leaves behind besides .grad
+    return stats, probe
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_phase_b_live_bytes_drop_by_the_offloaded_bytes(ac):
+    model = tiny_model("llama3", dtype=torch.float32, ac=ac)
+    group = synthetic_group(97, 121, [24] * 4, seed=5)  # prefix ratio 5/6
+    _, base = measure(model, group, "off")
+    stats, off = measure(model, group, "prefetch")
+    o = stats.offload
+    resident_saved = o.offloaded_bytes - o.dropped_bytes
+    assert resident_saved > 0
+    # Phase B starts exactly the offloaded (and still needed) bytes lower, and peaks lower.
+    assert base.start["B"] - off.start["B"] == resident_saved
+    assert off.peak["B"] <= base.peak["B"] - resident_saved
+    assert off.peak["B"] < base.peak["B"]
+    assert off.residual == base.residual  # offload leaves nothing behind
+
+
+def test_config_rejects_non_bool_offload_flags():
+    with pytest.raises(TypeError, match="offload"):
+        pf.PrefixFlowConfig(offload=1)
+    with pytest.raises(TypeError, match="offload_prefetch"):
+        pf.PrefixFlowConfig(offload=True, offload_prefetch="yes")
