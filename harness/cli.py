@@ -330,34 +330,52 @@ def tables(
     _render("tables", results, out)
 
 
+def report_steps_for(steps: int) -> list[int]:
+    """The paper's reported steps (1, 10, 20) that fall within ``steps``, plus the last step."""
+    return sorted({s for s in (1, 10, 20) if s <= steps} | {steps})
+
+
 @app.command()
 def align(
     model: Annotated[str, typer.Option(help="TorchTitan model 'family:flavor'")] = "llama3:debugmodel",
     override: Annotated[list[str], typer.Option(help="ModelArgs override FIELD=VALUE (repeatable)")] = [],  # noqa: B006
-    steps: Annotated[int, typer.Option(min=1, help="optimizer steps to compare")] = 3,
-    dtype: DType = DType.fp32,
-    prefix_len: int = 48,
-    suffix_len: int = 16,
+    steps: Annotated[
+        int, typer.Option(min=1, help="AdamW steps; reports steps 1/10/20 within it and the last")
+    ] = 20,
+    dtype: DType = DType.bf16,
+    prefix_len: int = 96,
+    suffix_len: int = 32,
     n: int = 4,
+    layout: Layout = Layout.padded,
+    ac: AC = AC.none,
+    seed: int = 0,
 ) -> None:
-    """Table 3: PrefixFlow vs baseline gradients, losses and weights over STEPS steps."""
-    from prefixflow.alignment import run_alignment
+    """Table 3: gradients (G), loss (L) and weights (W) of PrefixFlow vs the baseline over STEPS steps."""
+    import torch
 
-    result = run_alignment(
-        model=model,
-        overrides=parse_overrides(override),
-        steps=steps,
-        dtype=dtype.value,
-        prefix_len=prefix_len,
-        suffix_len=suffix_len,
-        n=n,
-    )
-    if isinstance(result, pd.DataFrame):
-        console.print(_table(result, title="alignment (Table 3)"))
-    elif isinstance(result, list) and result and isinstance(result[0], dict):
-        console.print(_table(pd.DataFrame(result), title="alignment (Table 3)"))
-    else:
-        console.print(result)
+    from prefixflow.alignment import format_alignment, run_alignment
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+    try:
+        rows = run_alignment(
+            model,
+            overrides=parse_overrides(override),
+            steps=steps,
+            dtype=dtypes[dtype.value],
+            report_steps=report_steps_for(steps),
+            prefix_len=prefix_len,
+            suffix_len=suffix_len,
+            n=n,
+            layout=layout.value,
+            ac=ac.value,
+            seed=seed,
+        )
+    except (ValueError, TypeError) as e:
+        _fail(str(e))
+    console.print(format_alignment(rows), highlight=False)
+    if not all(r.passed for r in rows):
+        err_console.print("[red]alignment FAILED the pass rule |x-y| <= 1e-3 + 1e-2*max(|x|,|y|)[/red]")
+        raise typer.Exit(1)
 
 
 if __name__ == "__main__":

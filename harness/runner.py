@@ -115,13 +115,6 @@ def make_group(cell: Cell, vocab_size: int):
     return RolloutGroup(prompt=prompt, responses=responses, advantages=advantages)
 
 
-def compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
-    """torch.compile each transformer block (TorchTitan's per-block compile)."""
-    for name, block in list(model.layers.named_children()):
-        model.layers.register_module(name, torch.compile(block))
-    return model
-
-
 def build_for(system_name: str, cell: Cell, device: torch.device):
     """A fresh model (same seed for every system) transformed for ``system_name``."""
     from prefixflow import apply_ac, build_model
@@ -137,7 +130,9 @@ def build_for(system_name: str, cell: Cell, device: torch.device):
     apply_ac(model, cell.ac)
     model = system.prepare(model, cell)
     if cell.compile:
-        model = compile_blocks(model)
+        from prefixflow.compile import apply_compile
+
+        apply_compile(model)  # per-block, shared by both systems; the first (warm-up) step pays compile time
     return system, model
 
 
