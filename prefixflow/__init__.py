@@ -6,6 +6,7 @@
 """
 
 from .apply import AC_MODES, PrefixFlowConfig, apply_ac, apply_prefixflow
+from .compile import apply_compile
 from .group import RolloutGroup, synthetic_group
 from .kv_cache import PrefixKVCache
 from .layouts import LAYOUTS
@@ -27,6 +28,7 @@ __all__ = [
     "PrefixOffload",
     "RolloutGroup",
     "apply_ac",
+    "apply_compile",
     "apply_prefixflow",
     "build_model",
     "list_models",
