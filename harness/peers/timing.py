@@ -1,0 +1,99 @@
+"""Side-by-side CPU step times: baseline, PrefixFlow (concat / split), PrefixGrouper; eager or compiled.
+
+    python -m harness.peers.timing [--compile] [--prompt 1280] [--response 256] [--n 16] [--repeats 3]
+
+One model copy per system (same seed, fp32), one warm-up call each (on a compiled model that call is
+compile + one step and is reported as ``first_call_s``), then ``repeats`` rounds that visit the systems in
+alternating order; prints the median step time of each and its speedup over the baseline as JSON lines.
+PrefixFlow and the baseline run one sequence per microbatch (``microbatch=1``, padded layout);
+PrefixGrouper runs its one packed graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import prefixflow as pf
+
+from .prefix_grouper import train_group_prefix_grouper
+
+SYSTEMS = ("baseline", "prefixflow-concat", "prefixflow-split", "prefix_grouper")
+
+
+def make_step(name: str, model):
+    if name == "prefix_grouper":
+        return lambda group: train_group_prefix_grouper(model, group)
+    if name == "baseline":
+        return lambda group: pf.train_group(model, group, system="baseline", microbatch=1)
+    return lambda group: pf.train_group(model, group, system="prefixflow", microbatch=1)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama3:debugmodel")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=1280)
+    ap.add_argument("--response", type=int, default=256)
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    names = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(names) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"unknown system(s) {unknown}; valid: {SYSTEMS}")
+    overrides = {"n_layers": args.layers, "max_seq_len": args.prompt + args.response}
+    probe = pf.build_model(args.model, overrides=overrides)
+    vocab = pf.model_args(probe).vocab_size
+    group = pf.synthetic_group(vocab, args.prompt, [args.response] * args.n, seed=0)
+    steps, first = {}, {}
+    for name in names:
+        variant = "split" if name == "prefixflow-split" else "concat"
+        model = pf.apply_prefixflow(
+            pf.build_model(args.model, overrides=overrides), pf.PrefixFlowConfig(attention=variant)
+        )
+        if args.compile:
+            pf.apply_compile(model)
+        steps[name] = make_step(name, model)
+        start = time.perf_counter()
+        steps[name](group)
+        first[name] = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+    times = {name: [] for name in names}
+    for r in range(args.repeats):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            start = time.perf_counter()
+            steps[name](group)
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["baseline"]) if "baseline" in times else float("nan")
+    rows = []
+    for name in names:
+        median = statistics.median(times[name])
+        row = {
+            "system": name,
+            "compiled": args.compile,
+            "P": args.prompt,
+            "S": args.response,
+            "N": args.n,
+            "layers": args.layers,
+            "first_call_s": round(first[name], 3),
+            "median_step_s": round(median, 4),
+            "steps_s": [round(t, 4) for t in times[name]],
+            "speedup_vs_baseline": round(base / median, 3),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
