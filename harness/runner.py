@@ -171,14 +171,26 @@ def _summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "step_time_s": statistics.median(steps),
         "step_time_min_s": min(steps),
         "step_time_max_s": max(steps),
-        "peak_mem_bytes": max(s["peak_mem_bytes"] for s in samples),
-        "peak_mem_phase_b_bytes": max(s["peak_mem_phase_b_bytes"] for s in samples),
-        "mem_meter": samples[0]["mem_meter"],
     }
     for key in ("phase_a_s", "phase_b_s", "phase_c_s"):
         vals = [s[key] for s in samples]
         out[key] = math.nan if any(math.isnan(v) for v in vals) else statistics.median(vals)
     return out
+
+
+def _memory_columns(mem: dict[str, Any] | None, samples: list[dict[str, Any]], cell: Cell) -> dict[str, Any]:
+    """Peak-memory columns: from the memory step on CPU, from the timed steps on CUDA."""
+    src = [mem] if mem is not None else samples
+    if src[0]["mem_meter"] == "none":
+        why = "none (torch.compile cannot run under the CPU live-bytes meter)" if cell.compile else "none"
+        return {"peak_mem_bytes": math.nan, "peak_mem_phase_b_bytes": math.nan, "mem_meter": why}
+    return {
+        "peak_mem_bytes": max(s["peak_mem_bytes"] for s in src),
+        "peak_mem_phase_b_bytes": max(s["peak_mem_phase_b_bytes"] for s in src),
+        "offloaded_peak_bytes": max(s.get("offloaded_peak_bytes", math.nan) for s in src),
+        "offloaded_peak_phase_b_bytes": max(s.get("offloaded_peak_phase_b_bytes", math.nan) for s in src),
+        "mem_meter": src[0]["mem_meter"],
+    }
 
 
 def _release(model: torch.nn.Module | None, device: torch.device) -> None:
@@ -219,28 +231,40 @@ def run_cell(cell: Cell) -> list[dict[str, Any]]:
     samples: dict[str, list[dict[str, Any]]] = {name: [] for name in cell.systems}
     last_stats: dict[str, Any] = {}
     first_step: dict[str, float] = {}
+
+    def measured_step(name: str, track_memory: bool) -> tuple[dict[str, Any], Any] | None:
+        model = models[name]
+        try:
+            model.zero_grad(set_to_none=True)
+            meter = PhaseMeter(device, model=model, track_memory=track_memory)
+            with meter:
+                stats = systems[name].step(model, group, cell, meter)
+            res = rank_max(meter.results(extended=True))
+            model.zero_grad(set_to_none=True)
+            return res, stats
+        except Exception as e:
+            failures[name] = (classify(e), traceback.format_exc())
+            models[name] = None
+            _release(model, device)
+            return None
+
+    # Timed steps, interleaved A B A B ...; on CPU without the per-op live-bytes meter (its overhead would
+    # distort times, and torch.compile cannot run under a dispatch mode). CUDA memory stats are free.
     for it in range(cell.warmup + cell.repeats):
         for name in cell.systems:
-            if name in failures:
-                continue
-            model = models[name]
-            try:
-                model.zero_grad(set_to_none=True)
-                meter = PhaseMeter(device, model=model)
-                with meter:
-                    stats = systems[name].step(model, group, cell, meter)
-                res = rank_max(meter.results())
-                model.zero_grad(set_to_none=True)
-            except Exception as e:
-                failures[name] = (classify(e), traceback.format_exc())
-                models[name] = None
-                _release(model, device)
+            if name in failures or (out := measured_step(name, track_memory=False)) is None:
                 continue
             if it == 0:
-                first_step[name] = res["step_time_s"]
+                first_step[name] = out[0]["step_time_s"]
             if it >= cell.warmup:
-                samples[name].append(res)
-                last_stats[name] = stats
+                samples[name].append(out[0])
+                last_stats[name] = out[1]
+    # On CPU, one extra (untimed) step per system with the live-bytes meter gives peak memory per phase.
+    memory: dict[str, dict[str, Any]] = {}
+    if device.type == "cpu" and not cell.compile:
+        for name in cell.systems:
+            if name not in failures and (out := measured_step(name, track_memory=True)) is not None:
+                memory[name] = out[0]
 
     tokens = cell.n * cell.prefix_len + (
         sum(len(r) for r in group.responses) if group else cell.n * cell.suffix_len
@@ -253,6 +277,7 @@ def run_cell(cell: Cell) -> list[dict[str, Any]]:
             rec["status"], rec["error"] = failures[name]
         else:
             rec.update(status="ok", error=None, **_summarize(samples[name]))
+            rec.update(_memory_columns(memory.get(name), samples[name], cell))
             st = last_stats[name]
             rec.update(
                 loss=float(st.loss),

@@ -1,0 +1,57 @@
+"""The smoke spec through a real Slurm (scripts/slurm_up.sh) matches the local executor's cells and statuses."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from harness.cli import app
+from harness.records import collect
+from harness.spec import expand, load_spec
+
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        shutil.which("sinfo") is None,
+        reason="no Slurm client (sinfo) on PATH; start one with `bash scripts/slurm_up.sh`",
+    ),
+]
+SMOKE = Path(__file__).resolve().parent.parent / "experiments" / "smoke.yaml"
+runner = CliRunner()
+
+
+def _sweep(executor: str, out: Path) -> str:
+    res = runner.invoke(
+        app, ["sweep", str(SMOKE), "--executor", executor, "--out", str(out)], catch_exceptions=False
+    )
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def test_cluster_is_up():
+    out = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    states = set(out.stdout.split())
+    assert out.returncode == 0 and states & {"idle", "mix", "alloc"}, (
+        f"sinfo found but the cluster is not usable: {out.stdout!r} {out.stderr!r}; run `bash scripts/slurm_up.sh`"
+    )
+
+
+def test_smoke_on_slurm_matches_local(tmp_path):
+    cells = expand(load_spec(SMOKE))
+    slurm_out = _sweep("slurm", tmp_path / "slurm")
+    assert "(slurm)" in slurm_out and f"ran {len(cells)}" in slurm_out
+    _sweep("local", tmp_path / "local")
+    on_slurm, local = collect(tmp_path / "slurm"), collect(tmp_path / "local")
+    key = ["cell_id", "system", "status"]
+    assert sorted(map(tuple, on_slurm[key].values)) == sorted(map(tuple, local[key].values))
+    assert sorted(on_slurm["cell_id"].unique()) == sorted(c.cell_id for c in cells)
+    assert set(on_slurm["status"]) == {"ok"}, on_slurm[["cell_id", "system", "error"]]
+    # the jobs really went through Slurm: submitit wrote its array logs
+    assert list((tmp_path / "slurm" / "smoke" / "_slurm").glob("*_0_log.out"))
+    # a rerun on Slurm submits nothing
+    assert "ran 0" in _sweep("slurm", tmp_path / "slurm")
