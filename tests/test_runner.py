@@ -1,0 +1,119 @@
+"""The cell runner: interleaving, separate model copies, per-system failure isolation, OOM classification."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from harness import systems
+from harness.executors import CellJob
+from harness.runner import classify, make_group, run_cell
+from harness.spec import Cell, ModelSpec
+from harness.systems import TrainGroupSystem, available_systems, get_system, register_system
+
+TINY = ModelSpec(
+    name="llama3:debugmodel", overrides={"dim": 32, "n_layers": 2, "n_heads": 2, "vocab_size": 128}
+)
+
+
+def _cell(systems_, **over) -> Cell:
+    base = dict(
+        spec="t", model=TINY, prefix_len=12, suffix_len=4, n=2, warmup=1, repeats=2, systems=tuple(systems_)
+    )
+    return Cell(**{**base, **over})
+
+
+class Recorder(TrainGroupSystem):
+    log: list[tuple[str, int, float]] = []
+
+    def step(self, model, group, cell, observer):
+        first = next(model.parameters())
+        Recorder.log.append((self.name, id(model), float(first.detach().sum())))
+        return super().step(model, group, cell, observer)
+
+
+class Exploding(TrainGroupSystem):
+    exc: type[BaseException] = RuntimeError
+
+    def step(self, model, group, cell, observer):
+        raise self.exc("boom from the test system")
+
+
+@pytest.fixture
+def test_systems():
+    added = {
+        "rec_a": lambda: Recorder("rec_a", "baseline", False),
+        "rec_b": lambda: Recorder("rec_b", "prefixflow", True),
+        "explode": lambda: Exploding("explode", "baseline", False),
+    }
+    for name, factory in added.items():
+        register_system(name, factory)
+    Recorder.log = []
+    yield
+    for name in added:
+        systems._REGISTRY.pop(name)
+
+
+def test_registry():
+    assert {"baseline", "prefixflow"} <= set(available_systems())
+    with pytest.raises(ValueError, match="already registered"):
+        register_system("baseline", lambda: None)
+    with pytest.raises(ValueError, match="unknown system 'prefix_grouperx'.*baseline"):
+        get_system("prefix_grouperx")
+
+
+def test_systems_interleave_on_separate_identical_models(test_systems):
+    records = run_cell(_cell(["rec_a", "rec_b"]))
+    assert [r["status"] for r in records] == ["ok", "ok"]
+    names = [name for name, _, _ in Recorder.log]
+    assert names == ["rec_a", "rec_b"] * 4  # warm-up, 2 timed repeats, 1 CPU memory step: A B A B ...
+    ids = {name: {i for n, i, _ in Recorder.log if n == name} for name in ("rec_a", "rec_b")}
+    assert len(ids["rec_a"]) == 1 and ids["rec_a"].isdisjoint(ids["rec_b"])
+    sums = {name: s for name, _, s in Recorder.log[:2]}
+    assert sums["rec_a"] == sums["rec_b"]  # same seed -> same initial weights
+    assert records[0]["repeats"] == 2 and records[0]["step_time_min_s"] <= records[0]["step_time_s"]
+
+
+def test_a_failing_system_does_not_stop_the_other(test_systems):
+    records = {r["system"]: r for r in run_cell(_cell(["explode", "rec_a"]))}
+    assert records["explode"]["status"] == "error"
+    assert (
+        "Traceback" in records["explode"]["error"]
+        and "boom from the test system" in records["explode"]["error"]
+    )
+    assert records["rec_a"]["status"] == "ok" and records["rec_a"]["step_time_s"] > 0
+
+
+def test_memory_errors_are_oom(test_systems, monkeypatch):
+    monkeypatch.setattr(Exploding, "exc", MemoryError)
+    assert run_cell(_cell(["explode"]))[0]["status"] == "oom"
+    assert classify(torch.OutOfMemoryError("CUDA out of memory")) == "oom"
+    assert classify(RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory")) == "oom"
+    assert classify(ValueError("bad shape")) == "error"
+
+
+def test_group_is_deterministic_and_spread_varies_lengths():
+    cell = _cell(["baseline"], suffix_spread=0.5, n=8)
+    a, b = make_group(cell, 128), make_group(cell, 128)
+    assert torch.equal(a.prompt, b.prompt) and all(
+        torch.equal(x, y) for x, y in zip(a.responses, b.responses, strict=True)
+    )
+    lens = [len(r) for r in a.responses]
+    assert len(a.prompt) == 12 and all(2 <= s <= 4 for s in lens) and len(set(lens)) > 1
+    assert {len(r) for r in make_group(_cell(["baseline"]), 128).responses} == {4}
+
+
+def test_offload_is_passed_to_prefixflow():
+    from prefixflow import PrefixFlowConfig
+
+    assert systems.prefixflow_config(_cell(["prefixflow"], offload=True)) == PrefixFlowConfig(offload=True)
+    assert systems.prefixflow_config(_cell(["prefixflow"])) == PrefixFlowConfig()
+
+
+def test_slurm_job_is_checkpointable_and_requeues_the_same_cell(tmp_path):
+    job = CellJob()
+    delayed = job.checkpoint(str(tmp_path / "job.json"))
+    assert delayed.function is job and delayed.args == (str(tmp_path / "job.json"),)
+    assert pickle.loads(pickle.dumps(job)).__class__ is CellJob
