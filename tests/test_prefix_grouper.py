@@ -9,7 +9,7 @@ import prefixflow as pf
 from harness.peers import train_group_prefix_grouper
 from harness.peers.prefix_grouper import grouped_attention_func
 
-TOL = 1e-9
+TOL = 1e-12  # measured ~1e-15: nothing in PrefixGrouper drops below fp64
 TINY = {
     "llama3": (
         "llama3:debugmodel",
