@@ -173,9 +173,6 @@ class _FilePool:
         slot.data = torch.empty(slot.nbytes, dtype=torch.uint8)
         self._read(slot.data, slot.where)
 
-    def free(self, slot: _Slot) -> None:
-        pass  # file space is returned at close; slots are never rewritten within a group
-
     def capacity(self) -> int:
         return self.size
 
@@ -243,9 +240,6 @@ class _PinnedPool:
         torch.cuda.current_stream(self.device).wait_event(copied_out)
         slot.data = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
         slot.data.copy_(region, non_blocking=True)  # stream-ordered before the backward that reads it
-
-    def free(self, slot: _Slot) -> None:
-        pass  # bump allocation: regions are returned with their chunk at close
 
     def capacity(self) -> int:
         return sum(c[0].numel() for c in self.chunks)
@@ -391,8 +385,7 @@ class PrefixOffload:
                 slot.pending = None
             if not slot.loaded:
                 self.stats.dropped_bytes += slot.nbytes
-            slot.data = None
-            self.pool.free(slot)
+            slot.data = None  # file space / pinned regions are bump-allocated and returned at release
 
     # -- end of group -------------------------------------------------------------------------------
     def release(self) -> None:
@@ -410,10 +403,6 @@ class PrefixOffload:
                 self._slots.clear()
                 self._by_storage.clear()
                 _FOOTPRINT[self.model] = self.stats.offloaded_bytes
-
-    @property
-    def closed(self) -> bool:
-        return self.stats.released
 
 
 @contextlib.contextmanager
