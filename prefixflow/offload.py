@@ -23,7 +23,7 @@ saved for backward is dormant until Phase C. ``PrefixOffload`` moves those tenso
   ``ahead`` more layers) in reverse layer order; each time the backward reaches a lower layer the window
   moves down. Loads run on a side stream (CUDA) or the worker thread into buffers allocated by the caller.
   A slot that is not back yet when the backward needs it is waited for, or loaded on demand if its load
-  has not started; with ``prefetch=False`` every slot is demand-loaded. Correctness never depends on overlap.
+  has not started (``late_bytes``); with ``prefetch=False`` every slot is demand-loaded. Correctness never depends on overlap.
 * **Dead slots.** Phase A runs the last block completely but Phase C only needs what leads to K/V; autograd
   frees the rest of the graph when Phase A's output is dropped. A slot whose every saved handle died is
   freed and never loaded (``dropped_bytes``), so ``offloaded = prefetched + demand_loaded + dropped``.
@@ -70,8 +70,9 @@ class OffloadStats:
     kept: dict[str, int] = field(default_factory=dict)  # reason -> saved tensors kept resident
     offloaded_tensors: int = 0  # distinct storages moved out
     offloaded_bytes: int = 0
-    prefetched_bytes: int = 0
-    demand_loaded_bytes: int = 0
+    prefetched_bytes: int = 0  # loads the prefetcher issued ahead of need
+    late_bytes: int = 0  # part of prefetched_bytes not back yet when needed (waited for or read inline)
+    demand_loaded_bytes: int = 0  # loads issued only when the backward needed them
     dropped_bytes: int = 0  # moved out, then freed by autograd without being needed
     pool_capacity_bytes: int = 0
     released: bool = False
@@ -154,12 +155,15 @@ class _FilePool:
         slot.pending = self.io.submit(self._read, slot.data, slot.where)
 
     def complete_load(self, slot: _Slot) -> bool:
-        """Wait for a started load; run it here if the worker has not begun it. True = it was prefetched."""
+        """Wait for a started load; run it here if the worker has not begun it. True = it was already done."""
+        if slot.pending.done():
+            slot.pending.result()
+            return True
         if slot.pending.cancel():
             self._read(slot.data, slot.where)
-            return False
-        slot.pending.result()
-        return True
+        else:
+            slot.pending.result()
+        return False
 
     def abandon(self, slot: _Slot) -> bool:
         """A started load nobody will consume: cancel it if it has not begun. True = the bytes were read."""
@@ -227,10 +231,11 @@ class _PinnedPool:
             slot.pending.record(self.in_stream)
 
     def complete_load(self, slot: _Slot) -> bool:
+        ready = slot.pending.query()
         current = torch.cuda.current_stream(self.device)
         current.wait_event(slot.pending)
         slot.data.record_stream(current)
-        return True
+        return ready
 
     def abandon(self, slot: _Slot) -> bool:
         return True  # the copy is already queued on the prefetch stream
@@ -347,6 +352,7 @@ class PrefixOffload:
                 if slot.layer == layer and slot.handles > 0 and not slot.loaded:
                     self.pool.start_load(slot)
                     slot.loaded = True
+                    self.stats.prefetched_bytes += slot.nbytes
 
     def _unpack(self, packed) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -360,12 +366,9 @@ class PrefixOffload:
                 slot.loaded = True
                 self.stats.demand_loaded_bytes += slot.nbytes
             elif slot.pending is not None:
-                prefetched = self.pool.complete_load(slot)
+                if not self.pool.complete_load(slot):
+                    self.stats.late_bytes += slot.nbytes
                 slot.pending = None
-                if prefetched:
-                    self.stats.prefetched_bytes += slot.nbytes
-                else:
-                    self.stats.demand_loaded_bytes += slot.nbytes
             data = slot.data
             if self.stats.prefetch and (self._frontier is None or slot.layer < self._frontier):
                 self._advance(slot.layer)
@@ -378,9 +381,8 @@ class PrefixOffload:
             if slot.handles > 0 or self.stats.released:
                 return
             if slot.pending is not None:  # a prefetch nobody will consume
-                if self.pool.abandon(slot):
-                    self.stats.prefetched_bytes += slot.nbytes
-                else:
+                if not self.pool.abandon(slot):
+                    self.stats.prefetched_bytes -= slot.nbytes
                     slot.loaded = False
                 slot.pending = None
             if not slot.loaded:

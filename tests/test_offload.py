@@ -56,6 +56,7 @@ def test_gradients_bitwise_equal_with_prefetch_and_demand_load(family, ac, layou
         assert off.offloaded_bytes > 0
         # Every offloaded byte came back exactly once, except what autograd freed unneeded.
         assert off.loaded_bytes == off.offloaded_bytes - off.dropped_bytes > 0
+        assert 0 <= off.late_bytes <= off.prefetched_bytes
         if mode == "prefetch":
             assert off.prefetched_bytes > 0
         else:
