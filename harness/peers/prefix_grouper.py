@@ -26,39 +26,56 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GroupedAttention", "grouped_attention_func", "pack_group", "train_group_prefix_grouper"]
+__all__ = [
+    "GroupedAttention",
+    "bottom_right_mask",
+    "grouped_attention_func",
+    "pack_group",
+    "train_group_prefix_grouper",
+]
 
 
-def grouped_attention_func(q, k, v, key_mask, *, scale=None, enable_gqa=False, _cache=None):
+def bottom_right_mask(key_mask: torch.Tensor, lq: int) -> torch.Tensor:
+    """bool ``[b, 1, Lq, Lk]``: query ``i`` sees key ``j`` iff ``key_mask[:, j]`` and ``j <= i + (Lk - Lq)``
+    (bottom-right causal: the queries are the *last* ``Lq`` positions of the key sequence)."""
+    lk = key_mask.shape[-1]
+    causal = torch.ones(lq, lk, dtype=torch.bool, device=key_mask.device).tril_(diagonal=lk - lq)
+    return causal.view(1, 1, lq, lk) & key_mask.bool().view(key_mask.shape[0], 1, 1, lk)
+
+
+def grouped_attention_func(q, k, v, key_mask, *, scale=None, enable_gqa=False, masks=None):
     """PrefixGrouper's ``attn_func``: ``q [b, H, Lq, D]``, ``k/v [b, H_kv, Lk, D]``, ``key_mask`` bool
-    ``[b, Lk]`` -> ``[b, Lq, H, D]`` (the layout ``PrefixGrouper.group`` expects).
-
-    Query ``i`` may see key ``j`` iff ``key_mask[j]`` and ``j <= i + (Lk - Lq)`` (bottom-right causal: the
-    queries are the *last* ``Lq`` positions of the key sequence). ``_cache``: a dict that lets the layers
-    of one forward share the 4-D mask.
+    ``[b, Lk]`` -> ``[b, Lq, H, D]`` (the layout ``PrefixGrouper.group`` expects), under
+    :func:`bottom_right_mask`. ``masks``: optional ``{(Lq, Lk): mask}`` prepared once per group (the same
+    for every layer; chosen by shape, so a compiled block reads it without side effects or guards on data).
     """
     lq, lk = q.shape[2], k.shape[2]
-    key = (key_mask.data_ptr(), tuple(key_mask.shape), lq)
-    mask = None if _cache is None else _cache.get(key)
+    mask = masks.get((lq, lk)) if masks is not None else None
     if mask is None:
-        causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril_(diagonal=lk - lq)
-        mask = causal.unsqueeze(0).unsqueeze(0) & key_mask.bool().view(key_mask.shape[0], 1, 1, lk)
-        if _cache is not None:
-            _cache[key] = mask
+        mask = bottom_right_mask(key_mask, lq)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     return out.transpose(1, 2)
 
 
 class GroupedAttention:
-    """PrefixFlow attention mode that hands each layer's attention to ``pg.forward``."""
+    """PrefixFlow attention mode that hands each layer's attention to ``pg.forward``.
+
+    The prefix call attends ``[1, P]`` queries to ``P`` keys, the suffix call ``[N, S_max]`` queries to
+    ``P + S_max`` keys; both 4-D masks are built here once, from PrefixGrouper's own 2-D masks.
+    """
 
     def __init__(self, pg) -> None:
         self.pg = pg
-        self.masks: dict = {}
+        prefix, suffix = pg.prefix_attn_mask, pg.suffix_attn_mask
+        s_max = suffix.shape[-1] - prefix.shape[-1]
+        self.masks = {
+            (prefix.shape[-1], prefix.shape[-1]): bottom_right_mask(prefix, prefix.shape[-1]),
+            (s_max, suffix.shape[-1]): bottom_right_mask(suffix, s_max),
+        }
 
     def __call__(self, wrapper, q, k, v, *, scale, enable_gqa):
         out = self.pg.forward(
-            grouped_attention_func, q, k, v, scale=scale, enable_gqa=enable_gqa, _cache=self.masks
+            grouped_attention_func, q, k, v, scale=scale, enable_gqa=enable_gqa, masks=self.masks
         )
         return out.transpose(1, 2)  # [1, L, H, D] -> [1, H, L, D], what TorchTitan's attention expects back
 
