@@ -266,3 +266,11 @@ def test_flag_reads_bools_tiers_and_missing_values():
     df = pd.DataFrame({"offload": [True, False, None, float("nan"), "mmap", "none", 1, 0]})
     assert list(flag(df, "offload")) == [True, False, False, False, True, False, True, False]
     assert not flag(df, "absent").any()
+
+
+def test_figure9_with_every_microbatch_missing(tmp_path):
+    """Records of 'all responses in one microbatch' carry microbatch=None; pandas 3 keeps it missing."""
+    df = pd.DataFrame(speed_records())
+    df["microbatch"] = pd.array([None] * len(df), dtype="Int64")
+    paths = render_all(df, tmp_path, only=["fig9a"])
+    assert [p.name for p in paths] == ["fig9a_speedup_eager.png"] and paths[0].stat().st_size > 0

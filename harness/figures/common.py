@@ -75,11 +75,16 @@ def prefix_ratio(df: pd.DataFrame) -> pd.Series:
     return df["prefix_len"] / (df["prefix_len"] + df["suffix_len"])
 
 
+def as_key(series: pd.Series) -> pd.Series:
+    """Values as plain strings, missing ones included (pandas 3's ``astype(str)`` keeps NaN as NaN)."""
+    return series.map(str).astype(object)
+
+
 def restrict_to_mode(df: pd.DataFrame, cols) -> pd.DataFrame:
     """Keep the rows holding the most common value of each present column, in order (NaN counts)."""
     for col in cols:
         if col in df.columns and not df.empty:
-            key = df[col].astype(str)
+            key = as_key(df[col])
             df = df[key == key.value_counts().idxmax()]
     return df
 
@@ -103,7 +108,7 @@ def pair_speedups(df: pd.DataFrame, systems=("prefixflow",)) -> pd.DataFrame:
     m = m.assign(_offload=flag(m, "offload"))
     # groupby drops NaN keys, so compare configurations through their string form
     skeys = [f"_k_{c}" for c in keys]
-    m = m.assign(**{sk: m[c].astype(str) for sk, c in zip(skeys, keys, strict=True)})
+    m = m.assign(**{sk: as_key(m[c]) for sk, c in zip(skeys, keys, strict=True)})
     base = m[m["system"] == "baseline"].groupby(skeys, dropna=False)["step_time_s"].median()
     base = base.rename("baseline_s").reset_index()
     other = m[m["system"].isin(systems)]
