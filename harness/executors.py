@@ -157,13 +157,35 @@ class LocalExecutor:
                 self._kill(proc)
 
 
+class _JobStopped(BaseException):
+    """Raised from submitit's signal handler when Slurm stops the job (not an Exception, so the runner's
+    per-system error handling cannot swallow it)."""
+
+
 class CellJob(submitit.helpers.Checkpointable):
     """The Slurm job body: run one cell from its job file. On preemption submitit calls ``checkpoint`` and
-    requeues this same call (a cell restarts from scratch: it has no state worth saving)."""
+    requeues this same call (a cell restarts from scratch: it has no state worth saving); at the time
+    limit (``slurm_max_num_timeout=0``) it does not requeue and the cell is recorded as ``timeout``."""
 
     def __call__(self, job_file: str) -> str:
         cell, rpath = read_job(job_file)
-        return run_job(cell, rpath)
+        sig = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), signal.SIGUSR2)
+        submitit_handler = signal.getsignal(sig)
+
+        def on_signal(signum, frame) -> None:
+            try:
+                if callable(submitit_handler):
+                    submitit_handler(signum, frame)  # requeues (and exits) on preemption
+            except submitit.core.utils.UncompletedJobError as e:
+                raise _JobStopped(str(e)) from None
+
+        signal.signal(sig, on_signal)
+        try:
+            return run_job(cell, rpath)
+        except _JobStopped as e:
+            status = "timeout" if "timed-out" in str(e) else "error"
+            write_records(rpath, failed_records(cell, status, f"Slurm stopped the job: {e}"))
+            return status
 
 
 def _squeue_ids() -> set[str] | None:

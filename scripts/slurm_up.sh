@@ -34,8 +34,8 @@ if [ -n "${1:-}" ]; then
 fi
 
 HOST="$(hostname -s)"
-if sinfo -h -n "$HOST" -o %t 2>/dev/null | grep -q idle; then
-  echo "slurm already up on $HOST"
+if sinfo -h -n "$HOST" -o %t 2>/dev/null | grep -Eq '^(idle|mix|alloc|comp)'; then
+  echo "slurm already up on $HOST ($(sinfo -h -n "$HOST" -o %t))"
   exit 0
 fi
 
@@ -84,14 +84,19 @@ exec /usr/bin/sacct --completion "$@"
 EOF
 chmod 0755 "$SHIM_DIR/sacct"
 
-if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+running() {  # running PIDFILE: is the daemon named in this pid file alive?
+  local pid
+  [ -f "$1" ] && pid="$(tr -dc '0-9' < "$1")" && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null
+}
+
+if ! running /run/munge/munged.pid && ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
   runuser -u munge -- /usr/sbin/munged
 fi
 for _ in $(seq 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
 munge -n | unmunge >/dev/null
 
-/usr/sbin/slurmctld
-/usr/sbin/slurmd
+running /run/slurmctld.pid || /usr/sbin/slurmctld
+running /run/slurmd.pid || /usr/sbin/slurmd
 
 for _ in $(seq 150); do
   state="$(sinfo -h -n "$HOST" -o %t 2>/dev/null || true)"

@@ -55,3 +55,22 @@ def test_smoke_on_slurm_matches_local(tmp_path):
     assert list((tmp_path / "slurm" / "smoke" / "_slurm").glob("*_0_log.out"))
     # a rerun on Slurm submits nothing
     assert "ran 0" in _sweep("slurm", tmp_path / "slurm")
+
+
+def test_cell_past_its_slurm_time_limit_is_recorded_as_timeout(tmp_path):
+    spec = tmp_path / "slow.yaml"
+    spec.write_text(
+        "name: slow\nwarmup: 0\nrepeats: 100000000\n"
+        "axes:\n  models: [{name: 'llama3:debugmodel', overrides: {dim: 32, n_layers: 2, n_heads: 2, vocab_size: 128}}]\n"
+        "  lengths: [{prefix: 12, suffix: 4}]\n  n: [2]\n"
+        "executor: {timeout_min: 1, max_jobs: 1}\n"
+    )
+    res = runner.invoke(
+        app,
+        ["sweep", str(spec), "--executor", "slurm", "--out", str(tmp_path / "out")],
+        catch_exceptions=False,
+    )
+    assert res.exit_code == 0, res.output
+    df = collect(tmp_path / "out")
+    assert len(df) == 2 and set(df["status"]) == {"timeout"}, df[["system", "status", "error"]]
+    assert df["error"].str.contains("timed-out").all()
