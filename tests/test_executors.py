@@ -145,3 +145,55 @@ def test_sigkill_midway_then_rerun_records_every_cell_once(tmp_path):
         assert len(read_records(record_path(folder, c))) == 2
     assert set(df["status"]) == {"ok"}
     assert pd.Series(sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))).empty
+
+
+def _plan_spec(tmp_path: Path):
+    path = _kill_spec(tmp_path)
+    return load_spec(path)
+
+
+def test_plan_skips_recorded_cells_and_retry_failed_reruns_them(tmp_path):
+    from harness.runner import failed_records
+    from harness.sweep import plan, spec_folder
+
+    spec = _plan_spec(tmp_path)
+    cells = expand(spec)
+    folder = spec_folder(tmp_path / "out", spec.name)
+    from harness.records import write_records
+
+    write_records(record_path(folder, cells[0]), failed_records(cells[0], "ok", ""))
+    write_records(record_path(folder, cells[1]), failed_records(cells[1], "error", "Traceback"))
+    (folder / f"{cells[2].cell_id}.parquet").write_bytes(b"torn write")  # unreadable -> rerun
+    p = plan(spec, tmp_path / "out")
+    assert [c.cell_id for c in p.todo] == [c.cell_id for c in cells[2:]]
+    assert p.done == {cells[0].cell_id: "ok", cells[1].cell_id: "error"}
+    p = plan(spec, tmp_path / "out", retry_failed=True)
+    assert [c.cell_id for c in p.todo] == [c.cell_id for c in cells[1:]]
+
+
+def test_one_sweep_per_folder_and_stale_temps_are_removed(tmp_path):
+    from harness.sweep import STALE_TMP_S, run_sweep, spec_folder, status_table, sweep_lock
+
+    spec = _plan_spec(tmp_path)
+    folder = spec_folder(tmp_path / "out", spec.name)
+    folder.mkdir(parents=True)
+    stale, fresh = folder / ".dead.parquet.x.tmp", folder / ".live.parquet.y.tmp"
+    stale.write_bytes(b"x")
+    fresh.write_bytes(b"y")
+    old = time.time() - STALE_TMP_S - 5
+    os.utime(stale, (old, old))
+
+    class Nothing:
+        def run(self, cells, folder, on_done):
+            for c in cells:
+                executors._finish(c, record_path(folder, c), "error", "not run")
+                on_done(c, "error")
+
+    with sweep_lock(folder):
+        with pytest.raises(RuntimeError, match="another sweep is running"):
+            run_sweep(spec, tmp_path / "out", Nothing())
+    p = run_sweep(spec, tmp_path / "out", Nothing())
+    assert not stale.exists() and fresh.exists()
+    assert set(p.done.values()) == {"error"} and len(p.done) == len(expand(spec))
+    st = status_table(tmp_path / "out").set_index("spec")
+    assert st.loc["killme", "missing"] == 0 and st.loc["killme", "error"] == 2 * len(expand(spec))
