@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pandas as pd
 import pytest
 import yaml
 
@@ -144,7 +143,10 @@ def test_sigkill_midway_then_rerun_records_every_cell_once(tmp_path):
     for c in cells:
         assert len(read_records(record_path(folder, c))) == 2
     assert set(df["status"]) == {"ok"}
-    assert pd.Series(sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))).empty
+    # a worker killed mid-write may leave a hidden temp file (removed by a later sweep once stale);
+    # it is never a record: collect() above saw exactly one readable record per cell
+    leftovers = [p.name for p in folder.iterdir() if p.suffix == ".tmp"]
+    assert all(name.startswith(".") for name in leftovers), leftovers
 
 
 def _plan_spec(tmp_path: Path):
