@@ -40,16 +40,23 @@ class AttentionState:
 
     def __init__(self) -> None:
         self.mode = None
+        self.wrappers: list[PrefixAwareAttention] = []
 
     @contextlib.contextmanager
     def use(self, mode) -> Iterator[None]:
+        """Activate ``mode``; a mode with ``bind(wrappers)`` may hand each layer its data before the phase.
+        Every bound ``prefix_kv`` is dropped on exit."""
         if self.mode is not None:
             raise RuntimeError(f"attention mode {type(self.mode).__name__} is already active (nested phases?)")
         self.mode = mode
         try:
+            if hasattr(mode, "bind"):
+                mode.bind(self.wrappers)
             yield
         finally:
             self.mode = None
+            for wrapper in self.wrappers:
+                wrapper.prefix_kv = None
 
 
 class PrefixAwareAttention(nn.Module):
@@ -60,6 +67,11 @@ class PrefixAwareAttention(nn.Module):
         self.inner = inner
         self.layer = layer
         self.state = state
+        # This layer's cached prefix K/V while Phase B runs (set by AttendWithPrefix.bind). Read as a module
+        # attribute, a compiled block gets it as a graph input: one graph serves every layer, where a
+        # lookup by the integer ``layer`` would specialise (and recompile) the block per layer.
+        self.prefix_kv = None
+        state.wrappers.append(self)
 
     def forward(self, q, k, v, *, scale=None, enable_gqa: bool = False, is_causal: bool = True):
         mode = self.state.mode
@@ -95,14 +107,23 @@ class AttendWithPrefix:
         self.cache = cache
         self.mask = mask
         self.variant = variant
+        self._bound = False
         self._split_mask = None
         if variant == "split" and len(cache):
             # Built once per microbatch, eagerly (it inspects the mask), shared by every layer.
             dtype = next(iter(cache.layers.values())).live_k.dtype
             self._split_mask = suffix_bias(mask[..., mask.shape[-1] - mask.shape[-2] :], dtype)
 
+    def bind(self, wrappers: list[PrefixAwareAttention]) -> None:
+        """Give each wrapped layer its cached prefix K/V (in the compute dtype) for this phase."""
+        if len(self.cache):
+            dtype = next(iter(self.cache.layers.values())).live_k.dtype
+            for wrapper in wrappers:
+                wrapper.prefix_kv = self.cache.read(wrapper.layer, dtype)
+        self._bound = True
+
     def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
-        cached = self.cache.read(wrapper.layer, k.dtype)
+        cached = wrapper.prefix_kv if self._bound else self.cache.read(wrapper.layer, k.dtype)
         if cached is not None and self.variant == "split":
             return split_attention(q, k, v, *cached, None, scale=scale, prepared=self._split_mask)
         if cached is not None:
