@@ -8,7 +8,7 @@ import torch
 import prefixflow as pf
 from prefixflow.compile import apply_compile, first_call_seconds, is_compiled
 
-TINY = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 97}
+TINY = {"dim": 32, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 97}
 
 
 def grads(model):
@@ -28,6 +28,8 @@ def test_compiled_prefixflow_matches_eager_baseline():
     want_loss = pf.train_group(eager, group, system="baseline").loss
     want = grads(eager)
 
+    counters = torch._dynamo.utils.counters
+    graphs_before = counters["stats"]["unique_graphs"]
     model = pf.apply_prefixflow(pf.build_model("llama3:debugmodel", overrides=TINY))
     apply_compile(model)
     assert is_compiled(model)
@@ -46,4 +48,6 @@ def test_compiled_prefixflow_matches_eager_baseline():
     model.zero_grad(set_to_none=True)
     pf.train_group(model, group, system="baseline")
     assert max_rel_diff(grads(model), want) <= 1e-5
-    assert torch._dynamo.utils.counters["graph_break"] == {}
+    assert counters["graph_break"] == {}
+    # One graph per attention mode (concat, split, plain), shared by all 3 layers: no per-layer recompiles.
+    assert counters["stats"]["unique_graphs"] - graphs_before <= 3
