@@ -2,12 +2,13 @@
 
     python -m harness.peers.timing [--compile] [--prompt 1280] [--response 256] [--n 16] [--repeats 3]
 
-One model copy per system (same seed, fp32), one warm-up call each (on a compiled model that call is
-compile + one step and is reported as ``first_call_s``), then ``repeats`` rounds that visit the systems in
+One model copy per system (same seed, fp32), a timed first call each (on a compiled model: compile + one
+step, reported as ``first_call_s``) and ``--warmup`` more untimed calls, then ``repeats`` rounds that visit the systems in
 alternating order; prints the median step time of each and its speedup over the baseline as JSON lines.
 PrefixFlow and the baseline run one sequence per microbatch (``microbatch=1``, padded layout);
 PrefixGrouper runs its one packed graph. With ``--compile`` the systems compile one after another in one
-process, so a later system's ``first_call_s`` may profit from inductor's on-disk cache of an earlier one.
+process and share dynamo's cache of ``TransformerBlock.forward`` (their different sequence lengths trigger
+automatic-dynamic recompiles); for compiled numbers run one system per process (``--systems NAME``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--response", type=int, default=256)
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed calls after the first (timed) call")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
@@ -71,6 +73,8 @@ def main(argv=None) -> list[dict]:
         start = time.perf_counter()
         steps[name](group)
         first[name] = time.perf_counter() - start
+        for _ in range(args.warmup):
+            steps[name](group)
         model.zero_grad(set_to_none=True)
     times = {name: [] for name in names}
     for r in range(args.repeats):
