@@ -22,6 +22,7 @@ from harness.systems import get_system
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 REPO_ROOT = Path(__file__).resolve().parent.parent
+OFFLOAD_BYTES = ("offloaded_bytes", "prefetched_bytes", "demand_loaded_bytes", "late_bytes", "dropped_bytes")
 _OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
 
@@ -201,9 +202,25 @@ def _release(model: torch.nn.Module | None, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_cell(cell: Cell) -> list[dict[str, Any]]:
+def _offload_columns(cell: Cell, name: str, system: Any, stats: Any) -> dict[str, Any]:
+    """Whether this system offloaded (the baseline never does) and, if so, what its offload moved."""
+    off = getattr(stats, "offload", None)
+    if system is None:
+        try:
+            system = get_system(name)
+        except ValueError:
+            system = None
+    out: dict[str, Any] = {"offload": bool(cell.offload and getattr(system, "uses_offload", True))}
+    out["offload_tier"] = off.tier if off is not None else None
+    for key in OFFLOAD_BYTES:
+        out[key] = getattr(off, key) if off is not None else None
+    return out
+
+
+def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]]:
     """Run every system of ``cell`` interleaved (A B A B ...); one record per system, never raises for
-    a failing system (status error/oom with the traceback)."""
+    a failing system (status error/oom with the traceback). ``memory_only`` (capacity probes): on CPU one
+    step per system with the live-bytes meter and no timed steps; on CUDA one step and no warm-up."""
     try:
         device = resolve_device(cell.device)
     except RuntimeError:
@@ -250,21 +267,26 @@ def run_cell(cell: Cell) -> list[dict[str, Any]]:
 
     # Timed steps, interleaved A B A B ...; on CPU without the per-op live-bytes meter (its overhead would
     # distort times, and torch.compile cannot run under a dispatch mode). CUDA memory stats are free.
-    for it in range(cell.warmup + cell.repeats):
+    on_cpu = device.type == "cpu"
+    warmup = 0 if memory_only else cell.warmup
+    steps = (0 if on_cpu else 1) if memory_only else cell.warmup + cell.repeats
+    for it in range(steps):
         for name in cell.systems:
             if name in failures or (out := measured_step(name, track_memory=False)) is None:
                 continue
             if it == 0:
                 first_step[name] = out[0]["step_time_s"]
-            if it >= cell.warmup:
+            if it >= warmup:
                 samples[name].append(out[0])
                 last_stats[name] = out[1]
     # On CPU, one extra (untimed) step per system with the live-bytes meter gives peak memory per phase.
     memory: dict[str, dict[str, Any]] = {}
-    if device.type == "cpu" and not cell.compile:
+    if on_cpu and not cell.compile:
         for name in cell.systems:
             if name not in failures and (out := measured_step(name, track_memory=True)) is not None:
                 memory[name] = out[0]
+                if memory_only:  # the probe's only step: its times were taken under the meter
+                    samples[name], last_stats[name] = [out[0]], out[1]
 
     tokens = cell.n * cell.prefix_len + (
         sum(len(r) for r in group.responses) if group else cell.n * cell.suffix_len
@@ -273,6 +295,7 @@ def run_cell(cell: Cell) -> list[dict[str, Any]]:
     for name in cell.systems:
         rec = {**base_record(cell, str(device)), "system": name, "tokens": tokens, **extras.get(name, {})}
         rec["threads"] = torch.get_num_threads()
+        rec.update(_offload_columns(cell, name, systems.get(name), last_stats.get(name)))
         if name in failures:
             rec["status"], rec["error"] = failures[name]
         else:
@@ -286,7 +309,7 @@ def run_cell(cell: Cell) -> list[dict[str, Any]]:
                 suffix_tokens=st.suffix_tokens,
                 trunk_tokens=getattr(st, "trunk_tokens", None),
             )
-            if cell.warmup > 0:
+            if warmup > 0:
                 rec["first_step_s"] = first_step[name]
                 rec["compile_time_s"] = first_step[name] - rec["step_time_s"] if cell.compile else math.nan
         records.append(rec)

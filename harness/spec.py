@@ -28,6 +28,15 @@ def safe_name(text: str, max_len: int = 80) -> str:
     return out or "unnamed"
 
 
+def _check_systems(v: list[str]) -> list[str]:
+    for s in v:
+        if not SYSTEM_NAME.fullmatch(s):
+            raise ValueError(f"system name {s!r} must match {SYSTEM_NAME.pattern}")
+    if len(set(v)) != len(v):
+        raise ValueError(f"systems {v} contain duplicates")
+    return v
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -87,6 +96,10 @@ class Axes(_Strict):
     ac: list[Literal["selective", "full", "none"]] = Field(default_factory=lambda: ["none"], min_length=1)
     offload: list[bool] = Field(default_factory=lambda: [False], min_length=1)
     parallel: list[Parallel] = Field(default_factory=lambda: [Parallel()], min_length=1)
+    # per-block overrides of the spec's settings (a spec may list several axes blocks)
+    systems: list[str] | None = Field(None, min_length=1, description="systems of this block only")
+    warmup: int | None = Field(None, ge=0)
+    repeats: int | None = Field(None, ge=1)
 
     @field_validator("prefix_ratio")
     @classmethod
@@ -156,6 +169,54 @@ class ExecutorSettings(_Strict):
     mem_gb: float = Field(4.0, gt=0)
 
 
+class FrontierSearch(_Strict):
+    """What one capacity-frontier search needs besides the cell (resolved; see harness.frontier)."""
+
+    budget_bytes: int | None = Field(None, ge=1, description="None = the device itself (CUDA only)")
+    mode: Literal["ratio", "prefix"]
+    ratio: float | None = Field(None, gt=0.0, lt=1.0, description="prefix ratio (mode ratio)")
+    prefix_len: int | None = Field(None, ge=1, description="fixed prefix (mode prefix)")
+    min_len: int = Field(ge=2, description="searched length: P+S (ratio) or S (prefix)")
+    max_len: int = Field(ge=2)
+    resolution: int = Field(ge=1, description="the search stops when the bracket is this narrow")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> FrontierSearch:
+        if self.mode == "ratio" and (self.ratio is None or self.prefix_len is not None):
+            raise ValueError("mode 'ratio' needs 'ratio' (and no 'prefix_len')")
+        if self.mode == "prefix" and (self.prefix_len is None or self.ratio is not None):
+            raise ValueError("mode 'prefix' needs 'prefix_len' (and no 'ratio')")
+        if self.max_len < self.min_len:
+            raise ValueError(f"max_len {self.max_len} < min_len {self.min_len}")
+        return self
+
+
+class Frontier(FrontierSearch):
+    """A ``frontier:`` block: the search settings plus the fixed configuration and the variants."""
+
+    variants: list[str] = Field(
+        default_factory=lambda: ["baseline", "prefixflow", "prefixflow+offload"], min_length=1
+    )
+    model: ModelSpec | None = Field(None, description="default: the first model of the first axes block")
+    n: int = Field(ge=1)
+    layout: Literal["padded", "packed"] = "padded"
+    microbatch: int | None = Field(None, ge=1)
+    dtype: Literal["fp32", "bf16", "fp64"] = "fp32"
+    ac: Literal["selective", "full", "none"] = "none"
+    timeout_min: float | None = Field(None, gt=0, description="per search; default: the executor's")
+
+    @field_validator("variants")
+    @classmethod
+    def _variants(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not SYSTEM_NAME.fullmatch(name.removesuffix("+offload")):
+                raise ValueError(f"variant {name!r} must be a system name, optionally with '+offload'")
+        return v
+
+    def search(self) -> FrontierSearch:
+        return FrontierSearch.model_validate(self.model_dump(include=set(FrontierSearch.model_fields)))
+
+
 class Spec(_Strict):
     """A sweep: axes x systems, with measurement and executor settings."""
 
@@ -168,18 +229,25 @@ class Spec(_Strict):
     warmup: int = Field(1, ge=0)
     repeats: int = Field(3, ge=1)
     axes: Axes
+    extra_axes: list[Axes] = Field(default_factory=list, description="more blocks; cells are the union")
+    frontier: list[Frontier] = Field(default_factory=list, description="capacity-frontier searches")
     executor: ExecutorSettings = Field(default_factory=ExecutorSettings)
     presets: dict[Literal["cpu", "paper"], dict[str, Any]] = Field(default_factory=dict)
 
     @field_validator("systems")
     @classmethod
     def _systems(cls, v: list[str]) -> list[str]:
-        for s in v:
-            if not SYSTEM_NAME.fullmatch(s):
-                raise ValueError(f"system name {s!r} must match {SYSTEM_NAME.pattern}")
-        if len(set(v)) != len(v):
-            raise ValueError(f"systems {v} contain duplicates")
-        return v
+        return _check_systems(v)
+
+    @model_validator(mode="after")
+    def _block_systems(self) -> Spec:
+        for block in self.axes_blocks:
+            _check_systems(block.systems or [])
+        return self
+
+    @property
+    def axes_blocks(self) -> list[Axes]:
+        return [self.axes, *self.extra_axes]
 
     @field_validator("presets")
     @classmethod
@@ -213,10 +281,12 @@ class Cell(_Strict):
     warmup: int = Field(1, ge=0)
     repeats: int = Field(3, ge=1)
     timeout_min: float = Field(10.0, gt=0)
+    frontier: FrontierSearch | None = None  # set: this cell is a capacity-frontier search (harness.frontier)
 
     @property
     def cell_id(self) -> str:
-        ident = self.model_dump(mode="json", exclude=set(NOT_IDENTITY))
+        skip = set(NOT_IDENTITY) | ({"frontier"} if self.frontier is None else set())
+        ident = self.model_dump(mode="json", exclude=skip)
         blob = json.dumps(ident, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -274,7 +344,8 @@ def parse_spec(raw: Any, source: str = "<spec>", preset: str = "cpu") -> Spec:
         if name == preset:
             resolved = spec
     try:
-        resolved.axes.length_pairs()
+        for block in resolved.axes_blocks:
+            block.length_pairs()
     except ValueError as e:
         raise SpecError(f"{source}: axes: {e}") from None
     return resolved
@@ -295,9 +366,24 @@ def load_spec(path: str | Path, preset: str = "cpu") -> Spec:
 
 
 def expand(spec: Spec) -> list[Cell]:
-    """Cartesian product of the axes; duplicates (same id) are dropped, order is stable."""
-    ax = spec.axes
+    """One search cell per frontier block x variant, then the cartesian product of each axes block;
+    duplicates (same id) are dropped, order is stable."""
     cells: dict[str, Cell] = {}
+    for front in spec.frontier:  # first: a search is one long job, the short cells fill the other slots
+        for cell in _frontier_cells(spec, front):
+            cells.setdefault(cell.cell_id, cell)
+    for ax in spec.axes_blocks:
+        for cell in _expand_block(spec, ax):
+            cells.setdefault(cell.cell_id, cell)
+    return list(cells.values())
+
+
+def _common(spec: Spec) -> dict[str, Any]:
+    return {"spec": spec.name, "loss": spec.loss, "device": spec.device, "seed": spec.seed}
+
+
+def _expand_block(spec: Spec, ax: Axes) -> list[Cell]:
+    cells = []
     for model, (p, s), n, spread, layout, mb, dtype, comp, ac, off, par in itertools.product(
         ax.models,
         ax.length_pairs(),
@@ -311,27 +397,56 @@ def expand(spec: Spec) -> list[Cell]:
         ax.offload,
         ax.parallel,
     ):
-        cell = Cell(
-            spec=spec.name,
-            model=model,
-            prefix_len=p,
-            suffix_len=s,
-            n=n,
-            suffix_spread=spread,
-            layout=layout,
-            microbatch=mb,
-            dtype=dtype,
-            compile=comp,
-            ac=ac,
-            offload=off,
-            parallel=par,
-            systems=tuple(spec.systems),
-            loss=spec.loss,
-            device=spec.device,
-            seed=spec.seed,
-            warmup=spec.warmup,
-            repeats=spec.repeats,
-            timeout_min=spec.executor.timeout_min,
+        cells.append(
+            Cell(
+                **_common(spec),
+                model=model,
+                prefix_len=p,
+                suffix_len=s,
+                n=n,
+                suffix_spread=spread,
+                layout=layout,
+                microbatch=mb,
+                dtype=dtype,
+                compile=comp,
+                ac=ac,
+                offload=off,
+                parallel=par,
+                systems=tuple(ax.systems or spec.systems),
+                warmup=spec.warmup if ax.warmup is None else ax.warmup,
+                repeats=spec.repeats if ax.repeats is None else ax.repeats,
+                timeout_min=spec.executor.timeout_min,
+            )
         )
-        cells.setdefault(cell.cell_id, cell)
-    return list(cells.values())
+    return cells
+
+
+def _frontier_cells(spec: Spec, front: Frontier) -> list[Cell]:
+    """One search cell per variant; its lengths are the search's first probe (harness.frontier)."""
+    search = front.search()
+    if search.mode == "ratio":
+        prefix = max(1, min(search.min_len - 1, round(search.ratio * search.min_len)))
+        first = (prefix, search.min_len - prefix)
+    else:
+        first = (search.prefix_len, search.min_len)
+    model = front.model or spec.axes_blocks[0].models[0]
+    return [
+        Cell(
+            **_common(spec),
+            model=model,
+            prefix_len=first[0],
+            suffix_len=first[1],
+            n=front.n,
+            layout=front.layout,
+            microbatch=front.microbatch,
+            dtype=front.dtype,
+            ac=front.ac,
+            offload=variant.endswith("+offload"),
+            systems=(variant.removesuffix("+offload"),),
+            warmup=0,
+            repeats=1,
+            timeout_min=front.timeout_min or spec.executor.timeout_min,
+            frontier=search,
+        )
+        for variant in front.variants
+    ]

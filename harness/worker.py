@@ -47,7 +47,12 @@ def run_job(cell: Cell, record_path: Path) -> str:
 
     _set_threads()
     try:
-        records = run_cell(cell)
+        if cell.frontier is not None:
+            from harness.frontier import run_frontier
+
+            records = run_frontier(cell, record_path.parent)
+        else:
+            records = run_cell(cell)
     except Exception:
         records = failed_records(cell, "error", traceback.format_exc())
     write_records(record_path, records)
