@@ -10,6 +10,7 @@ import pandas as pd
 
 from .common import (
     SkipFigure,
+    as_key,
     flag,
     frontier_mask,
     measured,
@@ -42,50 +43,79 @@ def fixed_total_peaks(df: pd.DataFrame) -> pd.DataFrame:
     spec, total, n = score.sort_values(["v", "s"], ascending=False).index[0]
     m = m[(m["_spec"] == spec) & (m["total"] == total) & (m["n"] == n)]
     m = restrict_to_mode(m, ["model", "dtype", "device"])
-    # within each variant, one setting of the suffix-side knobs (the most common)
-    m = pd.concat([restrict_to_mode(g, ["layout", "microbatch", "ac"]) for _, g in m.groupby("variant")])
-    out = m.groupby(["prefix_len", "suffix_len", "variant"], as_index=False)[
+    # within each variant, one setting of layout and AC (the most common); one panel per microbatch
+    m = pd.concat([restrict_to_mode(g, ["layout", "ac"]) for _, g in m.groupby("variant")])
+    m = m.assign(microbatch=as_key(m["microbatch"]) if "microbatch" in m.columns else "None")
+    out = m.groupby(["microbatch", "prefix_len", "suffix_len", "variant"], as_index=False)[
         "peak_mem_phase_b_bytes"
     ].median()
-    return out.sort_values(["prefix_len", "variant"]).reset_index(drop=True)
+    out = out.sort_values(["microbatch", "prefix_len", "variant"]).reset_index(drop=True)
+    out.attrs["n"] = int(n)
+    return out
+
+
+def _mb_order(mb: str) -> tuple[bool, float]:
+    try:
+        value = float(mb)
+    except ValueError:
+        return (True, 0.0)
+    return (value != value, 0.0 if value != value else value)  # NaN (all responses) last
+
+
+def _mb_label(mb: str, n: int | None) -> str:
+    if _mb_order(mb)[0] or mb in ("nan", "None"):
+        return "suffix microbatch: all responses"
+    b = int(float(mb))
+    return f"suffix microbatch {b}" + (" (= N: one wave)" if n is not None and b == n else "")
 
 
 def figure10a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
-    """Grouped bars: Phase-B peak per split for baseline, PrefixFlow, PrefixFlow+offload."""
+    """Grouped bars: Phase-B peak per split for baseline, PrefixFlow, PrefixFlow+offload; one panel per
+    suffix microbatch setting, each bar labelled with its change against the baseline."""
     peaks = fixed_total_peaks(df)
     if peaks.empty or peaks["variant"].nunique() < 2:
         raise SkipFigure("no Phase-B peak records of at least two systems at a common total length")
     theme()
     scale, unit = mem_unit(peaks["peak_mem_phase_b_bytes"])
+    mbs = sorted(peaks["microbatch"].unique(), key=_mb_order)
+    n = int(peaks.attrs.get("n", 0)) or None
+    fig, axes = plt.subplots(1, len(mbs), figsize=(6.4 * len(mbs), 4.2), squeeze=False, sharey=True)
+    for ax, mb in zip(axes[0], mbs, strict=True):
+        _bars(ax, peaks[peaks["microbatch"] == mb], scale, unit)
+        ax.set_title(_mb_label(mb, n), fontsize=9)
+    axes[0][0].set_ylabel(f"Phase-B peak memory ({unit})")
+    axes[0][0].set_ylim(0, np.nanmax(peaks["peak_mem_phase_b_bytes"]) / scale * 1.2)
+    total = int(peaks["prefix_len"].iloc[0] + peaks["suffix_len"].iloc[0])
+    fig.suptitle(f"Figure 10a: Phase-B peak at fixed total length {total}" + (f", N={n}" if n else ""))
+    return [save(fig, out_dir, "fig10a_phase_b_peak")]
+
+
+def _bars(ax, peaks: pd.DataFrame, scale: float, unit: str) -> None:
     splits = peaks[["prefix_len", "suffix_len"]].drop_duplicates().sort_values("prefix_len")
     labels = [split_label(p, s) for p, s in splits.itertuples(index=False)]
     present = [v for v in VARIANTS if v in set(peaks["variant"])]
     width = 0.8 / len(present)
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
     x = np.arange(len(labels))
+    base = peaks[peaks["variant"] == "baseline"].set_index("prefix_len")["peak_mem_phase_b_bytes"]
     for i, v in enumerate(present):
         sub = peaks[peaks["variant"] == v].set_index("prefix_len")["peak_mem_phase_b_bytes"]
         ys = [sub.get(p, np.nan) / scale for p in splits["prefix_len"]]
         bars = ax.bar(x + (i - (len(present) - 1) / 2) * width, ys, width, label=v, color=COLORS[v])
-        if v != "baseline" and "baseline" in present:
-            base = peaks[peaks["variant"] == "baseline"].set_index("prefix_len")["peak_mem_phase_b_bytes"]
-            for bar, p in zip(bars, splits["prefix_len"], strict=True):
-                b, y = base.get(p, np.nan), sub.get(p, np.nan)
-                if np.isfinite(b) and np.isfinite(y) and b > 0:
-                    ax.annotate(
-                        f"{(y / b - 1) * 100:+.0f}%",
-                        (bar.get_x() + bar.get_width() / 2, y / scale),
-                        ha="center",
-                        va="bottom",
-                        fontsize=6,
-                    )
-    ax.set_ylim(0, np.nanmax(peaks["peak_mem_phase_b_bytes"]) / scale * 1.2)
+        if v == "baseline":
+            continue
+        for bar, p in zip(bars, splits["prefix_len"], strict=True):
+            b, y = base.get(p, np.nan), sub.get(p, np.nan)
+            if np.isfinite(b) and np.isfinite(y) and b > 0:
+                ax.annotate(
+                    f"{(y / b - 1) * 100:+.0f}%",
+                    (bar.get_x() + bar.get_width() / 2, y / scale),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
     ax.set_xticks(x, labels)
     ax.set_xlabel("split P/S (fixed total length)")
-    ax.set_ylabel(f"Phase-B peak memory ({unit})")
-    ax.set_title("Figure 10a: Phase-B peak at fixed total length")
     ax.legend(fontsize=7, loc="upper center", ncol=len(present))
-    return [save(fig, out_dir, "fig10a_phase_b_peak")]
 
 
 def frontier_table(df: pd.DataFrame, budget: float | None = None) -> tuple[pd.DataFrame, pd.DataFrame, float]:
