@@ -113,6 +113,10 @@ RUN_COLUMNS = [
     "peak_mem_bytes",
     "peak_mem_phase_b_bytes",
     "mem_meter",
+    "offload_tier",
+    "offloaded_bytes",
+    "prefetched_bytes",
+    "demand_loaded_bytes",
 ]
 
 
@@ -181,6 +185,16 @@ def run(
         raise typer.Exit(1)
 
 
+def _search_label(cell: Cell) -> str:
+    """A capacity-frontier search cell in a few words ('-' for a measurement cell)."""
+    f = cell.frontier
+    if f is None:
+        return "-"
+    fixed = f"ratio {f.ratio:.3g}" if f.mode == "ratio" else f"P={f.prefix_len}"
+    budget = "device" if f.budget_bytes is None else f"{f.budget_bytes / 2**20:.0f} MiB"
+    return f"frontier {fixed}, {f.min_len}..{f.max_len}/{f.resolution}, {budget}"
+
+
 def _load(spec_path: Path, preset: Preset):
     try:
         return load_spec(spec_path, preset.value)
@@ -220,6 +234,8 @@ def sweep(
                 "ac": c.ac,
                 "offload": c.offload,
                 "world": c.world_size,
+                "systems": ",".join(c.systems),
+                "search": _search_label(c),
                 "state": "run" if c.cell_id in todo else f"done ({p.done[c.cell_id]})",
             }
             for c in p.cells

@@ -186,3 +186,34 @@ def test_help_everywhere():
         assert res.exit_code == 0 and "Usage" in res.output
     res = invoke("run", "--help")
     assert "--offload" in res.output and "--ac" in res.output and "--json" in res.output
+
+
+def test_run_carries_microbatch_ac_and_offload_into_records():
+    args = [a if a != "12" else "200" for a in TINY_RUN]  # a prefix long enough to have storages to move
+    res = invoke("run", *args, "--microbatch", "1", "--ac", "selective", "--offload", "--json")
+    assert res.exit_code == 0, res.output
+    base, pf = (json.loads(x) for x in res.stdout.splitlines() if x.startswith("{"))
+    assert base["microbatch"] == pf["microbatch"] == 1 and base["ac"] == pf["ac"] == "selective"
+    assert pf["prefix_len"] == 200
+    assert base["offload"] is False and base["offload_tier"] is None  # the baseline never offloads
+    assert pf["offload"] is True and pf["offload_tier"] == "cpu-file"
+    assert pf["offloaded_bytes"] > 0 and pf["demand_loaded_bytes"] >= 0
+    assert pf["offloaded_bytes"] >= pf["prefetched_bytes"] + pf["demand_loaded_bytes"]
+
+
+def test_claim4_dry_run_lists_frontier_searches(tmp_path):
+    claim4 = Path(__file__).resolve().parent.parent / "experiments" / "claim4.yaml"
+    for preset in ("cpu", "paper"):
+        cells = expand(load_spec(claim4, preset))
+        searches = [c for c in cells if c.frontier is not None]
+        assert [(c.systems, c.offload) for c in searches] == [
+            (("baseline",), False), (("prefixflow",), False), (("prefixflow",), True),
+        ]  # fmt: skip
+        assert {c.microbatch for c in cells if c.systems == ("prefixflow",) and c.frontier is None} == {
+            1,
+            2,
+            4,
+            8,
+        }
+    res = invoke("sweep", claim4, "--out", tmp_path, "--dry-run")
+    assert res.exit_code == 0 and "frontier ratio 0.833" in res.output and "256 MiB" in res.output
