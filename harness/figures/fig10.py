@@ -76,21 +76,22 @@ def figure10a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     if peaks.empty or peaks["variant"].nunique() < 2:
         raise SkipFigure("no Phase-B peak records of at least two systems at a common total length")
     theme()
-    scale, unit = mem_unit(peaks["peak_mem_phase_b_bytes"])
     mbs = sorted(peaks["microbatch"].unique(), key=_mb_order)
     n = int(peaks.attrs.get("n", 0)) or None
-    fig, axes = plt.subplots(1, len(mbs), figsize=(6.4 * len(mbs), 4.2), squeeze=False, sharey=True)
-    for ax, mb in zip(axes[0], mbs, strict=True):
-        _bars(ax, peaks[peaks["microbatch"] == mb], scale, unit)
+    fig, axes = plt.subplots(1, len(mbs), figsize=(6.4 * len(mbs), 4.2), squeeze=False)
+    for ax, mb in zip(axes[0], mbs, strict=True):  # own y scale per panel: b=N can be ~N times b=1
+        sub = peaks[peaks["microbatch"] == mb]
+        scale, unit = mem_unit(sub["peak_mem_phase_b_bytes"])
+        _bars(ax, sub, scale)
         ax.set_title(_mb_label(mb, n), fontsize=9)
-    axes[0][0].set_ylabel(f"Phase-B peak memory ({unit})")
-    axes[0][0].set_ylim(0, np.nanmax(peaks["peak_mem_phase_b_bytes"]) / scale * 1.2)
+        ax.set_ylabel(f"Phase-B peak memory ({unit})")
+        ax.set_ylim(0, np.nanmax(sub["peak_mem_phase_b_bytes"]) / scale * 1.25)
     total = int(peaks["prefix_len"].iloc[0] + peaks["suffix_len"].iloc[0])
     fig.suptitle(f"Figure 10a: Phase-B peak at fixed total length {total}" + (f", N={n}" if n else ""))
     return [save(fig, out_dir, "fig10a_phase_b_peak")]
 
 
-def _bars(ax, peaks: pd.DataFrame, scale: float, unit: str) -> None:
+def _bars(ax, peaks: pd.DataFrame, scale: float) -> None:
     splits = peaks[["prefix_len", "suffix_len"]].drop_duplicates().sort_values("prefix_len")
     labels = [split_label(p, s) for p, s in splits.itertuples(index=False)]
     present = [v for v in VARIANTS if v in set(peaks["variant"])]

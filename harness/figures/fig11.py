@@ -10,6 +10,8 @@ import seaborn as sns
 
 from .common import SkipFigure, flag, frontier_mask, mem_unit, restrict_to_mode, save, split_label, theme
 
+AC_LABELS = {"none": "full save (AC none)", "selective": "selective AC", "full": "full AC"}
+
 
 def budget_points(df: pd.DataFrame) -> pd.DataFrame:
     """PrefixFlow records (ok and failed) of the (P, S, N) setting with the most (b, ac, offload) combos."""
@@ -54,7 +56,7 @@ def figure11(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
             "--" if off else "-",
             marker="s" if off else "o",
             color=palette[ac],
-            label=f"{ac}, offload {'on' if off else 'off'}",
+            label=f"{AC_LABELS.get(ac, ac)}, offload {'on' if off else 'off'}",
         )
         for x, y, b in zip(g["peak_mem_phase_b_bytes"] / scale, g["phase_b_s"], g["microbatch"], strict=True):
             ax.annotate(f"b={int(b)}", (x, y), textcoords="offset points", xytext=(4, 3), fontsize=6)
