@@ -7,7 +7,6 @@ A system prepares its own model copy (``prepare``) and trains one rollout group 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -45,34 +44,27 @@ def get_system(name: str) -> System:
         raise ValueError(f"unknown system {name!r}; registered: {', '.join(available_systems())}") from None
 
 
-def prefixflow_config(cell: Any):
-    """A prefixflow.PrefixFlowConfig for the cell; offload needs a library build that supports it."""
+def prefixflow_config(cell: Any, attention: str = "concat"):
+    """The prefixflow.PrefixFlowConfig for a cell: its offload flag and the system's attention variant."""
     from prefixflow import PrefixFlowConfig
 
-    if not getattr(cell, "offload", False):
-        return PrefixFlowConfig()
-    names = {f.name for f in dataclasses.fields(PrefixFlowConfig)}
-    if "offload" not in names:
-        raise ValueError(
-            "offload=True needs prefixflow.PrefixFlowConfig.offload, which this prefixflow build lacks; "
-            "set offload: [false] in the spec"
-        )
-    return PrefixFlowConfig(offload=True)
+    return PrefixFlowConfig(attention=attention, offload=bool(getattr(cell, "offload", False)))
 
 
 class TrainGroupSystem:
     """A system that is one ``system=`` value of ``prefixflow.train_group`` on a PrefixFlow-wrapped model."""
 
-    def __init__(self, name: str, library_system: str, uses_offload: bool) -> None:
+    def __init__(self, name: str, library_system: str, uses_offload: bool, attention: str = "concat") -> None:
         self.name = name
         self.library_system = library_system
         self.uses_offload = uses_offload
+        self.attention = attention
 
     def prepare(self, model: nn.Module, cell: Any) -> nn.Module:
         from prefixflow import PrefixFlowConfig, apply_prefixflow
 
         # The baseline runs through the same wrapped attention (plain path), so kernels match.
-        config = prefixflow_config(cell) if self.uses_offload else PrefixFlowConfig()
+        config = prefixflow_config(cell, self.attention) if self.uses_offload else PrefixFlowConfig()
         return apply_prefixflow(model, config)
 
     def step(self, model: nn.Module, group: Any, cell: Any, observer: Any) -> Any:
@@ -91,3 +83,26 @@ class TrainGroupSystem:
 
 register_system("baseline", lambda: TrainGroupSystem("baseline", "baseline", uses_offload=False))
 register_system("prefixflow", lambda: TrainGroupSystem("prefixflow", "prefixflow", uses_offload=True))
+
+
+class PrefixGrouperSystem:
+    """The PyPI ``prefix_grouper`` peer: one packed graph per group on the same wrapped model and loss."""
+
+    name = "prefix_grouper"
+
+    def prepare(self, model: nn.Module, cell: Any) -> nn.Module:
+        from prefixflow import apply_prefixflow
+
+        return apply_prefixflow(model)
+
+    def step(self, model: nn.Module, group: Any, cell: Any, observer: Any) -> Any:
+        from harness.peers import train_group_prefix_grouper
+
+        return train_group_prefix_grouper(model, group, loss=cell.loss, observer=observer)
+
+
+register_system(
+    "prefixflow_split",
+    lambda: TrainGroupSystem("prefixflow_split", "prefixflow", uses_offload=True, attention="split"),
+)
+register_system("prefix_grouper", PrefixGrouperSystem)
