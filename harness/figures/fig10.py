@@ -49,6 +49,10 @@ def fixed_total_peaks(df: pd.DataFrame) -> pd.DataFrame:
     out = m.groupby(["microbatch", "prefix_len", "suffix_len", "variant"], as_index=False)[
         "peak_mem_phase_b_bytes"
     ].median()
+    # panels are comparisons: where some microbatch settings have baseline records, keep only those
+    with_base = set(out.loc[out["variant"] == "baseline", "microbatch"])
+    if with_base:
+        out = out[out["microbatch"].isin(with_base)]
     out = out.sort_values(["microbatch", "prefix_len", "variant"]).reset_index(drop=True)
     out.attrs["n"] = int(n)
     return out

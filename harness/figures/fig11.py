@@ -31,7 +31,8 @@ def budget_points(df: pd.DataFrame) -> pd.DataFrame:
     combos = m[[*keys, "microbatch", "ac", "offload"]].drop_duplicates().groupby(keys).size()
     spec, p, s, n = combos.idxmax()
     m = m[(m["_spec"] == spec) & (m["prefix_len"] == p) & (m["suffix_len"] == s) & (m["n"] == n)]
-    return restrict_to_mode(m, ["model", "dtype", "device", "layout"])
+    # one measurement protocol: cells of other figures at the same (P, S, N) may have fewer repeats
+    return restrict_to_mode(m, ["model", "dtype", "device", "layout", "warmup", "repeats"])
 
 
 def figure11(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
