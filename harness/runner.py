@@ -158,9 +158,10 @@ def _model_columns(model: torch.nn.Module, cell: Cell, system: str) -> dict[str,
         vocab_size=shape.vocab_size,
         n_params=sum(p.numel() for p in model.parameters()),
     )
-    if cell.suffix_spread == 0 and system in costmodel.SYSTEMS:
+    cost_name = getattr(get_system(system), "cost_model", system)
+    if cell.suffix_spread == 0 and cost_name in costmodel.SYSTEMS:
         out["model_flops"] = float(
-            costmodel.model_flops(system, shape, cell.prefix_len, cell.suffix_len, cell.n)
+            costmodel.model_flops(cost_name, shape, cell.prefix_len, cell.suffix_len, cell.n)
         )
         out["ideal_speedup"] = costmodel.ideal_speedup(shape, cell.prefix_len, cell.suffix_len, cell.n)
     return out

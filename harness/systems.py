@@ -59,6 +59,7 @@ class TrainGroupSystem:
         self.library_system = library_system
         self.uses_offload = uses_offload
         self.attention = attention
+        self.cost_model = library_system  # harness.costmodel's name for this schedule
 
     def prepare(self, model: nn.Module, cell: Any) -> nn.Module:
         from prefixflow import PrefixFlowConfig, apply_prefixflow
@@ -89,6 +90,7 @@ class PrefixGrouperSystem:
     """The PyPI ``prefix_grouper`` peer: one packed graph per group on the same wrapped model and loss."""
 
     name = "prefix_grouper"
+    cost_model = "prefix_grouper"
 
     def prepare(self, model: nn.Module, cell: Any) -> nn.Module:
         from prefixflow import apply_prefixflow
