@@ -177,7 +177,8 @@ def run(
             typer.echo(json.dumps(_json_safe(rec)))
     else:
         df = pd.DataFrame(records)
-        console.print(_table(df[[c for c in RUN_COLUMNS if c in df.columns]], title=f"cell {cell.cell_id}"))
+        cols = [c for c in RUN_COLUMNS if c in df.columns and df[c].notna().any()]  # no empty offload columns
+        console.print(_table(df[cols], title=f"cell {cell.cell_id}"))
     for rec in records:
         if rec["status"] != "ok":
             err_console.print(f"[red]{rec['system']}: {rec['status']}[/red]\n{rec['error']}", highlight=False)
