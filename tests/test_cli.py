@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
+import harness
 from harness.cli import app, parse_overrides, report_steps_for
 from harness.records import COLUMNS, collect
 from harness.spec import expand, load_spec
@@ -96,6 +97,9 @@ def test_figures_and_tables_call_the_renderers(smoke, tmp_path, monkeypatch):
     fake.render_all = lambda df, out: calls.append(("figures", len(df), out)) or [out / "fig.png"]
     fake.render_tables = lambda df, out: calls.append(("tables", len(df), out)) or [out / "t.md"]
     monkeypatch.setitem(sys.modules, "harness.figures", fake)
+    # `import harness.figures as f` reads the package attribute once the real module was imported (e.g. by
+    # collecting tests/test_figures.py in the same session), so patch that too
+    monkeypatch.setattr(harness, "figures", fake, raising=False)
     assert invoke("figures", "--results", smoke, "--out", tmp_path / "f").exit_code == 0
     assert invoke("tables", "--results", smoke, "--out", tmp_path / "f").exit_code == 0
     n = 2 * len(expand(load_spec(SMOKE)))
