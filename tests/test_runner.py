@@ -117,3 +117,20 @@ def test_slurm_job_is_checkpointable_and_requeues_the_same_cell(tmp_path):
     delayed = job.checkpoint(str(tmp_path / "job.json"))
     assert delayed.function is job and delayed.args == (str(tmp_path / "job.json"),)
     assert pickle.loads(pickle.dumps(job)).__class__ is CellJob
+
+
+def test_memory_only_is_one_metered_step_per_system(test_systems):
+    records = run_cell(_cell(["rec_a", "rec_b"]), memory_only=True)
+    assert [name for name, _, _ in Recorder.log] == ["rec_a", "rec_b"]  # no warm-up, no timed repeats
+    assert all(r["status"] == "ok" and r["mem_meter"] == "cpu-live-bytes" for r in records)
+    assert all(r["peak_mem_bytes"] > 0 and r["step_time_s"] > 0 for r in records)
+
+
+def test_baseline_rows_of_an_offload_cell_do_not_claim_offload():
+    records = {
+        r["system"]: r for r in run_cell(_cell(["baseline", "prefixflow"], offload=True, prefix_len=200))
+    }
+    assert records["baseline"]["offload"] is False and records["baseline"]["offloaded_bytes"] is None
+    pf = records["prefixflow"]
+    assert pf["offload"] is True and pf["offload_tier"] == "cpu-file" and pf["offloaded_bytes"] > 0
+    assert pf["offloaded_bytes"] == pf["prefetched_bytes"] + pf["demand_loaded_bytes"] + pf["dropped_bytes"]
