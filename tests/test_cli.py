@@ -212,7 +212,8 @@ def test_claim4_dry_run_lists_frontier_searches(tmp_path):
         searches = [c for c in cells if c.frontier is not None]
         assert [(c.systems, c.offload) for c in searches] == [
             (("baseline",), False), (("prefixflow",), False), (("prefixflow",), True),
-        ]  # fmt: skip
+        ] * 2  # fmt: skip
+        assert [c.frontier.mode for c in searches] == ["ratio"] * 3 + ["prefix"] * 3
         assert {c.microbatch for c in cells if c.systems == ("prefixflow",) and c.frontier is None} == {
             1,
             2,

@@ -186,3 +186,17 @@ def test_sweep_runs_real_probes_and_is_resumable(tmp_path):
     assert (off["offload_tier"] == "cpu-file").all() and off["offloaded_bytes"].gt(0).all()
     assert probes.groupby("search_id")["frontier_len"].nunique().eq(1).all()
     assert run_sweep(spec, tmp_path, DebugExecutor()).todo == []
+
+
+def test_frontier_table_reads_one_search_at_a_time(tmp_path):
+    from harness.figures import frontier_table
+
+    ratio = run_frontier(_cell(), tmp_path, probe=FakeMemory(per_token=0.1 * MIB))
+    prefix = run_frontier(
+        _cell(mode="prefix", ratio=None, prefix_len=400), tmp_path, probe=FakeMemory(per_token=0.1 * MIB)
+    )
+    df = pd.DataFrame(ratio + prefix)
+    probes, front, _ = frontier_table(df)
+    assert set(probes["search"]) == {"ratio 0.75"} and front["max_total"].tolist() == [896]
+    probes, front, _ = frontier_table(df, search="prefix 400")
+    assert len(probes) == len(prefix) and front["max_total"].tolist() == [400 + 480]  # suffix 480 fits

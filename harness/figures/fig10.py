@@ -123,17 +123,39 @@ def _bars(ax, peaks: pd.DataFrame, scale: float) -> None:
     ax.legend(fontsize=7, loc="upper center", ncol=len(present))
 
 
-def frontier_table(df: pd.DataFrame, budget: float | None = None) -> tuple[pd.DataFrame, pd.DataFrame, float]:
+def search_label(df: pd.DataFrame) -> pd.Series:
+    """Which search a probe belongs to: ``ratio 0.833`` or ``prefix 2048`` ("" when the rows do not say)."""
+    if "frontier_mode" not in df.columns:
+        return pd.Series("", index=df.index, dtype=object)
+    fixed = np.where(df["frontier_mode"] == "prefix", df.get("frontier_prefix"), df.get("frontier_ratio"))
+    return pd.Series(
+        [
+            f"{m} {float(x):.4g}" if isinstance(m, str) else ""
+            for m, x in zip(df["frontier_mode"], fixed, strict=True)
+        ],
+        index=df.index,
+        dtype=object,
+    )
+
+
+def frontier_table(
+    df: pd.DataFrame, budget: float | None = None, search: str | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame, float]:
     """Frontier probes and the largest fitting total length per variant.
 
     A probe fits when its status is ``ok`` and its peak (``peak_mem_bytes``) is within the budget. The
     budget defaults to the most common ``budget_bytes`` among the probes; passing one re-reads the same
-    probes under another budget (probes the search recorded as ``oom`` never fit).
-    Returns ``(probes, frontier, budget)``.
+    probes under another budget (probes the search recorded as ``oom`` never fit). Probes of one search
+    setting are read (``search``, see :func:`search_label`; default: the one with the most probes), so a
+    fixed-ratio and a fixed-prefix search never mix. Returns ``(probes, frontier, budget)``.
     """
     if df.empty or "status" not in df.columns:
         return pd.DataFrame(), pd.DataFrame(), float("nan")
     p = df[frontier_mask(df)]
+    if p.empty:
+        return p, pd.DataFrame(), float("nan")
+    p = p.assign(search=search_label(p))
+    p = p[p["search"] == (p["search"].value_counts().idxmax() if search is None else search)]
     if p.empty:
         return p, pd.DataFrame(), float("nan")
     if budget is None:
@@ -201,7 +223,10 @@ def figure10b(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
             txt, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7
         )
     ax1.set_ylabel("largest fitting P+S (tokens)")
-    ax1.set_title(f"frontier under {budget / scale:.2f} {unit}" if np.isfinite(budget) else "frontier")
+    where = f" ({probes['search'].iloc[0]})" if probes["search"].iloc[0] else ""
+    ax1.set_title(
+        (f"frontier under {budget / scale:.2f} {unit}" if np.isfinite(budget) else "frontier") + where
+    )
     ax1.tick_params(axis="x", labelsize=7)
     fig.suptitle("Figure 10b: capacity frontier")
     return [save(fig, out_dir, "fig10b_capacity_frontier")]
