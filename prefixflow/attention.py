@@ -27,6 +27,7 @@ __all__ = [
     "AttentionState",
     "PrefixAwareAttention",
     "CapturePrefix",
+    "PrefixCaptured",
     "AttendWithPrefix",
     "MaskedAttention",
     "ATTENTION_VARIANTS",
@@ -80,14 +81,26 @@ class PrefixAwareAttention(nn.Module):
         return mode(self, q, k, v, scale=scale, enable_gqa=enable_gqa)
 
 
-class CapturePrefix:
-    """Phase A: record the live prefix K/V of every layer, then attend exactly as the plain model does."""
+class PrefixCaptured(Exception):
+    """Raised once the last layer's prefix K/V are captured: nothing after them is ever needed."""
 
-    def __init__(self, cache: PrefixKVCache) -> None:
+
+class CapturePrefix:
+    """Phase A: record the live prefix K/V of every layer, then attend exactly as the plain model does.
+
+    ``stop_after``: a layer index; after capturing it, raise :class:`PrefixCaptured` instead of attending. The
+    prefix's outputs are never read (the loss lives on suffix tokens), so the last layer's attention output and
+    MLP over the prefix are dead work: the baseline computes them in every sequence, PrefixFlow skips them.
+    """
+
+    def __init__(self, cache: PrefixKVCache, stop_after: int | None = None) -> None:
         self.cache = cache
+        self.stop_after = stop_after
 
     def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
         self.cache.capture(wrapper.layer, k, v)
+        if wrapper.layer == self.stop_after:
+            raise PrefixCaptured
         return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
 
 

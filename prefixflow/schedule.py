@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .apply import PrefixFlowRuntime, runtime_of
-from .attention import AttendWithPrefix, CapturePrefix, MaskedAttention
+from .attention import AttendWithPrefix, CapturePrefix, MaskedAttention, PrefixCaptured
 from .group import RolloutGroup
 from .kv_cache import PrefixKVCache
 from .layouts import LAYOUTS, Microbatch, build_microbatch, full_sequence_segments, suffix_segments
@@ -86,8 +86,23 @@ def phase_a_prefix_forward(
     prefix = group.prompt[:-1]
     if prefix.numel() == 0:
         return  # one-token prompt: nothing to cache, suffixes start at position 0
-    with runtime.state.use(CapturePrefix(cache)), offloading(offload):
-        forward_hidden(model, prefix.unsqueeze(0), None, final_norm=False)
+    with runtime.state.use(CapturePrefix(cache, _last_needed_layer(model, runtime))), offloading(offload):
+        try:
+            forward_hidden(model, prefix.unsqueeze(0), None, final_norm=False)
+        except PrefixCaptured:
+            pass  # the last layer's K/V are in the cache; the rest of the prefix forward is dead work
+
+
+def _last_needed_layer(model: nn.Module, runtime: PrefixFlowRuntime) -> int | None:
+    """The layer after whose K/V Phase A may stop, or None to run the whole forward.
+
+    A checkpointed last block runs to its end: its recomputation in Phase C must save exactly what the
+    original forward saved.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    last_block = list(model.layers.values())[-1]
+    return None if isinstance(last_block, CheckpointWrapper) else runtime.n_wrapped - 1
 
 
 def phase_b_suffix_microbatches(

@@ -123,3 +123,27 @@ def test_apply_prefixflow_keeps_plain_forward_bitwise_and_is_idempotent(family):
     assert plain._prefixflow.config.grad_kv_dtype == torch.float64
     assert torch.equal(plain(tokens), before)
     assert plain(tokens).shape == (2, 10, 97)
+
+
+def test_phase_a_skips_the_last_layers_dead_work(family):
+    """After the last layer's K/V nothing of the prefix is needed: its MLP never runs in Phase A (unless
+    the block is checkpointed, whose recomputation must match its forward)."""
+    for ac, expect_calls in (("none", 0), ("full", 1)):
+        model = tiny_model(family, ac=ac)
+        calls = []
+        last = list(model.layers.values())[-1]
+        mlp = next(m for name, m in last.named_modules() if name.endswith("feed_forward"))
+        handle = mlp.register_forward_hook(lambda *_: calls.append(1))
+        group = pf.synthetic_group(97, 12, [3, 2], seed=4)
+        seen = {}
+
+        class Probe:
+            def enter(self, phase):
+                seen[phase] = len(calls)
+
+            def exit(self, phase):
+                seen[phase] = len(calls) - seen[phase]
+
+        pf.train_group(model, group, observer=Probe())
+        handle.remove()
+        assert seen["A"] == expect_calls, ac

@@ -62,7 +62,9 @@ def test_gradients_bitwise_equal_with_prefetch_and_demand_load(family, ac, layou
         else:
             assert off.prefetched_bytes == 0 and off.demand_loaded_bytes == off.loaded_bytes
         if ac == "none":
-            assert off.kept.get("kv", 0) >= 2 * 2  # K and V of both layers stayed resident
+            # K and V of layer 0 stayed resident (Phase A stops right after capturing the last layer's,
+            # so no op saves those)
+            assert off.kept.get("kv", 0) >= 2
     assert not pool_fds()
 
 
