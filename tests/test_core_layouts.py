@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import tiny_model
 
@@ -125,25 +126,23 @@ def test_apply_prefixflow_keeps_plain_forward_bitwise_and_is_idempotent(family):
     assert plain(tokens).shape == (2, 10, 97)
 
 
-def test_phase_a_skips_the_last_layers_dead_work(family):
+@pytest.mark.parametrize("ac, expect_calls", [("none", 0), ("full", 1)])
+def test_phase_a_skips_the_last_layers_dead_work(family, ac, expect_calls):
     """After the last layer's K/V nothing of the prefix is needed: its MLP never runs in Phase A (unless
     the block is checkpointed, whose recomputation must match its forward)."""
-    for ac, expect_calls in (("none", 0), ("full", 1)):
-        model = tiny_model(family, ac=ac)
-        calls = []
-        last = list(model.layers.values())[-1]
-        mlp = next(m for name, m in last.named_modules() if name.endswith("feed_forward"))
-        handle = mlp.register_forward_hook(lambda *_: calls.append(1))
-        group = pf.synthetic_group(97, 12, [3, 2], seed=4)
-        seen = {}
+    model = tiny_model(family, ac=ac)
+    calls = []
+    last = list(model.layers.values())[-1]
+    mlp = next(m for name, m in last.named_modules() if name.endswith("feed_forward"))
+    mlp.register_forward_hook(lambda *_: calls.append(1))
+    seen = {}
 
-        class Probe:
-            def enter(self, phase):
-                seen[phase] = len(calls)
+    class Probe:
+        def enter(self, phase):
+            seen[phase] = len(calls)
 
-            def exit(self, phase):
-                seen[phase] = len(calls) - seen[phase]
+        def exit(self, phase):
+            seen[phase] = len(calls) - seen[phase]
 
-        pf.train_group(model, group, observer=Probe())
-        handle.remove()
-        assert seen["A"] == expect_calls, ac
+    pf.train_group(model, pf.synthetic_group(97, 12, [3, 2], seed=4), observer=Probe())
+    assert seen["A"] == expect_calls
