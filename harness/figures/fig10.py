@@ -222,6 +222,7 @@ def figure10b(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         ax1.annotate(
             txt, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7
         )
+    ax1.set_ylim(0, max(1, f["max_total"].max()) * 1.18)  # room for the labels
     ax1.set_ylabel("largest fitting P+S (tokens)")
     where = f" ({probes['search'].iloc[0]})" if probes["search"].iloc[0] else ""
     ax1.set_title(
