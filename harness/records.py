@@ -181,7 +181,9 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=["spec", "cells", *STATUSES])
     rows = []
     for spec, g in df.groupby("spec", sort=True):
-        row = {"spec": spec, "cells": g["cell_id"].nunique()}
+        # a capacity-frontier search is one cell although each of its probe rows has its own id
+        ids = g["search_id"].fillna(g["cell_id"]) if "search_id" in g.columns else g["cell_id"]
+        row = {"spec": spec, "cells": ids.nunique()}
         for s in STATUSES:
             row[s] = int((g["status"] == s).sum())
         rows.append(row)

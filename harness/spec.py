@@ -382,43 +382,23 @@ def _common(spec: Spec) -> dict[str, Any]:
     return {"spec": spec.name, "loss": spec.loss, "device": spec.device, "seed": spec.seed}
 
 
+SWEPT = ("n", "suffix_spread", "layout", "microbatch", "dtype", "compile", "ac", "offload", "parallel")
+
+
 def _expand_block(spec: Spec, ax: Axes) -> list[Cell]:
-    cells = []
-    for model, (p, s), n, spread, layout, mb, dtype, comp, ac, off, par in itertools.product(
-        ax.models,
-        ax.length_pairs(),
-        ax.n,
-        ax.suffix_spread,
-        ax.layout,
-        ax.microbatch,
-        ax.dtype,
-        ax.compile,
-        ax.ac,
-        ax.offload,
-        ax.parallel,
-    ):
-        cells.append(
-            Cell(
-                **_common(spec),
-                model=model,
-                prefix_len=p,
-                suffix_len=s,
-                n=n,
-                suffix_spread=spread,
-                layout=layout,
-                microbatch=mb,
-                dtype=dtype,
-                compile=comp,
-                ac=ac,
-                offload=off,
-                parallel=par,
-                systems=tuple(ax.systems or spec.systems),
-                warmup=spec.warmup if ax.warmup is None else ax.warmup,
-                repeats=spec.repeats if ax.repeats is None else ax.repeats,
-                timeout_min=spec.executor.timeout_min,
-            )
+    fixed = {
+        **_common(spec),
+        "systems": tuple(ax.systems or spec.systems),
+        "warmup": spec.warmup if ax.warmup is None else ax.warmup,
+        "repeats": spec.repeats if ax.repeats is None else ax.repeats,
+        "timeout_min": spec.executor.timeout_min,
+    }
+    return [
+        Cell(**fixed, model=model, prefix_len=p, suffix_len=s, **dict(zip(SWEPT, values, strict=True)))
+        for model, (p, s), *values in itertools.product(
+            ax.models, ax.length_pairs(), *(getattr(ax, name) for name in SWEPT)
         )
-    return cells
+    ]
 
 
 def _frontier_cells(spec: Spec, front: Frontier) -> list[Cell]:

@@ -201,3 +201,12 @@ def test_frontier_table_reads_one_search_at_a_time(tmp_path):
     assert set(probes["search"]) == {"ratio 0.75"} and front["max_total"].tolist() == [896]
     probes, front, _ = frontier_table(df, search="prefix 400")
     assert len(probes) == len(prefix) and front["max_total"].tolist() == [400 + 480]  # suffix 480 fits
+
+
+def test_status_counts_a_search_as_one_cell(tmp_path):
+    from harness.records import summarize, write_records
+
+    rows = run_frontier(_cell(), tmp_path, probe=FakeMemory(per_token=0.1 * MIB))
+    write_records(tmp_path / "search.parquet", rows)
+    s = summarize(collect(tmp_path)).iloc[0]
+    assert s["cells"] == 1 and s["ok"] + s["oom"] == len(rows) and s["oom"] >= 1
