@@ -20,27 +20,38 @@ class PrefixFlowConfig:
 
     ``grad_kv_dtype``: dtype of the prefix K/V leaves and gK/gV accumulators; ``None`` = fp32 when the model's
     parameters are bf16/fp16, else the parameter dtype. ``attention``: how suffix attention reads the cache
-    (``"concat"``: one SDPA over ``[prefix ; suffix]`` K/V; ``"split"``: prefix and suffix parts merged by
-    log-sum-exp, no K/V copy). ``offload``: move the dormant saved tensors of the prefix graph out of device
+    (``"concat"``: one SDPA over ``[prefix ; suffix]`` K/V under the layout's mask; ``"split"``: prefix and
+    suffix parts merged by log-sum-exp, no K/V copy, causal suffix part without a mask; ``"auto"``: split on
+    CPU, where it has a fused kernel (ATen's flash attention returns the LSE), concat elsewhere). ``offload``: move the dormant saved tensors of the prefix graph out of device
     memory from Phase A to Phase C (``prefixflow.offload``); ``offload_prefetch``: load them back ahead of the
     prefix backward (False = demand-load only).
     """
 
     grad_kv_dtype: torch.dtype | None = None
-    attention: str = "concat"
+    attention: str = "auto"
     offload: bool = False
     offload_prefetch: bool = True
 
     def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_VARIANTS:
-            raise ValueError(f"PrefixFlowConfig.attention {self.attention!r} unknown; valid: {ATTENTION_VARIANTS}")
+        if self.attention not in ("auto", *ATTENTION_VARIANTS):
+            raise ValueError(
+                f"PrefixFlowConfig.attention {self.attention!r} unknown; valid: {('auto', *ATTENTION_VARIANTS)}"
+            )
         if self.grad_kv_dtype is not None and not (
             isinstance(self.grad_kv_dtype, torch.dtype) and self.grad_kv_dtype.is_floating_point
         ):
-            raise TypeError(f"PrefixFlowConfig.grad_kv_dtype must be a floating torch.dtype or None, got {self.grad_kv_dtype!r}")
+            raise TypeError(
+                f"PrefixFlowConfig.grad_kv_dtype must be a floating torch.dtype or None, got {self.grad_kv_dtype!r}"
+            )
         for name in ("offload", "offload_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"PrefixFlowConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+    def attention_for(self, device: torch.device) -> str:
+        """The suffix-attention variant to run on ``device`` (resolves ``"auto"``)."""
+        if self.attention != "auto":
+            return self.attention
+        return "split" if device.type == "cpu" else "concat"
 
 
 @dataclass
@@ -101,7 +112,9 @@ def apply_prefixflow(model: nn.Module, config: PrefixFlowConfig | None = None) -
 def runtime_of(model: nn.Module) -> PrefixFlowRuntime:
     runtime = getattr(model, "_prefixflow", None)
     if runtime is None:
-        raise ValueError("this model has no PrefixFlow attention; call prefixflow.apply_prefixflow(model) first")
+        raise ValueError(
+            "this model has no PrefixFlow attention; call prefixflow.apply_prefixflow(model) first"
+        )
     return runtime
 
 

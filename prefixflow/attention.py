@@ -48,7 +48,9 @@ class AttentionState:
         """Activate ``mode``; a mode with ``bind(wrappers)`` may hand each layer its data before the phase.
         Every bound ``prefix_kv`` is dropped on exit."""
         if self.mode is not None:
-            raise RuntimeError(f"attention mode {type(self.mode).__name__} is already active (nested phases?)")
+            raise RuntimeError(
+                f"attention mode {type(self.mode).__name__} is already active (nested phases?)"
+            )
         self.mode = mode
         try:
             if hasattr(mode, "bind"):
@@ -144,7 +146,9 @@ class AttendWithPrefix:
             b = q.shape[0]
             k = torch.cat([prefix_k.expand(b, -1, -1, -1), k], dim=2)
             v = torch.cat([prefix_v.expand(b, -1, -1, -1), v], dim=2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=enable_gqa
+        )
 
 
 class MaskedAttention:
@@ -154,4 +158,6 @@ class MaskedAttention:
         self.mask = mask
 
     def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=enable_gqa
+        )

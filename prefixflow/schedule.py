@@ -60,7 +60,9 @@ class GroupStats:
         return sum(self.phase_times.values())
 
 
-def forward_hidden(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None, *, final_norm=True):
+def forward_hidden(
+    model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None, *, final_norm=True
+):
     """The TorchTitan forward without the LM head: embeddings, blocks, final norm."""
     h = model.tok_embeddings(tokens)
     rope = rope_buffer(model)
@@ -79,7 +81,11 @@ def _forward_backward(model, mb: Microbatch, group, loss: str, cfg: LossConfig) 
 
 
 def phase_a_prefix_forward(
-    model: nn.Module, runtime: PrefixFlowRuntime, group: RolloutGroup, cache, offload: PrefixOffload | None = None
+    model: nn.Module,
+    runtime: PrefixFlowRuntime,
+    group: RolloutGroup,
+    cache,
+    offload: PrefixOffload | None = None,
 ) -> None:
     """Phase A: run the shared prefix ``P[:-1]`` forward once; each layer leaves its live K/V in ``cache``.
     With ``offload``, the other tensors the prefix graph saves move out of device memory as they are saved."""
@@ -113,8 +119,10 @@ def phase_b_suffix_microbatches(
     device = group.prompt.device
     total = 0.0
     for chunk in chunks:
-        mb = build_microbatch(group, [segments[i] for i in chunk], layout, cached_prefix_len=cache.prefix_len, device=device)
-        with runtime.state.use(AttendWithPrefix(cache, mb.mask, runtime.config.attention)):
+        mb = build_microbatch(
+            group, [segments[i] for i in chunk], layout, cached_prefix_len=cache.prefix_len, device=device
+        )
+        with runtime.state.use(AttendWithPrefix(cache, mb.mask, runtime.config.attention_for(device))):
             total += _forward_backward(model, mb, group, loss, cfg)
     return total
 
@@ -131,7 +139,9 @@ def _baseline(model, runtime, group, chunks, layout, loss, cfg) -> float:
     segments = full_sequence_segments(group)
     total = 0.0
     for chunk in chunks:
-        mb = build_microbatch(group, [segments[i] for i in chunk], layout, cached_prefix_len=None, device=group.prompt.device)
+        mb = build_microbatch(
+            group, [segments[i] for i in chunk], layout, cached_prefix_len=None, device=group.prompt.device
+        )
         mode = MaskedAttention(mb.mask) if mb.mask is not None else None
         with runtime.state.use(mode) if mode is not None else contextlib.nullcontext():
             total += _forward_backward(model, mb, group, loss, cfg)
@@ -173,7 +183,9 @@ def _validate(model, group, system, layout, microbatch) -> None:
         raise ValueError(f"system {system!r} unknown; valid systems: {SYSTEMS}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} unknown; valid layouts: {LAYOUTS}")
-    if microbatch is not None and (isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1):
+    if microbatch is not None and (
+        isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1
+    ):
         raise ValueError(f"microbatch must be None (all responses) or an int >= 1, got {microbatch!r}")
     args = model_args(model)
     group.check_fits(args.vocab_size, args.max_seq_len)
@@ -228,7 +240,9 @@ def train_group(
     prefix = group.prompt_len - 1
     trunk = prefix + _trunk_tokens(group, chunks, layout, 1)
     offload_stats = offload.stats if offload is not None else None
-    return GroupStats(system, layout, value, len(chunks), prefix, suffix_tokens, trunk, clock.times, offload_stats)
+    return GroupStats(
+        system, layout, value, len(chunks), prefix, suffix_tokens, trunk, clock.times, offload_stats
+    )
 
 
 def _trunk_tokens(group: RolloutGroup, chunks, layout: str, lead: int) -> int:

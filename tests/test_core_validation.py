@@ -132,3 +132,13 @@ def test_unknown_model_error_lists_valid_names():
     with pytest.raises(ValueError) as info:
         pf.build_model("llama3:nope")
     assert "debugmodel" in str(info.value) and "8B" in str(info.value)
+
+
+def test_config_attention_variant_is_validated_and_auto_resolves_by_device():
+    with pytest.raises(ValueError, match=r"attention 'flash' unknown; valid: \('auto', 'concat', 'split'\)"):
+        pf.PrefixFlowConfig(attention="flash")
+    auto = pf.PrefixFlowConfig()
+    assert auto.attention == "auto"
+    assert auto.attention_for(torch.device("cpu")) == "split"
+    assert auto.attention_for(torch.device("cuda")) == "concat"
+    assert pf.PrefixFlowConfig(attention="concat").attention_for(torch.device("cpu")) == "concat"
