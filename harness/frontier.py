@@ -100,7 +100,7 @@ def _probe_id(search_id: str, length: int) -> str:
     return hashlib.sha256(f"{search_id}:{length}".encode()).hexdigest()[:12]
 
 
-def _judge(rec: dict[str, Any], budget: int, device: torch.device) -> dict[str, Any]:
+def _judge(rec: dict[str, Any], budget: int) -> dict[str, Any]:
     """Mark a probe row: an ``ok`` step over the budget (CPU meter) becomes ``oom``; sets ``fits``."""
     peak = rec.get("peak_mem_bytes")
     over = rec["status"] == "ok" and peak is not None and not math.isnan(peak) and peak > budget
@@ -139,9 +139,9 @@ def run_frontier(
         path = store / f"{_probe_id(sid, length)}.parquet"
         try:
             recs = read_records(path).to_dict("records")  # measured before a restart
-        except Exception:
+        except Exception:  # not measured yet (or a damaged file): measure
             pcell = cell.model_copy(update={"prefix_len": prefix, "suffix_len": suffix, "frontier": None})
-            recs = [_judge(dict(r), budget, device) for r in probe(pcell)]
+            recs = [_judge(dict(r), budget) for r in probe(pcell)]
             for rec in recs:
                 rec.update(
                     cell_id=_probe_id(sid, length),
@@ -152,7 +152,8 @@ def run_frontier(
                     frontier_ratio=search.ratio,
                     frontier_prefix=search.prefix_len,
                 )
-            write_records(path, recs)
+            if all(r["status"] in ("ok", "oom") for r in recs):  # an error is retried on resume, not kept
+                write_records(path, recs)
         for rec in recs:
             rec["probe"] = len(rows)
             rows.append(rec)

@@ -210,3 +210,21 @@ def test_status_counts_a_search_as_one_cell(tmp_path):
     write_records(tmp_path / "search.parquet", rows)
     s = summarize(collect(tmp_path)).iloc[0]
     assert s["cells"] == 1 and s["ok"] + s["oom"] == len(rows) and s["oom"] >= 1
+
+
+def test_an_error_probe_stops_the_search_and_is_retried_on_resume(tmp_path):
+    calls = []
+
+    def broken(cell):
+        calls.append(cell.prefix_len + cell.suffix_len)
+        rec = {**base_record(cell, "cpu"), "system": cell.systems[0]}
+        if len(calls) == 3:
+            return [{**rec, "status": "error", "error": "Traceback: boom"}]
+        return FakeMemory(per_token=0.1 * MIB)(cell)
+
+    rows = run_frontier(_cell(), tmp_path, probe=broken)
+    assert [r["status"] for r in rows] == ["ok", "ok", "error"] and rows[-1]["frontier_len"] == 128
+    again = FakeMemory(per_token=0.1 * MIB)
+    rows = run_frontier(_cell(), tmp_path, probe=again)
+    assert again.calls[0] == (192, 64)  # the failed probe (256 tokens) runs again; the two before do not
+    assert set(r["frontier_len"] for r in rows) == {896}
