@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from dataclasses import replace
 
 import pytest
 import torch
@@ -108,8 +109,11 @@ def test_group_is_deterministic_and_spread_varies_lengths():
 def test_offload_is_passed_to_prefixflow():
     from prefixflow import PrefixFlowConfig
 
-    assert systems.prefixflow_config(_cell(["prefixflow"], offload=True)) == PrefixFlowConfig(offload=True)
-    assert systems.prefixflow_config(_cell(["prefixflow"])) == PrefixFlowConfig()
+    # the harness's "prefixflow" system pins the concat attention (prefixflow_split is the other variant),
+    # whatever the library's default
+    concat = PrefixFlowConfig(attention="concat")
+    assert systems.prefixflow_config(_cell(["prefixflow"], offload=True)) == replace(concat, offload=True)
+    assert systems.prefixflow_config(_cell(["prefixflow"])) == concat
 
 
 def test_slurm_job_is_checkpointable_and_requeues_the_same_cell(tmp_path):
