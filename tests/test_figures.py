@@ -257,7 +257,7 @@ def test_tables_markdown_latex_and_alignment(tmp_path):
 
 
 def test_registry_is_complete():
-    assert set(FIGURES) == {"fig9a", "fig9b", "fig10a", "fig10b", "fig11", "smoke"}
+    assert set(FIGURES) == {"fig9a", "fig9a_split", "fig9b", "fig10a", "fig10b", "fig11", "smoke"}
 
 
 def test_flag_reads_bools_tiers_and_missing_values():
@@ -274,3 +274,16 @@ def test_figure9_with_every_microbatch_missing(tmp_path):
     df["microbatch"] = pd.array([None] * len(df), dtype="Int64")
     paths = render_all(df, tmp_path, only=["fig9a"])
     assert [p.name for p in paths] == ["fig9a_speedup_eager.png"] and paths[0].stat().st_size > 0
+
+
+def test_figure9_split_variant_and_claim3_preference(tmp_path):
+    recs = speed_records()
+    split = [dict(r, system="prefixflow_split") for r in recs if r["system"] == "prefixflow"]
+    other_spec = [dict(r, spec="claim4", step_time_s=r["step_time_s"] * 3) for r in recs]
+    df = pd.DataFrame(recs + split + other_spec)
+    paths = render_all(df, tmp_path, only=["fig9a", "fig9a_split"])
+    assert sorted(p.name for p in paths) == ["fig9a_speedup_eager.png", "fig9a_speedup_eager_prefixflow_split.png"]
+    from harness.figures.fig9 import _speedups
+
+    sp = _speedups(df, compiled=False, system="prefixflow")
+    assert set(sp["spec"]) == {"claim3"}

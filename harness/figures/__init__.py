@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from .common import SkipFigure, pair_speedups
-from .fig9 import figure9a, figure9b
+from .fig9 import figure9a, figure9a_split, figure9b
 from .fig10 import figure10a, figure10b, frontier_table
 from .fig11 import figure11
 from .smoke import smoke_overview
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 FIGURES: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {
     "fig9a": figure9a,
+    "fig9a_split": figure9a_split,
     "fig9b": figure9b,
     "fig10a": figure10a,
     "fig10b": figure10b,

@@ -14,8 +14,10 @@ import seaborn as sns
 from .common import SkipFigure, flag, pair_speedups, restrict_to_mode, save, split_label, theme
 
 
-def _speedups(df: pd.DataFrame, compiled: bool) -> pd.DataFrame:
-    sp = pair_speedups(df, systems=("prefixflow",))
+def _speedups(df: pd.DataFrame, compiled: bool, system: str) -> pd.DataFrame:
+    if "spec" in df.columns and (df["spec"] == "claim3").any():
+        df = df[df["spec"] == "claim3"]  # Figure 9 is Claim 3's sweep when it is present
+    sp = pair_speedups(df, systems=(system,))
     if sp.empty:
         return sp
     sp = sp[(flag(sp, "compile") == compiled) & ~flag(sp, "offload")]
@@ -24,12 +26,14 @@ def _speedups(df: pd.DataFrame, compiled: bool) -> pd.DataFrame:
     return restrict_to_mode(sp, ["spec", "model", "dtype", "device", "layout", "microbatch", "ac", "total"])
 
 
-def figure9(df: pd.DataFrame, out_dir: str | Path, compiled: bool = False) -> list[Path]:
-    """Speedup vs N per prefix ratio (measured points, solid) and ``ideal_speedup`` (dashed)."""
+def figure9(
+    df: pd.DataFrame, out_dir: str | Path, compiled: bool = False, system: str = "prefixflow"
+) -> list[Path]:
+    """Speedup of ``system`` vs N per prefix ratio (measured points, solid) and ``ideal_speedup`` (dashed)."""
     tag = "compiled" if compiled else "eager"
-    sp = _speedups(df, compiled)
+    sp = _speedups(df, compiled, system)
     if sp.empty:
-        raise SkipFigure(f"no {tag} baseline/prefixflow pairs")
+        raise SkipFigure(f"no {tag} baseline/{system} pairs")
     theme()
     sp = sp.sort_values(["prefix_ratio", "n"])
     ratios = sorted(sp["prefix_ratio"].round(4).unique())
@@ -48,9 +52,14 @@ def figure9(df: pd.DataFrame, out_dir: str | Path, compiled: bool = False) -> li
     ax.set_xlabel("rollout group size N")
     ax.set_ylabel("speedup over baseline (x)")
     model = sp["model"].iloc[0] if "model" in sp.columns else ""
-    ax.set_title(f"Figure 9{'b' if compiled else 'a'}: {tag} speedup ({model}; dashed = cost model)")
+    variant = "" if system == "prefixflow" else f" [{system}]"
+    ax.set_title(
+        f"Figure 9{'b' if compiled else 'a'}: {tag} speedup{variant} ({model}; dashed = cost model)",
+        fontsize=9,
+    )
     ax.legend(title="prefix ratio (P/S)", fontsize=7)
-    return [save(fig, out_dir, f"fig9{'b' if compiled else 'a'}_speedup_{tag}")]
+    suffix = "" if system == "prefixflow" else f"_{system}"
+    return [save(fig, out_dir, f"fig9{'b' if compiled else 'a'}_speedup_{tag}{suffix}")]
 
 
 def figure9a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
@@ -59,3 +68,8 @@ def figure9a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
 
 def figure9b(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     return figure9(df, out_dir, compiled=True)
+
+
+def figure9a_split(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    """Figure 9a for PrefixFlow with split attention (the library's default on CPU)."""
+    return figure9(df, out_dir, compiled=False, system="prefixflow_split")

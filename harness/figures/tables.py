@@ -59,7 +59,7 @@ def _write(out_dir: str | Path, name: str, table: pd.DataFrame, caption: str) ->
 
 def speedup_frame(df: pd.DataFrame) -> pd.DataFrame:
     """One row per paired configuration and non-baseline system, sorted for reading."""
-    sp = pair_speedups(df, systems=("prefixflow", "prefix_grouper"))
+    sp = pair_speedups(df, systems=("prefixflow", "prefixflow_split", "prefix_grouper"))
     if sp.empty:
         return sp
     sp = sp.assign(compile=flag(sp, "compile"), offload=flag(sp, "offload"))
