@@ -262,8 +262,15 @@ class PrefixOffload:
     only; ``min_bytes``: storages below this stay resident; ``ahead``: layers loaded ahead of the backward.
     """
 
-    def __init__(self, model: nn.Module, cache, *, prefetch: bool = True, min_bytes: int = DEFAULT_MIN_BYTES,
-                 ahead: int = 1) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        cache,
+        *,
+        prefetch: bool = True,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        ahead: int = 1,
+    ) -> None:
         self.model, self.cache, self.min_bytes, self.ahead = model, cache, min_bytes, ahead
         self.device = next(model.parameters()).device
         self._blocks = list(getattr(model, "layers", {}).values()) if hasattr(model, "layers") else []
@@ -282,7 +289,10 @@ class PrefixOffload:
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
         """Offload what the enclosed forward saves; on normal exit wait for the copies out."""
-        hooks = [b.register_forward_pre_hook(functools.partial(self._enter_block, i)) for i, b in enumerate(self._blocks)]
+        hooks = [
+            b.register_forward_pre_hook(functools.partial(self._enter_block, i))
+            for i, b in enumerate(self._blocks)
+        ]
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield

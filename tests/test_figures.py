@@ -282,7 +282,10 @@ def test_figure9_split_variant_and_claim3_preference(tmp_path):
     other_spec = [dict(r, spec="claim4", step_time_s=r["step_time_s"] * 3) for r in recs]
     df = pd.DataFrame(recs + split + other_spec)
     paths = render_all(df, tmp_path, only=["fig9a", "fig9a_split"])
-    assert sorted(p.name for p in paths) == ["fig9a_speedup_eager.png", "fig9a_speedup_eager_prefixflow_split.png"]
+    assert sorted(p.name for p in paths) == [
+        "fig9a_speedup_eager.png",
+        "fig9a_speedup_eager_prefixflow_split.png",
+    ]
     from harness.figures.fig9 import _speedups
 
     sp = _speedups(df, compiled=False, system="prefixflow")

@@ -77,7 +77,12 @@ def test_one_slot_per_storage_exact_views_and_resident_kinds():
     def forward():
         h = x * 2
         y = h.sin().sum() + h[:, 3:].t().cos().sum() + h.exp().exp().sum()  # h saved twice, as two views
-        return y + model.w.sin().sum() + tiny.sin().sum() + h.gather(1, torch.zeros(32, 1, dtype=torch.long)).sum()
+        return (
+            y
+            + model.w.sin().sum()
+            + tiny.sin().sum()
+            + h.gather(1, torch.zeros(32, 1, dtype=torch.long)).sum()
+        )
 
     forward().backward()
     want = [t.grad.clone() for t in (x, tiny, model.w)]
