@@ -23,6 +23,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+ALIGNMENT_DIR = "_alignment"  # under a results folder; underscore folders hold no cell records
 _WIDTH = None if sys.stdout.isatty() else 200  # no truncated tables in logs and pipes
 console = Console(width=_WIDTH)
 err_console = Console(stderr=True, width=_WIDTH)
@@ -321,9 +322,14 @@ def _render(kind: str, results: Path, out: Path) -> None:
         _fail(f"no records under {results}; run `pf-bench sweep SPEC --out {results}` first")
     import harness.figures as figures
 
-    fn = figures.render_all if kind == "figures" else figures.render_tables
     out.mkdir(parents=True, exist_ok=True)
-    made = fn(df, out)
+    alignment = results / ALIGNMENT_DIR
+    if kind == "figures":
+        made = figures.render_all(df, out)
+    elif alignment.is_dir():
+        made = figures.render_tables(df, out, alignment=alignment)
+    else:
+        made = figures.render_tables(df, out)
     for path in made or []:
         console.print(str(path))
     console.print(f"{kind}: {len(made or [])} written to {out}")
@@ -366,6 +372,9 @@ def align(
     layout: Layout = Layout.padded,
     ac: AC = AC.none,
     seed: int = 0,
+    out: Annotated[
+        Path | None, typer.Option(help=f"also write the rows to OUT/{ALIGNMENT_DIR}/ (read by `tables`)")
+    ] = None,
 ) -> None:
     """Table 3: gradients (G), loss (L) and weights (W) of PrefixFlow vs the baseline over STEPS steps."""
     import torch
@@ -390,6 +399,22 @@ def align(
     except (ValueError, TypeError) as e:
         _fail(str(e))
     console.print(format_alignment(rows), highlight=False)
+    if out is not None:
+        import pandas as pd
+
+        from harness.records import write_table
+        from harness.spec import safe_name
+
+        table = pd.DataFrame([r.as_dict() for r in rows]).rename(columns={"passed": "pass"})
+        table.insert(0, "model", model)
+        table.insert(1, "dtype", dtype.value)
+        table.insert(2, "layout", layout.value)
+        table.insert(3, "ac", ac.value)
+        path = (
+            out / ALIGNMENT_DIR / f"{safe_name(f'{model}-{dtype.value}-{layout.value}-{ac.value}')}.parquet"
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        console.print(f"alignment rows -> {write_table(table, path)}")
     if not all(r.passed for r in rows):
         err_console.print("[red]alignment FAILED the pass rule |x-y| <= 1e-3 + 1e-2*max(|x|,|y|)[/red]")
         raise typer.Exit(1)

@@ -222,3 +222,22 @@ def test_claim4_dry_run_lists_frontier_searches(tmp_path):
         }
     res = invoke("sweep", claim4, "--out", tmp_path, "--dry-run")
     assert res.exit_code == 0 and "frontier ratio 0.833" in res.output and "256 MiB" in res.output
+
+
+def test_align_writes_rows_that_tables_render_as_table3(tmp_path):
+    import pandas as pd
+
+    from harness.figures import render_tables
+
+    res = invoke(
+        "align", "--dtype", "fp32", "--steps", "2", "--prefix-len", "9", "--suffix-len", "4", "--n", "2",
+        "--override", "dim=32", "--override", "n_layers=1", "--override", "n_heads=2",
+        "--override", "vocab_size=64", "--out", tmp_path,
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    files = list((tmp_path / "_alignment").glob("*.parquet"))
+    assert len(files) == 1
+    rows = pd.read_parquet(files[0])
+    assert set(rows["quantity"]) == {"G", "L", "W"} and rows["pass"].all() and set(rows["step"]) == {1, 2}
+    made = render_tables(pd.DataFrame(), tmp_path / "t", alignment=tmp_path / "_alignment")
+    assert any(p.name == "table3_alignment.md" for p in made)
