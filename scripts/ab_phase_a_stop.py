@@ -2,20 +2,35 @@
 
 Run: .venv/bin/python scripts/ab_phase_a_stop.py
 """
-import statistics, torch, prefixflow as pf
-import prefixflow.schedule as sch
-torch.set_num_threads(1)
-m = pf.build_model("llama3:debugmodel", overrides={"n_layers": 2}); pf.apply_prefixflow(m)
-g = pf.synthetic_group(2048, 1281, [256] * 16, seed=0)
-real = sch._last_needed_layer
-times = {"stop": [], "full": []}
-for rep in range(6):
-    for mode in ("stop", "full"):
-        sch._last_needed_layer = real if mode == "stop" else (lambda *a: None)
-        m.zero_grad(set_to_none=True)
-        s = pf.train_group(m, g, microbatch=1)
-        if rep:
-            times[mode].append((s.phase_times["A"], s.phase_times["C"], s.total_s))
-for mode, t in times.items():
-    a, c, tot = (statistics.median(x[i] for x in t) for i in range(3))
-    print(f"{mode}: phase A {a:.3f}s  phase C {c:.3f}s  step {tot:.3f}s")
+
+import statistics
+
+import torch
+
+import prefixflow as pf
+import prefixflow.schedule as schedule
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    model = pf.apply_prefixflow(pf.build_model("llama3:debugmodel", overrides={"n_layers": 2}))
+    group = pf.synthetic_group(2048, 1281, [256] * 16, seed=0)
+    stop_at_last_kv = schedule._last_needed_layer
+    times: dict[str, list[tuple[float, float, float]]] = {"stop": [], "full": []}
+    try:
+        for rep in range(6):  # the first round is warm-up
+            for mode in ("stop", "full"):
+                schedule._last_needed_layer = stop_at_last_kv if mode == "stop" else (lambda *_: None)
+                model.zero_grad(set_to_none=True)
+                stats = pf.train_group(model, group, microbatch=1)
+                if rep:
+                    times[mode].append((stats.phase_times["A"], stats.phase_times["C"], stats.total_s))
+    finally:
+        schedule._last_needed_layer = stop_at_last_kv
+    for mode, samples in times.items():
+        a, c, total = (statistics.median(s[i] for s in samples) for i in range(3))
+        print(f"{mode}: phase A {a:.3f}s  phase C {c:.3f}s  step {total:.3f}s")
+
+
+if __name__ == "__main__":
+    main()
