@@ -3,6 +3,9 @@ PY      := .venv/bin/python
 VENV_OK := .venv/.installed
 SPEC    ?= experiments/smoke.yaml
 RESULTS ?= results
+DEMO    ?= runs/demo
+# make demo runs the smoke sweep into $(DEMO) (git-ignored), so it really runs on a fresh clone;
+# results/ holds the committed reference records that make figures renders.
 
 .PHONY: setup test test-fast lint demo figures tables gpu-check slurm-up slurm-down clean
 
@@ -25,9 +28,10 @@ lint: setup
 	$(PY) -m ruff format --check prefixflow harness tests
 
 demo: setup
-	.venv/bin/pf-bench sweep $(SPEC) --out $(RESULTS)
-	.venv/bin/pf-bench figures --results $(RESULTS) --out $(RESULTS)/figures
-	@echo "records: $(RESULTS)/   figures: $(RESULTS)/figures/"
+	.venv/bin/pf-bench sweep $(SPEC) --out $(DEMO)
+	.venv/bin/pf-bench status $(DEMO)
+	.venv/bin/pf-bench figures --results $(DEMO) --out $(DEMO)/figures
+	@echo "records: $(DEMO)/$$(basename $(SPEC) .yaml)/   figures: $(DEMO)/figures/"
 
 figures: setup
 	.venv/bin/pf-bench figures --results $(RESULTS) --out $(RESULTS)/figures
