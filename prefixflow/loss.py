@@ -45,6 +45,10 @@ def resolve_loss(loss: str, loss_config: dict | LossConfig | None, group: Rollou
         if unknown:
             raise ValueError(f"loss_config has unknown key(s) {unknown}; valid keys: {sorted(valid)}")
         cfg = LossConfig(**given)
+    for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise ValueError(f"loss_config.{name} must be a number >= 0, got {value!r}")
     if cfg.aggregation not in AGGREGATIONS:
         raise ValueError(f"loss_config.aggregation {cfg.aggregation!r} unknown; valid: {AGGREGATIONS}")
     if loss == "pg" and cfg.aggregation != "seq-mean-token-mean":
