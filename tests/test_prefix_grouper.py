@@ -4,47 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _reference import max_rel_diff
+from conftest import TINY, tiny_model
 
 import prefixflow as pf
 from harness.peers import train_group_prefix_grouper
 from harness.peers.prefix_grouper import grouped_attention_func
 
 TOL = 1e-12  # measured ~1e-15: nothing in PrefixGrouper drops below fp64
-TINY = {
-    "llama3": (
-        "llama3:debugmodel",
-        {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 97},
-    ),
-    "qwen3": (
-        "qwen3:debugmodel",
-        {
-            "dim": 64,
-            "n_layers": 2,
-            "n_heads": 4,
-            "n_kv_heads": 2,
-            "head_dim": 16,
-            "hidden_dim": 96,
-            "vocab_size": 97,
-        },
-    ),
-}
-
-
-def tiny_model(family: str, ac: str = "none"):
-    name, overrides = TINY[family]
-    model = pf.build_model(name, dtype=torch.float64, overrides=overrides)
-    pf.apply_ac(model, ac)
-    return pf.apply_prefixflow(model)
 
 
 def grads(model):
     return [p.grad.detach().clone() for p in model.parameters()]
-
-
-def max_rel_diff(got, want) -> float:
-    return max(
-        float((g - w).abs().max()) / (float(w.abs().max()) or 1.0) for g, w in zip(got, want, strict=True)
-    )
 
 
 class Recorder:

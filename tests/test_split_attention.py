@@ -5,41 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _reference import max_rel_diff
+from conftest import TINY, tiny_model
 
 import prefixflow as pf
 from prefixflow.split_attention import split_attention, split_attention_reference, suffix_bias
 
 TOL = 1e-12
-# Tiny shapes with GQA (4 query heads over 2 KV heads).
-TINY = {
-    "llama3": (
-        "llama3:debugmodel",
-        {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 97},
-    ),
-    "qwen3": (
-        "qwen3:debugmodel",
-        {
-            "dim": 64,
-            "n_layers": 2,
-            "n_heads": 4,
-            "n_kv_heads": 2,
-            "head_dim": 16,
-            "hidden_dim": 96,
-            "vocab_size": 97,
-        },
-    ),
-}
-
-
-def tiny_model(family: str):
-    name, overrides = TINY[family]
-    return pf.apply_prefixflow(pf.build_model(name, dtype=torch.float64, overrides=overrides))
-
-
-def max_rel_diff(got, want) -> float:
-    return max(
-        float((g - w).abs().max()) / (float(w.abs().max()) or 1.0) for g, w in zip(got, want, strict=True)
-    )
 
 
 def concat_attention(q, k, v, prefix_k, prefix_v, suffix_mask, scale):
