@@ -122,7 +122,6 @@ class AttendWithPrefix:
         self.cache = cache
         self.mask = mask
         self.variant = variant
-        self._bound = False
         self._split_mask = None
         if variant == "split" and len(cache):
             # Built once per microbatch, eagerly (it inspects the mask), shared by every layer.
@@ -135,10 +134,9 @@ class AttendWithPrefix:
             dtype = next(iter(self.cache.layers.values())).live_k.dtype
             for wrapper in wrappers:
                 wrapper.prefix_kv = self.cache.read(wrapper.layer, dtype)
-        self._bound = True
 
     def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
-        cached = wrapper.prefix_kv if self._bound else self.cache.read(wrapper.layer, k.dtype)
+        cached = wrapper.prefix_kv  # set by bind() when AttentionState.use activated this mode
         if cached is not None and self.variant == "split":
             return split_attention(q, k, v, *cached, None, scale=scale, prepared=self._split_mask)
         if cached is not None:
