@@ -17,8 +17,16 @@ $(VENV_OK): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(VENV_OK)
 
+# The Slurm tests need the local single-node cluster: start it (root, Slurm installed, not running) and stop
+# it again afterwards. .ci/run installs and starts it itself; without Slurm those tests skip.
 test: setup
-	$(PY) -m pytest -q
+	@started=0; \
+	if [ "$$(id -u)" = 0 ] && command -v slurmctld >/dev/null 2>&1 && ! sinfo -h >/dev/null 2>&1; then \
+	  bash scripts/slurm_up.sh && started=1; \
+	fi; \
+	$(PY) -m pytest -q; rc=$$?; \
+	if [ $$started = 1 ]; then bash scripts/slurm_down.sh; fi; \
+	exit $$rc
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not slurm"
