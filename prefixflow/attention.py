@@ -125,15 +125,13 @@ class AttendWithPrefix:
         self._split_mask = None
         if variant == "split" and len(cache):
             # Built once per microbatch, eagerly (it inspects the mask), shared by every layer.
-            dtype = next(iter(cache.layers.values())).live_k.dtype
-            self._split_mask = suffix_bias(mask[..., mask.shape[-1] - mask.shape[-2] :], dtype)
+            self._split_mask = suffix_bias(mask[..., mask.shape[-1] - mask.shape[-2] :], cache.compute_dtype)
 
     def bind(self, wrappers: list[PrefixAwareAttention]) -> None:
         """Give each wrapped layer its cached prefix K/V (in the compute dtype) for this phase."""
         if len(self.cache):
-            dtype = next(iter(self.cache.layers.values())).live_k.dtype
             for wrapper in wrappers:
-                wrapper.prefix_kv = self.cache.read(wrapper.layer, dtype)
+                wrapper.prefix_kv = self.cache.read(wrapper.layer, self.cache.compute_dtype)
 
     def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
         cached = wrapper.prefix_kv  # set by bind() when AttentionState.use activated this mode

@@ -44,6 +44,13 @@ class PrefixKVCache:
             return 0
         return next(iter(self.layers.values())).live_k.shape[-2]
 
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype the model computed the prefix K/V in (``None`` while the cache is empty)."""
+        if not self.layers:
+            return None
+        return next(iter(self.layers.values())).live_k.dtype
+
     def capture(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Keep a layer's live prefix K/V and create the leaves the suffixes will read."""
         if layer in self.layers:
