@@ -8,6 +8,7 @@
 from .apply import AC_MODES, PrefixFlowConfig, apply_ac, apply_prefixflow
 from .compile import apply_compile
 from .group import RolloutGroup, synthetic_group
+from .hooks import ScheduleHooks, add_hooks, remove_hooks
 from .kv_cache import PrefixKVCache
 from .layouts import LAYOUTS
 from .loss import LOSSES, LossConfig
@@ -27,12 +28,15 @@ __all__ = [
     "PrefixKVCache",
     "PrefixOffload",
     "RolloutGroup",
+    "ScheduleHooks",
     "apply_ac",
     "apply_compile",
+    "add_hooks",
     "apply_prefixflow",
     "build_model",
     "list_models",
     "model_args",
+    "remove_hooks",
     "synthetic_group",
     "train_group",
 ]

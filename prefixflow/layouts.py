@@ -45,6 +45,8 @@ class Microbatch:
     targets: torch.Tensor  # [T] token each loss position predicts
     response_ids: torch.Tensor  # [T] response index of each loss position
     token_ids: torch.Tensor  # [T] index of the predicted token within its response
+    responses: tuple[int, ...] = ()  # the group's responses in this microbatch, in row/packing order
+    cached_prefix_len: int | None = None  # keys before the tokens (PrefixFlow); None = full sequences
 
     @property
     def n_tokens(self) -> int:
@@ -136,4 +138,6 @@ def build_microbatch(
         targets=targets,
         response_ids=resp,
         token_ids=tok,
+        responses=tuple(s.response for s in segments),
+        cached_prefix_len=cached_prefix_len,
     )

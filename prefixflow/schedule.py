@@ -20,6 +20,7 @@ from torch import nn
 from .apply import PrefixFlowRuntime, runtime_of
 from .attention import AttendWithPrefix, CapturePrefix, MaskedAttention, PrefixCaptured
 from .group import RolloutGroup
+from .hooks import hooks_of
 from .kv_cache import PrefixKVCache
 from .layouts import LAYOUTS, Microbatch, build_microbatch, full_sequence_segments, suffix_segments
 from .loss import LossConfig, microbatch_loss, resolve_loss, token_logprobs
@@ -72,11 +73,13 @@ def forward_hidden(
 
 
 def _forward_backward(model, mb: Microbatch, group, loss: str, cfg: LossConfig) -> float:
-    """One microbatch: forward, LM head at loss positions only, group-weighted loss, backward."""
-    hidden = forward_hidden(model, mb.tokens, mb.positions)
-    logits = model.output(hidden[mb.loss_rows, mb.loss_cols])
-    value = microbatch_loss(token_logprobs(logits, mb.targets), mb, group, loss, cfg)
-    value.backward()
+    """One microbatch: forward, LM head at loss positions only, group-weighted loss, backward.
+    The model's schedule hooks (:mod:`prefixflow.hooks`) wrap it."""
+    with hooks_of(model).microbatch(mb):
+        hidden = forward_hidden(model, mb.tokens, mb.positions)
+        logits = model.output(hidden[mb.loss_rows, mb.loss_cols])
+        value = microbatch_loss(token_logprobs(logits, mb.targets), mb, group, loss, cfg)
+        value.backward()
     return value.item()
 
 
@@ -189,6 +192,7 @@ def _validate(model, group, system, layout, microbatch) -> None:
         raise ValueError(f"microbatch must be None (all responses) or an int >= 1, got {microbatch!r}")
     args = model_args(model)
     group.check_fits(args.vocab_size, args.max_seq_len)
+    hooks_of(model).check(model, group, system)
 
 
 def train_group(
@@ -216,9 +220,10 @@ def train_group(
     group = group.to(device)
     chunks = _chunks(group.n, microbatch)
     clock = _PhaseClock(device, observer)
+    hooks = hooks_of(model)
     suffix_tokens = sum(group.response_lens)
     if system == "baseline":
-        with clock("full"):
+        with hooks.group(model, group, system), clock("full"), hooks.phase("full"):
             value = _baseline(model, runtime, group, chunks, layout, loss, cfg)
         trunk = _trunk_tokens(group, chunks, layout, group.prompt_len)
         return GroupStats(system, layout, value, len(chunks), 0, suffix_tokens, trunk, clock.times)
@@ -227,12 +232,13 @@ def train_group(
     config = runtime.config
     offload = PrefixOffload(model, cache, prefetch=config.offload_prefetch) if config.offload else None
     try:
-        with clock("A"):
-            phase_a_prefix_forward(model, runtime, group, cache, offload)
-        with clock("B"):
-            value = phase_b_suffix_microbatches(model, runtime, group, cache, chunks, layout, loss, cfg)
-        with clock("C"):
-            phase_c_prefix_backward(cache, offload)
+        with hooks.group(model, group, system):
+            with clock("A"), hooks.phase("A"):
+                phase_a_prefix_forward(model, runtime, group, cache, offload)
+            with clock("B"), hooks.phase("B"):
+                value = phase_b_suffix_microbatches(model, runtime, group, cache, chunks, layout, loss, cfg)
+            with clock("C"), hooks.phase("C"):
+                phase_c_prefix_backward(cache, offload)
     finally:
         cache.release()  # drops the prefix graph first, then the pool its saved tensors point into
         if offload is not None:

@@ -1,0 +1,111 @@
+"""Extension points of the schedule: how parallelism and MoE enter the three phases.
+
+The phases in :mod:`prefixflow.schedule` stay three short functions. Whatever changes *where* work runs
+(FSDP's gradient sync, context-parallel gathers, routing replay, ...) is a :class:`ScheduleHooks` object
+registered on the model with :func:`add_hooks`; the schedule enters the registered hooks around the whole
+group, around each phase and around each microbatch, for both systems. A hook never changes the math: the
+baseline and PrefixFlow run the same hooks, so they differ only in the schedule.
+
+Order: hooks are entered in registration order and exited in reverse (a stack), so the hook that an
+``apply_*`` function registers first wraps everything registered after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from .group import RolloutGroup
+    from .layouts import Microbatch
+
+__all__ = ["ScheduleHooks", "HookChain", "add_hooks", "remove_hooks", "hooks_of"]
+
+PHASES = ("A", "B", "C", "full")  # "full" is the baseline's single phase
+
+
+class ScheduleHooks:
+    """Base class: every method is a no-op. Override the ones a feature needs.
+
+    - ``check(model, group, system)``: validate the input (raise ``ValueError`` naming the field) before any
+      gradient changes.
+    - ``group(model, group, system)``: a context around one whole ``train_group`` call (after validation).
+      Its exit runs on success and on error: undo every state the hook set up.
+    - ``phase(name)``: a context around each phase, ``"A"``, ``"B"``, ``"C"`` (PrefixFlow) or ``"full"``
+      (baseline).
+    - ``microbatch(mb)``: a context around one microbatch's forward, loss and backward (Phase B and the
+      baseline's microbatches).
+    """
+
+    def check(self, model: nn.Module, group: RolloutGroup, system: str) -> None:
+        return None
+
+    def group(self, model: nn.Module, group: RolloutGroup, system: str):
+        return contextlib.nullcontext()
+
+    def phase(self, name: str):
+        return contextlib.nullcontext()
+
+    def microbatch(self, mb: Microbatch):
+        return contextlib.nullcontext()
+
+
+class HookChain:
+    """The registered hooks of one model, entered as one context (registration order, exited in reverse)."""
+
+    def __init__(self) -> None:
+        self.hooks: list[ScheduleHooks] = []
+
+    def __len__(self) -> int:
+        return len(self.hooks)
+
+    def check(self, model: nn.Module, group: RolloutGroup, system: str) -> None:
+        for hook in self.hooks:
+            hook.check(model, group, system)
+
+    @contextlib.contextmanager
+    def _enter(self, method: str, *args) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for hook in self.hooks:
+                stack.enter_context(getattr(hook, method)(*args))
+            yield
+
+    def group(self, model: nn.Module, group: RolloutGroup, system: str):
+        return self._enter("group", model, group, system)
+
+    def phase(self, name: str):
+        if name not in PHASES:
+            raise ValueError(f"phase {name!r} unknown; valid: {PHASES}")
+        return self._enter("phase", name)
+
+    def microbatch(self, mb: Microbatch):
+        return self._enter("microbatch", mb)
+
+
+def hooks_of(model: nn.Module) -> HookChain:
+    """The model's hook chain (empty until something registers)."""
+    chain = getattr(model, "_prefixflow_hooks", None)
+    if chain is None:
+        chain = HookChain()
+        model._prefixflow_hooks = chain
+    return chain
+
+
+def add_hooks(model: nn.Module, hook: ScheduleHooks) -> ScheduleHooks:
+    """Register ``hook`` on ``model``; ``train_group`` enters it from the next call on. Returns it."""
+    if not isinstance(hook, ScheduleHooks):
+        raise TypeError(f"hook must be a prefixflow.hooks.ScheduleHooks, got {type(hook).__name__}")
+    chain = hooks_of(model)
+    if any(h is hook for h in chain.hooks):
+        raise ValueError(f"{type(hook).__name__} is already registered on this model")
+    chain.hooks.append(hook)
+    return hook
+
+
+def remove_hooks(model: nn.Module, hook: ScheduleHooks) -> None:
+    """Unregister ``hook`` (a no-op when it is not registered)."""
+    chain = hooks_of(model)
+    chain.hooks = [h for h in chain.hooks if h is not hook]
