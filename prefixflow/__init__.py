@@ -5,6 +5,7 @@
 >>> stats = train_group(model, group)            # Phase A, B, C; gradients equal the baseline's
 """
 
+from .adapters import ModelAdapter, TorchTitanAdapter, adapter_for, register_adapter
 from .apply import AC_MODES, PrefixFlowConfig, apply_ac, apply_prefixflow
 from .compile import apply_compile
 from .group import RolloutGroup, synthetic_group
@@ -23,11 +24,14 @@ __all__ = [
     "SYSTEMS",
     "GroupStats",
     "LossConfig",
+    "ModelAdapter",
     "OffloadStats",
     "PrefixFlowConfig",
     "PrefixKVCache",
     "PrefixOffload",
     "RolloutGroup",
+    "TorchTitanAdapter",
+    "adapter_for",
     "ScheduleHooks",
     "apply_ac",
     "apply_compile",
@@ -36,6 +40,7 @@ __all__ = [
     "build_model",
     "list_models",
     "model_args",
+    "register_adapter",
     "remove_hooks",
     "synthetic_group",
     "train_group",

@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .attention import ATTENTION_VARIANTS, AttentionState, PrefixAwareAttention
+from .adapters import ModelAdapter, adapter_for
+from .attention import ATTENTION_VARIANTS, AttentionState
 
 __all__ = ["PrefixFlowConfig", "PrefixFlowRuntime", "apply_prefixflow", "runtime_of", "apply_ac", "AC_MODES"]
 
@@ -56,11 +57,13 @@ class PrefixFlowConfig:
 
 @dataclass
 class PrefixFlowRuntime:
-    """What ``apply_prefixflow`` attaches to a model: the config and the shared attention state."""
+    """What ``apply_prefixflow`` attaches to a model: the config, the shared attention state and the model's
+    adapter (:mod:`prefixflow.adapters`)."""
 
     config: PrefixFlowConfig
     state: AttentionState
     n_wrapped: int
+    adapter: ModelAdapter
 
     def grad_kv_dtype(self, model: nn.Module) -> torch.dtype:
         if self.config.grad_kv_dtype is not None:
@@ -69,18 +72,14 @@ class PrefixFlowRuntime:
         return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
-def _sdpa_wrapper_type():
-    from torchtitan.models.attention import ScaledDotProductAttentionWrapper
-
-    return ScaledDotProductAttentionWrapper
-
-
 def apply_prefixflow(model: nn.Module, config: PrefixFlowConfig | None = None) -> nn.Module:
-    """Wrap every attention layer of a TorchTitan model at its SDPA boundary (in place, idempotent).
+    """Wrap every attention layer of a model at its SDPA boundary (in place, idempotent).
 
-    Afterwards ``model(tokens)`` is still the plain full-sequence forward; ``train_group`` switches the
-    wrapped layers into prefix-capture (Phase A) or prefix-aware suffix attention (Phase B). Calling it again
-    only updates the config.
+    TorchTitan decoders are supported by the core; other families through their adapter
+    (:mod:`prefixflow.adapters`; Hugging Face causal LMs: ``prefixflow.integrations.hf``). Afterwards
+    ``model(tokens)`` is still the plain full-sequence forward; ``train_group`` switches the wrapped layers
+    into prefix-capture (Phase A) or prefix-aware suffix attention (Phase B). Calling it again only updates
+    the config.
     """
     config = config or PrefixFlowConfig()
     if not isinstance(config, PrefixFlowConfig):
@@ -89,23 +88,10 @@ def apply_prefixflow(model: nn.Module, config: PrefixFlowConfig | None = None) -
     if runtime is not None:
         runtime.config = replace(config)
         return model
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        raise TypeError(f"{type(model).__name__} is not a TorchTitan decoder (no .layers)")
-    sdpa = _sdpa_wrapper_type()
+    adapter = adapter_for(model)
     state = AttentionState()
-    n = 0
-    for block in layers.values():
-        attention = next((m for m in block.modules() if hasattr(m, "inner_attention")), None)
-        if attention is None or not isinstance(attention.inner_attention, sdpa):
-            kind = None if attention is None else type(attention.inner_attention).__name__
-            raise ValueError(
-                f"PrefixFlow wraps TorchTitan's SDPA attention; this model uses {kind}. "
-                "Build it with attn_type='sdpa' (overrides={'attn_type': 'sdpa'})."
-            )
-        attention.inner_attention = PrefixAwareAttention(attention.inner_attention, n, state)
-        n += 1
-    model._prefixflow = PrefixFlowRuntime(config=config, state=state, n_wrapped=n)
+    n = adapter.wrap_attention(model, state)
+    model._prefixflow = PrefixFlowRuntime(config=config, state=state, n_wrapped=n, adapter=adapter)
     return model
 
 
@@ -119,23 +105,13 @@ def runtime_of(model: nn.Module) -> PrefixFlowRuntime:
 
 
 def apply_ac(model: nn.Module, mode: str = "selective") -> nn.Module:
-    """TorchTitan activation checkpointing on every block: ``selective`` (op-level SAC with TorchTitan's save
-    list), ``full``, or ``none``. Works before or after ``apply_prefixflow``."""
+    """Activation checkpointing on every block, the model family's own way (TorchTitan: ``selective`` =
+    op-level SAC with TorchTitan's save list, ``full``; ``none`` does nothing). Works before or after
+    ``apply_prefixflow``."""
     if mode not in AC_MODES:
         raise ValueError(f"AC mode {mode!r} unknown; valid: {AC_MODES}")
     if mode == "none":
         return model
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torchtitan.config.job_config import ActivationCheckpoint
-    from torchtitan.distributed.activation_checkpoint import apply_ac as titan_apply_ac
-    from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
-
-    if any(isinstance(block, CheckpointWrapper) for block in model.layers.values()):
-        raise ValueError("activation checkpointing is already applied to this model")
-    if mode == "selective":
-        config = ActivationCheckpoint(mode="selective", selective_ac_option="op")
-    else:
-        config = ActivationCheckpoint(mode="full")
-    titan_apply_ac(model, config, op_sac_save_list=_op_sac_save_list)
+    adapter_for(model).apply_ac(model, mode)
     model.prefixflow_ac = mode
     return model

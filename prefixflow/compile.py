@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .adapters import adapter_for
 from .attention import CapturePrefix
 
 __all__ = ["apply_compile", "is_compiled", "first_call_seconds"]
@@ -58,7 +59,7 @@ def apply_compile(
         raise ValueError("apply_compile was already applied to this model")
     runtime = getattr(model, "_prefixflow", None)
     state = None if runtime is None else runtime.state
-    for block in model.layers.values():
+    for block in adapter_for(model).blocks(model):
         eager = block.forward
         compiled = torch.compile(eager, fullgraph=fullgraph, backend=backend, **compile_kwargs)
         block.forward = _BlockDispatch(eager, compiled, state, tuple(eager_modes))

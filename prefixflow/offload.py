@@ -50,6 +50,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from .adapters import adapter_for
+
 __all__ = ["OffloadStats", "PrefixOffload", "TIER_CPU", "TIER_CUDA", "DEFAULT_MIN_BYTES"]
 
 TIER_CUDA = "cuda-pinned"
@@ -254,6 +256,14 @@ class _PinnedPool:
         self.chunks.clear()
 
 
+def _blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder blocks (layer tags for the prefetch order); none for a model no adapter knows."""
+    try:
+        return adapter_for(model).blocks(model)
+    except TypeError:
+        return []
+
+
 class PrefixOffload:
     """Offload of the dormant saved tensors of one group's prefix graph (see the module docstring).
 
@@ -273,7 +283,7 @@ class PrefixOffload:
     ) -> None:
         self.model, self.cache, self.min_bytes, self.ahead = model, cache, min_bytes, ahead
         self.device = next(model.parameters()).device
-        self._blocks = list(getattr(model, "layers", {}).values()) if hasattr(model, "layers") else []
+        self._blocks = _blocks_of(model)
         self._protected = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
         hint = _FOOTPRINT.get(model, 0)
         self.pool = _PinnedPool(self.device, hint) if self.device.type == "cuda" else _FilePool()

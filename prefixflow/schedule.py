@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .adapters import adapter_for
 from .apply import PrefixFlowRuntime, runtime_of
 from .attention import AttendWithPrefix, CapturePrefix, MaskedAttention, PrefixCaptured
 from .group import RolloutGroup
@@ -24,7 +25,6 @@ from .hooks import hooks_of
 from .kv_cache import PrefixKVCache
 from .layouts import LAYOUTS, Microbatch, build_microbatch, full_sequence_segments, suffix_segments
 from .loss import LossConfig, microbatch_loss, resolve_loss, token_logprobs
-from .models import model_args, rope_buffer
 from .offload import OffloadStats, PrefixOffload, offloading
 
 __all__ = [
@@ -64,12 +64,8 @@ class GroupStats:
 def forward_hidden(
     model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None, *, final_norm=True
 ):
-    """The TorchTitan forward without the LM head: embeddings, blocks, final norm."""
-    h = model.tok_embeddings(tokens)
-    rope = rope_buffer(model)
-    for block in model.layers.values():
-        h = block(h, rope, None, positions)
-    return model.norm(h) if final_norm else h
+    """The model's forward without the LM head (embeddings, blocks, final norm), through its adapter."""
+    return adapter_for(model).hidden(model, tokens, positions, final_norm=final_norm)
 
 
 def _forward_backward(model, mb: Microbatch, group, loss: str, cfg: LossConfig) -> float:
@@ -77,7 +73,7 @@ def _forward_backward(model, mb: Microbatch, group, loss: str, cfg: LossConfig) 
     The model's schedule hooks (:mod:`prefixflow.hooks`) wrap it."""
     with hooks_of(model).microbatch(mb):
         hidden = forward_hidden(model, mb.tokens, mb.positions)
-        logits = model.output(hidden[mb.loss_rows, mb.loss_cols])
+        logits = adapter_for(model).lm_head(model)(hidden[mb.loss_rows, mb.loss_cols])
         value = microbatch_loss(token_logprobs(logits, mb.targets), mb, group, loss, cfg)
         value.backward()
     return value.item()
@@ -108,10 +104,8 @@ def _last_needed_layer(model: nn.Module, runtime: PrefixFlowRuntime) -> int | No
     A checkpointed last block runs to its end: its recomputation in Phase C must save exactly what the
     original forward saved.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    last_block = list(model.layers.values())[-1]
-    return None if isinstance(last_block, CheckpointWrapper) else runtime.n_wrapped - 1
+    adapter = runtime.adapter
+    return None if adapter.block_is_checkpointed(adapter.blocks(model)[-1]) else runtime.n_wrapped - 1
 
 
 def phase_b_suffix_microbatches(
@@ -190,8 +184,9 @@ def _validate(model, group, system, layout, microbatch) -> None:
         isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1
     ):
         raise ValueError(f"microbatch must be None (all responses) or an int >= 1, got {microbatch!r}")
-    args = model_args(model)
-    group.check_fits(args.vocab_size, args.max_seq_len)
+    adapter = adapter_for(model)
+    group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
+    adapter.check(model, group)
     hooks_of(model).check(model, group, system)
 
 
