@@ -14,7 +14,7 @@ setup: $(VENV_OK)
 $(VENV_OK): pyproject.toml
 	test -x $(PY) || python3.11 -m venv .venv || python3 -m venv .venv
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,hf]'
 	touch $(VENV_OK)
 
 # The Slurm tests need the local single-node cluster: start it (root, Slurm installed, not running) and stop

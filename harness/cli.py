@@ -123,7 +123,12 @@ RUN_COLUMNS = [
 
 @app.command()
 def run(
-    model: Annotated[str, typer.Option(help="TorchTitan model 'family:flavor', e.g. llama3:debugmodel")],
+    model: Annotated[
+        str,
+        typer.Option(
+            help="TorchTitan 'family:flavor' (llama3:debugmodel) or hf:<config name or local config.json>"
+        ),
+    ],
     prefix_len: Annotated[int, typer.Option(help="prompt (shared prefix) length P")],
     suffix_len: Annotated[int, typer.Option(help="response length S")],
     n: Annotated[int, typer.Option(help="responses per group N")],

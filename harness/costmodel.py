@@ -93,9 +93,12 @@ def _llama3_hidden(dim: int, multiple_of: int, ffn_dim_multiplier: float | None)
 
 
 def as_shape(args) -> ModelShape:
-    """A :class:`ModelShape` from itself, a TorchTitan llama3 ``TransformerModelArgs`` or ``Qwen3ModelArgs``."""
+    """A :class:`ModelShape` from itself, a TorchTitan llama3 ``TransformerModelArgs`` or ``Qwen3ModelArgs``, or
+    a Hugging Face dense decoder config (``hidden_size``, ``num_hidden_layers``, ``intermediate_size``, ...)."""
     if isinstance(args, ModelShape):
         return args
+    if hasattr(args, "hidden_size") and hasattr(args, "num_hidden_layers"):
+        return _hf_shape(args)
     if getattr(args, "moe_enabled", False):
         raise ValueError("MoE models are not covered by the dense cost model")
     n_heads = int(args.n_heads)
@@ -112,6 +115,21 @@ def as_shape(args) -> ModelShape:
         head_dim=int(head_dim),
         hidden_dim=int(hidden),
         vocab_size=int(args.vocab_size),
+    )
+
+
+def _hf_shape(config) -> ModelShape:
+    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+        raise ValueError("MoE models are not covered by the dense cost model")
+    n_heads = int(config.num_attention_heads)
+    return ModelShape(
+        dim=int(config.hidden_size),
+        n_layers=int(config.num_hidden_layers),
+        n_heads=n_heads,
+        n_kv_heads=int(getattr(config, "num_key_value_heads", None) or n_heads),
+        head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // n_heads),
+        hidden_dim=int(config.intermediate_size),
+        vocab_size=int(config.vocab_size),
     )
 
 

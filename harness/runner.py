@@ -23,6 +23,7 @@ from harness.systems import get_system
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OFFLOAD_BYTES = ("offloaded_bytes", "prefetched_bytes", "demand_loaded_bytes", "late_bytes", "dropped_bytes")
+HF_PREFIX = "hf:"
 _OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
 
@@ -116,18 +117,30 @@ def make_group(cell: Cell, vocab_size: int):
     return RolloutGroup(prompt=prompt, responses=responses, advantages=advantages)
 
 
+def build_cell_model(cell: Cell, device: torch.device) -> torch.nn.Module:
+    """The cell's model with its seed's random weights: TorchTitan ``family:flavor``, or ``hf:<built-in config
+    name | local config.json path>`` through ``prefixflow.integrations.hf`` (needs ``prefixflow[hf]``)."""
+    kwargs = {
+        "dtype": DTYPES[cell.dtype],
+        "seed": cell.seed,
+        "overrides": dict(cell.model.overrides),
+        "device": device,
+    }
+    if cell.model.name.startswith(HF_PREFIX):
+        from prefixflow.integrations.hf import build_hf_model
+
+        return build_hf_model(cell.model.name.removeprefix(HF_PREFIX), **kwargs)
+    from prefixflow import build_model
+
+    return build_model(cell.model.name, **kwargs)
+
+
 def build_for(system_name: str, cell: Cell, device: torch.device):
     """A fresh model (same seed for every system) transformed for ``system_name``."""
-    from prefixflow import apply_ac, build_model
+    from prefixflow import apply_ac
 
     system = get_system(system_name)
-    model = build_model(
-        cell.model.name,
-        dtype=DTYPES[cell.dtype],
-        seed=cell.seed,
-        overrides=dict(cell.model.overrides),
-        device=device,
-    )
+    model = build_cell_model(cell, device)
     apply_ac(model, cell.ac)
     model = system.prepare(model, cell)
     if cell.compile:
@@ -144,7 +157,7 @@ def _model_columns(model: torch.nn.Module, cell: Cell, system: str) -> dict[str,
 
     out: dict[str, Any] = {}
     try:
-        args = model_args(model)
+        args = model.config if cell.model.name.startswith(HF_PREFIX) else model_args(model)
         shape = costmodel.as_shape(args)
     except (TypeError, ValueError, AttributeError):
         return out
@@ -318,6 +331,6 @@ def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]]:
 
 
 def _vocab(model: torch.nn.Module) -> int:
-    from prefixflow import model_args
+    from prefixflow import adapter_for
 
-    return int(model_args(model).vocab_size)
+    return int(adapter_for(model).vocab_size(model))

@@ -42,9 +42,13 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    """A TorchTitan model: ``family:flavor`` plus ModelArgs overrides."""
+    """A model plus config overrides: TorchTitan ``family:flavor`` (ModelArgs fields), or a Hugging Face
+    ``hf:<built-in config name | local config.json path>`` (config fields; needs ``prefixflow[hf]``)."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+:[A-Za-z0-9_.-]+$", description="family:flavor")
+    name: str = Field(
+        pattern=r"^([A-Za-z0-9_.-]+:[A-Za-z0-9_.-]+|hf:[A-Za-z0-9_./~-]{1,500})$",
+        description="family:flavor, or hf:<config name or local config path>",
+    )
     overrides: dict[str, OverrideValue] = Field(default_factory=dict)
     label: str | None = None
 

@@ -132,16 +132,16 @@ def train_group_prefix_grouper(model: nn.Module, group, *, loss: str = "pg", los
     ``|P|`` (the prefix runs once, shared in the packed graph); ``trunk_tokens`` is the packed length.
     """
     from prefixflow import GroupStats, RolloutGroup
+    from prefixflow.adapters import adapter_for
     from prefixflow.apply import runtime_of
     from prefixflow.loss import microbatch_loss, resolve_loss, token_logprobs
-    from prefixflow.models import model_args
     from prefixflow.schedule import forward_hidden
 
     runtime = runtime_of(model)
     if not isinstance(group, RolloutGroup):
         raise TypeError(f"group must be a prefixflow.RolloutGroup, got {type(group).__name__}")
-    args = model_args(model)
-    group.check_fits(args.vocab_size, args.max_seq_len)
+    adapter = adapter_for(model)
+    group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
     # The packed row may exceed max_seq_len: RoPE is read at explicit positions, each at most |P| + |S_i|.
     cfg = resolve_loss(loss, loss_config, group)
     device = next(model.parameters()).device
@@ -155,7 +155,7 @@ def train_group_prefix_grouper(model: nn.Module, group, *, loss: str = "pg", los
         with runtime.state.use(GroupedAttention(pg)):
             hidden = forward_hidden(model, tokens, positions)
             _, _, suffix_hidden, _ = pg.split_output(hidden, include_prefix_last=1)
-            logits = model.output(suffix_hidden[index.loss_rows, index.loss_cols])
+            logits = adapter.lm_head(model)(suffix_hidden[index.loss_rows, index.loss_cols])
             value = microbatch_loss(token_logprobs(logits, index.targets), index, group, loss, cfg)
             value.backward()
         result = value.item()

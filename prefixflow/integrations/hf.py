@@ -1,0 +1,289 @@
+"""Hugging Face transformers causal LMs under PrefixFlow, through transformers' ``AttentionInterface``.
+
+Importing this module registers an attention implementation named ``"prefixflow"`` (and, for the model's own
+mask construction, sdpa's mask function under the same name) and :class:`HFAdapter` in
+:mod:`prefixflow.adapters`. ``apply_prefixflow(model)`` then switches the model to ``attn_implementation=
+"prefixflow"`` and hands each attention layer a :class:`~prefixflow.attention.PrefixAwareAttention`:
+
+- with no PrefixFlow phase running (generation, evaluation, TRL's own forwards), the registered function is
+  transformers' sdpa path with every argument it was given: the model's own masks, positions and cache;
+- during ``train_group`` the schedule's modes take over at the same point, after RoPE (and Qwen3's qk-norm):
+  Phase A captures post-RoPE prefix K/V, Phase B attends to ``[cached prefix ; suffix]``. Positions reach
+  RoPE as the model's ``position_ids``; no installed file is patched.
+
+Verified (fp64 and fp32 gradients against the same model on full sequences): ``llama``, ``mistral``,
+``qwen2``, ``qwen3`` (dense, GQA, tied or untied embeddings). Other model types raise at ``apply_prefixflow``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    import transformers
+    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PreTrainedModel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "prefixflow.integrations.hf needs Hugging Face transformers: pip install 'prefixflow[hf]'"
+    ) from exc
+
+from ..adapters import ModelAdapter, register_adapter
+from ..attention import AttentionState, PrefixAwareAttention
+
+__all__ = [
+    "ATTENTION_NAME",
+    "VERIFIED_MODEL_TYPES",
+    "HF_MODELS",
+    "HFAdapter",
+    "build_hf_model",
+    "list_hf_models",
+]
+
+ATTENTION_NAME = "prefixflow"
+VERIFIED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_WRAPPER = (
+    "_prefixflow_attention"  # per-layer attribute (plain attribute: not a submodule, not in state_dict)
+)
+# Config fields that change what the LM head or attention computes beyond what PrefixFlow reproduces.
+_UNSUPPORTED_CONFIG = ("attn_logit_softcapping", "final_logit_softcapping", "logit_scale")
+
+
+def _prefixflow_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The registered attention function: transformers' sdpa unless a PrefixFlow phase is running."""
+    wrapper = module.__dict__.get(_WRAPPER)
+    if wrapper is None or wrapper.state.mode is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if dropout:
+        raise RuntimeError("PrefixFlow phases need attention dropout 0 (set config.attention_dropout=0.0)")
+    out = wrapper(query, key, value, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _causal_sdpa(q, k, v, *, scale=None, enable_gqa=False, is_causal=True):
+    """Phase A's attention over the prefix: plain causal SDPA, the call transformers' sdpa makes without a mask."""
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=is_causal and q.shape[-2] > 1, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+AttentionInterface.register(ATTENTION_NAME, _prefixflow_attention)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+class HFAdapter(ModelAdapter):
+    """Hugging Face ``*ForCausalLM`` models: ``base_model`` (embeddings, ``layers``, norm, rotary) and the output
+    embeddings as LM head. Attention enters through the registered ``"prefixflow"`` implementation."""
+
+    name = "hf"
+
+    def matches(self, model: nn.Module) -> bool:
+        return isinstance(model, PreTrainedModel) and hasattr(getattr(model, "base_model", None), "layers")
+
+    def hidden(self, model, tokens, positions, *, final_norm=True):
+        # The base model always applies its final norm; Phase A stops before it (PrefixCaptured).
+        out = model.base_model(input_ids=tokens, position_ids=positions, use_cache=False)
+        return out.last_hidden_state
+
+    def lm_head(self, model):
+        return model.get_output_embeddings()
+
+    def vocab_size(self, model):
+        return int(model.config.get_text_config().vocab_size)
+
+    def max_seq_len(self, model):
+        return int(model.config.get_text_config().max_position_embeddings)
+
+    def blocks(self, model):
+        return list(model.base_model.layers)
+
+    def block_is_checkpointed(self, block):
+        return bool(getattr(block, "gradient_checkpointing", False)) and block.training
+
+    def wrap_attention(self, model, state: AttentionState) -> int:
+        config = model.config
+        if config.model_type not in VERIFIED_MODEL_TYPES:
+            raise ValueError(
+                f"PrefixFlow's HF adapter is verified on model types {VERIFIED_MODEL_TYPES}; "
+                f"this model is {config.model_type!r}"
+            )
+        set_fields = [f for f in _UNSUPPORTED_CONFIG if getattr(config, f, None) not in (None, 1.0)]
+        if set_fields:
+            raise ValueError(f"PrefixFlow does not reproduce config fields {set_fields}; unset them")
+        impl = config._attn_implementation
+        if impl not in ("sdpa", ATTENTION_NAME):
+            raise ValueError(
+                f"PrefixFlow wraps transformers' sdpa attention; this model uses {impl!r}. Load it with "
+                "attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))"
+            )
+        attentions = [getattr(layer, "self_attn", None) for layer in self.blocks(model)]
+        if not attentions or any(a is None or not hasattr(a, "layer_idx") for a in attentions):
+            raise ValueError(
+                "every decoder layer needs a self_attn with a layer_idx (a transformers decoder)"
+            )
+        for n, attention in enumerate(attentions):
+            object.__setattr__(attention, _WRAPPER, PrefixAwareAttention(_causal_sdpa, n, state))
+        model.set_attn_implementation(ATTENTION_NAME)
+        return len(attentions)
+
+    def check(self, model, group) -> None:
+        longest = group.prompt_len + max(group.response_lens)
+        for layer in self.blocks(model):
+            window = getattr(layer.self_attn, "sliding_window", getattr(model.config, "sliding_window", None))
+            if window is not None and longest > window:
+                raise ValueError(
+                    f"prompt + longest response = {longest} tokens exceeds the model's sliding_window={window}; "
+                    "PrefixFlow attends to the whole cached prefix (shorten the group or disable the window)"
+                )
+        if model.training and float(getattr(model.config, "attention_dropout", 0.0) or 0.0) > 0:
+            raise ValueError(
+                "config.attention_dropout must be 0 while training with PrefixFlow (or call model.eval())"
+            )
+        for layer in self.blocks(model):
+            func = getattr(layer, "_gradient_checkpointing_func", None)
+            if self.block_is_checkpointed(layer) and getattr(func, "keywords", {}).get(
+                "use_reentrant", False
+            ):
+                raise ValueError(
+                    "reentrant gradient checkpointing hides the prefix K/V from autograd; enable it with "
+                    "activation_checkpointing_kwargs={'use_reentrant': False}"
+                )
+
+    def apply_ac(self, model, mode):
+        if mode != "full":
+            raise ValueError(
+                f"AC mode {mode!r} is TorchTitan's; Hugging Face models checkpoint whole layers: use 'full'"
+            )
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+
+
+register_adapter(HFAdapter())
+
+
+# -- building HF models from configs (random weights, no download) ------------------------------------------
+
+_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+# The TorchTitan debug models' shapes (llama3:debugmodel, qwen3:debugmodel), for side-by-side speed rows.
+HF_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-tiny": ("llama", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256}),
+    "mistral-tiny": ("mistral", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16}),
+    "qwen2-tiny": ("qwen2", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256}),
+    "qwen3-tiny": ("qwen3", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16}),
+    "llama-debug": (
+        "llama",
+        {
+            "hidden_size": 256,
+            "intermediate_size": 768,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "vocab_size": 2048,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+        },
+    ),
+    "qwen3-debug": (
+        "qwen3",
+        {
+            "hidden_size": 256,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 2048,
+            "tie_word_embeddings": True,
+        },
+    ),
+    # Llama-3-8B's shape (random weights): for paper-scale rows on a GPU next to TorchTitan's llama3:8B.
+    "llama3-8b": (
+        "llama",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "max_position_embeddings": 131072,
+        },
+    ),
+}
+_MAX_CONFIG_BYTES = 1 << 20
+_COMMON = {"max_position_embeddings": 8192, "attention_dropout": 0.0}
+
+
+def list_hf_models() -> list[str]:
+    """The built-in config names ``build_hf_model`` accepts (besides a local config path)."""
+    return sorted(HF_MODELS)
+
+
+def hf_config(name: str, overrides: dict[str, Any] | None = None):
+    """A transformers config from a built-in name (:data:`HF_MODELS`) or a local ``config.json`` (file or
+    folder); never downloads. ``overrides`` set existing config fields (unknown names raise)."""
+    if name in HF_MODELS:
+        model_type, fields = HF_MODELS[name]
+        raw = {"model_type": model_type, **_COMMON, **fields}
+    else:
+        path = Path(name)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(
+                f"HF model {name!r} is neither a built-in config ({list_hf_models()}) nor a local config.json"
+            )
+        if path.stat().st_size > _MAX_CONFIG_BYTES:
+            raise ValueError(f"{path} is larger than {_MAX_CONFIG_BYTES} bytes; not a model config")
+        try:
+            raw = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+            raise ValueError(f"{path} is not a transformers config.json (no 'model_type')")
+    model_type = raw.pop("model_type")
+    raw.pop("architectures", None)
+    raw.pop("auto_map", None)  # remote code is never run
+    try:
+        config = AutoConfig.for_model(model_type, **raw)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(
+            f"transformers {transformers.__version__} cannot build model type {model_type!r}: {exc}"
+        ) from None
+    for key, value in dict(overrides or {}).items():
+        if not hasattr(config, key):
+            raise ValueError(f"unknown override field {key!r} for HF model type {model_type!r}")
+        setattr(config, key, value)
+    return config
+
+
+def build_hf_model(
+    name: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
+    device: str | torch.device = "cpu",
+) -> PreTrainedModel:
+    """An HF causal LM with deterministic random weights (transformers' own init under ``seed``), sdpa
+    attention, from a built-in config name or a local config path. No weights or code are downloaded."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    config = hf_config(name, overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.to(device)
+    model.prefixflow_name = f"hf:{name}"
+    return model
