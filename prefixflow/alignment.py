@@ -1,38 +1,97 @@
-"""Multi-step alignment (paper Table 3): baseline and PrefixFlow copies trained side by side.
+"""Multi-step alignment (paper Table 3): baseline and PrefixFlow copies trained side by side, with negative controls.
 
-Both copies start from the same seed, see the same groups and take AdamW steps with the same settings. At
-the chosen steps we compare gradients before the step (G), the loss (L) and the weights after the step (W)
-with the paper's elementwise pass rule ``|x - y| <= tau_abs + tau_rel * max(|x|, |y|)``.
+Every copy starts from the same seed, sees the same groups and takes AdamW steps with the same settings. At
+the reported steps each PrefixFlow copy is compared with the baseline on the gradients before the step (G),
+the loss (L) and the weights after the step (W):
+
+- **The paper's rule**, elementwise: ``|x - y| <= tau_abs + tau_rel * max(|x|, |y|)`` on every matched element.
+- **Normwise**, per parameter tensor: ``||x - y||_2 / max(||x||_2, ||y||_2)``, the largest over tensors (G),
+  over the cumulative update ``W_t - W_0`` (W), or ``|x - y| / max(|x|, |y|)`` (L). For G it must stay within
+  ``sqrt(2) * tau_rel``, the normwise bound the paper's relative term implies when no element gets the
+  absolute slack ``tau_abs`` (``|x_i - y_i| <= tau_rel max(|x_i|, |y_i|)`` for all ``i`` gives
+  ``||x - y|| <= sqrt(2) tau_rel max(||x||, ||y||)``). That slack is what lets the elementwise rule pass a tensor
+  whose elements are all small, e.g. a layer that lost part of its prefix gradient. For L (a scalar that
+  crosses zero) and W (Adam turns rounding noise in near-zero gradients into ``±lr`` steps) the normwise
+  difference is reported, not ruled on.
+- **Tolerances per dtype** (:func:`tolerances`). bf16 rows use the paper's ``tau_abs = 1e-3, tau_rel = 1e-2``
+  (about 2.56 bf16 unit roundoffs: mixed precision rounds matmul inputs to bf16 and sums in fp32). Rows whose
+  dtype sums in its own precision use the same multiple of that dtype's unit roundoff ``u``, grown by the
+  usual ``sqrt(n)`` of an ``n``-term sum (``n``: the tokens the baseline's weight gradients sum over):
+  ``tau = tau_paper * (u / u_bf16) * (1 + sqrt(n))``.
+- **Negative controls** (``controls``): PrefixFlow copies with an injected fault (:mod:`prefixflow.faults`).
+  Each must FAIL; its ``margin`` is its G normwise difference over the correct run's at the same step.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import torch
 
 from .apply import apply_ac, apply_prefixflow
+from .faults import FAULTS, make_fault
 from .group import synthetic_group
+from .hooks import add_hooks
 from .models import build_model, model_args
 from .schedule import train_group
 
-__all__ = ["AlignmentRow", "run_alignment", "passes", "format_alignment"]
+__all__ = [
+    "AlignmentRow",
+    "CONTROLS",
+    "run_alignment",
+    "passes",
+    "tolerances",
+    "normwise",
+    "format_alignment",
+]
 
 TAU_ABS = 1e-3
 TAU_REL = 1e-2
+CORRECT = "prefixflow"  # the run name of the unfaulted PrefixFlow copy
+CONTROLS = tuple(FAULTS)
+_MIXED = (torch.bfloat16, torch.float16)  # run as autocast over fp32 master weights
+NORM_FACTOR = math.sqrt(2.0)  # normwise G bound: NORM_FACTOR * tau_rel (module doc)
 
 
 @dataclass
 class AlignmentRow:
+    """One quantity of one run at one step. ``passed`` is the verdict (paper rule, and normwise for G)."""
+
     step: int
     quantity: str  # "G" gradients, "L" loss, "W" after-update weights
     max_abs_diff: float
     max_abs_value: float
     passed: bool
+    run: str = CORRECT  # CORRECT, or the name of a negative control
+    dtype: str = ""
+    norm_rel_diff: float = math.nan  # G: max over tensors; W: of the update W_t - W_0; L: relative
+    norm_tol: float = math.nan  # the normwise bound G is ruled on (NaN for L and W: reported only)
+    worst_tensor: str = ""  # the parameter with the largest normwise difference
+    tau_abs: float = TAU_ABS
+    tau_rel: float = TAU_REL
+    paper_pass: bool = True  # the elementwise rule alone
+    margin: float = math.nan  # controls, G: norm_rel_diff over the correct run's
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+def tolerances(dtype: torch.dtype, n_terms: int) -> tuple[float, float]:
+    """``(tau_abs, tau_rel)`` for a run in ``dtype`` whose gradients sum ``n_terms`` token terms.
+
+    bf16/fp16 (mixed precision, fp32 sums): the paper's ``(1e-3, 1e-2)`` rescaled by ``u / u_bf16``.
+    Other dtypes sum in their own precision: additionally ``x (1 + sqrt(n_terms))``.
+    """
+    scale = _unit_roundoff(dtype) / _unit_roundoff(torch.bfloat16)
+    if dtype not in _MIXED:
+        scale *= 1.0 + math.sqrt(max(1, n_terms))
+    return TAU_ABS * scale, TAU_REL * scale
 
 
 def passes(x: torch.Tensor, y: torch.Tensor, tau_abs: float = TAU_ABS, tau_rel: float = TAU_REL) -> bool:
@@ -41,13 +100,42 @@ def passes(x: torch.Tensor, y: torch.Tensor, tau_abs: float = TAU_ABS, tau_rel: 
     return bool(((x - y).abs() <= tau_abs + tau_rel * torch.maximum(x.abs(), y.abs())).all())
 
 
-def _compare(step: int, quantity: str, xs: list[torch.Tensor], ys: list[torch.Tensor]) -> AlignmentRow:
-    diff = max(float((x.double() - y.double()).abs().max()) for x, y in zip(xs, ys, strict=True))
-    top = max(
-        float(torch.maximum(x.double().abs(), y.double().abs()).max()) for x, y in zip(xs, ys, strict=True)
+def normwise(x: torch.Tensor, y: torch.Tensor) -> float:
+    """``||x - y||_2 / max(||x||_2, ||y||_2)`` (0 when both are zero)."""
+    x, y = x.double(), y.double()
+    scale = max(float(x.norm()), float(y.norm()))
+    return float((x - y).norm()) / scale if scale > 0 else 0.0
+
+
+def _compare(step, quantity, xs, ys, names, tau, dtype, run, rule_norm) -> AlignmentRow:
+    pairs = [(x.double(), y.double()) for x, y in zip(xs, ys, strict=True)]
+    diff = max(float((x - y).abs().max()) for x, y in pairs)
+    top = max(float(torch.maximum(x.abs(), y.abs()).max()) for x, y in pairs)
+    paper = all(passes(x, y, *tau) for x, y in pairs)
+    rels = [normwise(x, y) for x, y in pairs]
+    worst = max(range(len(rels)), key=rels.__getitem__)
+    norm_tol = NORM_FACTOR * tau[1] if rule_norm else math.nan
+    return AlignmentRow(
+        step=step,
+        quantity=quantity,
+        max_abs_diff=diff,
+        max_abs_value=top,
+        passed=paper and not rels[worst] > norm_tol,
+        run=run,
+        dtype=dtype,
+        norm_rel_diff=rels[worst],
+        norm_tol=norm_tol,
+        worst_tensor=names[worst],
+        tau_abs=tau[0],
+        tau_rel=tau[1],
+        paper_pass=paper,
     )
-    ok = all(passes(x, y) for x, y in zip(xs, ys, strict=True))
-    return AlignmentRow(step, quantity, diff, top, ok)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}.get(
+        dtype, str(dtype)
+    )
 
 
 def run_alignment(
@@ -67,20 +155,36 @@ def run_alignment(
     ac: str = "none",
     lr: float = 1e-5,
     seed: int = 0,
+    controls: Iterable[str] = (),
 ) -> list[AlignmentRow]:
-    """Train baseline and PrefixFlow copies for ``steps`` AdamW steps on the same synthetic groups (response
-    lengths vary in ``[suffix_len // 2, suffix_len]``); return G/L/W rows at ``report_steps``."""
+    """Train a baseline copy, a PrefixFlow copy and one PrefixFlow copy per negative control for ``steps``
+    AdamW steps on the same synthetic groups (response lengths vary in ``[suffix_len // 2, suffix_len]``);
+    return G/L/W rows at ``report_steps`` for the correct run, then for each control (see the module doc)."""
     report = set(report_steps)
     if steps < 1 or not report or min(report) < 1 or max(report) > steps:
         raise ValueError(f"report_steps {sorted(report)} must lie in [1, steps={steps}]")
+    controls = list(controls)
+    unknown = sorted(set(controls) - set(CONTROLS))
+    if unknown:
+        raise ValueError(f"unknown control(s) {unknown}; valid controls: {list(CONTROLS)}")
+    if "microbatch_loss_scale" in controls and (microbatch is None or microbatch >= n):
+        raise ValueError(
+            f"the microbatch_loss_scale control needs several microbatches: microbatch={microbatch} "
+            f"must be an int below n={n} (e.g. microbatch=1)"
+        )
     # bf16/fp16 run as mixed precision: fp32 master weights and optimizer, forward/backward under autocast.
-    autocast = dtype in (torch.bfloat16, torch.float16)
+    autocast = dtype in _MIXED
+    runs = {"baseline": None, CORRECT: None, **{c: c for c in controls}}
     copies = {}
-    for system in ("baseline", "prefixflow"):
+    for run, fault in runs.items():
         m = build_model(model, dtype=torch.float32 if autocast else dtype, seed=seed, overrides=overrides)
         apply_ac(m, ac)
         apply_prefixflow(m)
-        copies[system] = (m, torch.optim.AdamW(m.parameters(), lr=lr))
+        if fault is not None:
+            add_hooks(m, make_fault(fault))
+        start = [p.detach().clone() for p in m.parameters()]
+        copies[run] = (m, torch.optim.AdamW(m.parameters(), lr=lr), start)
+    names = [name for name, _ in copies["baseline"][0].named_parameters()]
     vocab = model_args(copies["baseline"][0]).vocab_size
     gen = torch.Generator().manual_seed(seed)
     rows: list[AlignmentRow] = []
@@ -89,54 +193,70 @@ def run_alignment(
         group = synthetic_group(
             vocab, prefix_len, lens, seed=seed * 100_003 + step, with_logprobs=loss == "grpo"
         )
-        losses = {}
-        for system, (m, opt) in copies.items():
+        tau = tolerances(dtype, sum(prefix_len + s - 1 for s in lens))
+        state = {}
+        for run, (m, opt, start) in copies.items():
             opt.zero_grad(set_to_none=True)
             device_type = next(m.parameters()).device.type
             with torch.autocast(device_type, dtype=dtype, enabled=autocast):
                 stats = train_group(
                     m,
                     group,
-                    system=system,
+                    system="baseline" if run == "baseline" else "prefixflow",
                     layout=layout,
                     microbatch=microbatch,
                     loss=loss,
                     loss_config=loss_config,
                 )
-            losses[system] = torch.tensor(stats.loss)
-        params = {s: list(m.parameters()) for s, (m, _) in copies.items()}
-        if step in report:
-            rows.append(
-                _compare(
-                    step, "G", [p.grad for p in params["baseline"]], [p.grad for p in params["prefixflow"]]
-                )
-            )
-            rows.append(_compare(step, "L", [losses["baseline"]], [losses["prefixflow"]]))
-        for _, opt in copies.values():
+            grads = [p.grad.detach().clone() for p in m.parameters()] if step in report else None
             opt.step()
+            state[run] = (grads, torch.tensor(stats.loss, dtype=torch.float64), m, start)
         if step in report:
-            rows.append(
-                _compare(
-                    step,
-                    "W",
-                    [p.detach() for p in params["baseline"]],
-                    [p.detach() for p in params["prefixflow"]],
-                )
-            )
+            rows += _step_rows(step, state, names, tau, _dtype_name(dtype))
     return rows
 
 
+def _step_rows(step, state, names, tau, dtype) -> list[AlignmentRow]:
+    base_g, base_l, base_m, base_w0 = state["baseline"]
+    base_w = [p.detach() for p in base_m.parameters()]
+    out, correct_g = [], None
+    for run, (g, loss_value, m, w0) in state.items():
+        if run == "baseline":
+            continue
+        w = [p.detach() for p in m.parameters()]
+        rows = [
+            _compare(step, "G", base_g, g, names, tau, dtype, run, rule_norm=True),
+            _compare(step, "L", [base_l], [loss_value], ["loss"], tau, dtype, run, rule_norm=False),
+            _compare(step, "W", base_w, w, names, tau, dtype, run, rule_norm=False),
+        ]
+        # W's normwise difference is of the update since step 0 (the weights themselves are mostly init).
+        updates = [(a - a0, b - b0) for a, a0, b, b0 in zip(base_w, base_w0, w, w0, strict=True)]
+        rels = [normwise(a, b) for a, b in updates]
+        worst = max(range(len(rels)), key=rels.__getitem__)
+        rows[2].norm_rel_diff, rows[2].worst_tensor = rels[worst], names[worst]
+        if run == CORRECT:
+            correct_g = rows[0].norm_rel_diff
+        elif correct_g:
+            rows[0].margin = rows[0].norm_rel_diff / correct_g
+        out += rows
+    return out
+
+
 def format_alignment(rows: list[AlignmentRow]) -> str:
-    """Table 3 style text: one line per step with G/L/W max-abs differences and the pass verdict."""
-    by_step: dict[int, dict[str, AlignmentRow]] = {}
+    """Table 3 style text: one line per run and step, max-abs and normwise differences, and the verdict."""
+    by_key: dict[tuple[str, int], dict[str, AlignmentRow]] = {}
     for r in rows:
-        by_step.setdefault(r.step, {})[r.quantity] = r
-    lines = ["step | G max|diff| | L |diff| | W max|diff| | pass"]
-    for step in sorted(by_step):
-        q = by_step[step]
+        by_key.setdefault((r.run, r.step), {})[r.quantity] = r
+    lines = [
+        "run                    | step | G max|d|  | G norm    | L |d|     | W max|d|  | W(upd) norm | result"
+    ]
+    for (run, step), q in by_key.items():
         ok = all(r.passed for r in q.values())
+        verdict = "PASS" if ok else "FAIL"
+        if run != CORRECT and math.isfinite(q["G"].margin):
+            verdict += f" (x{q['G'].margin:.0f} the correct run's G)"
         lines.append(
-            f"{step:4d} | {q['G'].max_abs_diff:.3e} | {q['L'].max_abs_diff:.3e} | {q['W'].max_abs_diff:.3e} | "
-            f"{'PASS' if ok else 'FAIL'}"
+            f"{run:22s} | {step:4d} | {q['G'].max_abs_diff:.3e} | {q['G'].norm_rel_diff:.3e} | "
+            f"{q['L'].max_abs_diff:.3e} | {q['W'].max_abs_diff:.3e} | {q['W'].norm_rel_diff:.3e}   | {verdict}"
         )
     return "\n".join(lines)

@@ -1,11 +1,22 @@
-"""Multi-step alignment (Table 3): bf16 passes the paper's rule over 20 AdamW steps; fp32 is ~1e-7."""
+"""Multi-step alignment (Table 3): bf16 passes the paper's rule and the normwise G bound over 20 AdamW steps,
+fp32 passes its own tolerance, and every negative control (an injected fault) fails."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from prefixflow.alignment import format_alignment, passes, run_alignment
+import prefixflow as pf
+from prefixflow.alignment import (
+    CONTROLS,
+    CORRECT,
+    format_alignment,
+    normwise,
+    passes,
+    run_alignment,
+    tolerances,
+)
+from prefixflow.faults import MicrobatchLossScale, ScalePrefixGradient, ShiftSuffixPositions
 
 TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256}
 
@@ -17,43 +28,134 @@ def test_pass_rule_is_the_papers():
     assert not passes(torch.tensor([0.0]), torch.tensor([1.1e-3]))
 
 
-@pytest.mark.parametrize("family", ["llama3:debugmodel", "qwen3:debugmodel"])
-def test_bf16_twenty_steps_pass(family):
-    overrides = dict(TINY, **({"head_dim": 16, "hidden_dim": 96} if family.startswith("qwen3") else {}))
+def test_tolerances_scale_with_unit_roundoff():
+    assert tolerances(torch.bfloat16, 500) == (1e-3, 1e-2)  # the paper's, whatever the length
+    tau_abs, tau_rel = tolerances(torch.float32, 100)
+    assert tau_rel == pytest.approx(1e-2 * 2.0**-16 * 11) and tau_abs == pytest.approx(tau_rel / 10)
+    assert tolerances(torch.float64, 100)[1] == pytest.approx(1e-2 * 2.0**-45 * 11)
+    # normwise: a small tensor that lost 10% passes elementwise (absolute slack) but not in norm
+    g = torch.full((64,), 1e-4)
+    assert passes(g, 0.9 * g) and normwise(g, 0.9 * g) == pytest.approx(0.1)
+
+
+def _by(rows, run):
+    return [r for r in rows if r.run == run]
+
+
+def test_bf16_every_control_fails_and_the_correct_run_passes():
+    """The README's Table 3 precision and learning rate (bf16 mixed precision, lr 1e-5), fewer steps and shorter
+    sequences: the correct copy passes; each injected fault fails by a wide margin."""
     rows = run_alignment(
-        family,
-        overrides=overrides,
+        overrides=TINY,
         dtype=torch.bfloat16,
-        steps=20,
-        prefix_len=48,
-        suffix_len=16,
-        n=4,
+        steps=10,
+        report_steps=(1, 10),
+        prefix_len=32,
+        suffix_len=12,
+        n=3,
         microbatch=2,
+        controls=CONTROLS,
     )
-    assert [(r.step, r.quantity) for r in rows] == [(s, q) for s in (1, 10, 20) for q in "GLW"]
-    assert all(r.passed for r in rows), format_alignment(rows)
-    # bf16 noise is real (the comparison is not trivially zero) but small.
-    assert max(r.max_abs_diff for r in rows if r.quantity == "G") > 0
+    correct = _by(rows, CORRECT)
+    assert [(r.step, r.quantity) for r in correct] == [(s, q) for s in (1, 10) for q in "GLW"]
+    assert all(r.passed for r in correct), format_alignment(rows)
+    assert max(r.max_abs_diff for r in correct if r.quantity == "G") > 0  # bf16 noise is real
+    for control in CONTROLS:
+        mine = _by(rows, control)
+        failed_steps = {r.step for r in mine if not r.passed}
+        assert failed_steps == {1, 10}, (control, format_alignment(rows))
+        g = [r for r in mine if r.quantity == "G"]
+        assert all(r.norm_rel_diff > r.norm_tol and r.margin > 5 for r in g), (control, g)
 
 
-def test_fp32_gaps_are_tiny_and_bf16_rule_would_catch_a_real_bug():
+def test_fp32_rows_use_fp32_tolerances_and_catch_every_fault():
     rows = run_alignment(
         overrides=TINY,
         dtype=torch.float32,
-        steps=10,
-        report_steps=(1, 10),
-        prefix_len=40,
-        suffix_len=12,
+        steps=2,
+        report_steps=(1, 2),
+        prefix_len=24,
+        suffix_len=8,
         n=3,
         layout="packed",
+        microbatch=2,
+        controls=CONTROLS,
     )
-    assert all(r.passed for r in rows)
-    assert max(r.max_abs_diff / max(r.max_abs_value, 1e-30) for r in rows if r.quantity == "G") < 1e-5
-    # A wrong gradient (e.g. a missing 1/N) fails the rule.
-    g = torch.randn(100)
-    assert not passes(g, g * 0.5)
+    correct = _by(rows, CORRECT)
+    assert all(r.passed for r in correct), format_alignment(rows)
+    assert all(r.tau_rel < 1e-5 and r.dtype == "fp32" for r in rows)
+    assert max(r.norm_rel_diff for r in correct if r.quantity == "G") < 1e-5
+    for control in CONTROLS:  # fp32 sees every fault elementwise too
+        assert not any(r.paper_pass for r in _by(rows, control) if r.quantity == "G"), control
 
 
-def test_report_steps_are_validated():
+def test_bf16_qwen3_correct_run_passes():
+    overrides = dict(TINY, head_dim=16, hidden_dim=96)
+    rows = run_alignment(
+        "qwen3:debugmodel",
+        overrides=overrides,
+        dtype=torch.bfloat16,
+        steps=10,
+        report_steps=(1, 10),
+        prefix_len=32,
+        suffix_len=12,
+        n=4,
+        microbatch=2,
+    )
+    assert all(r.passed for r in rows), format_alignment(rows)
+
+
+def test_faults_touch_prefixflow_only():
+    """A fault hook leaves the baseline (and a one-microbatch group, for the loss scale) exact."""
+    from conftest import tiny_model
+
+    group = pf.synthetic_group(97, 10, [4, 6, 3], seed=1)
+    model = tiny_model("llama3")
+    want = pf.train_group(model, group, system="baseline")
+    want_g = [p.grad.clone() for p in model.parameters()]
+    for fault in (ScalePrefixGradient(0.5), ShiftSuffixPositions(1), MicrobatchLossScale()):
+        pf.add_hooks(model, fault)
+        model.zero_grad(set_to_none=True)
+        got = pf.train_group(model, group, system="baseline")
+        assert got.loss == want.loss
+        assert all(torch.equal(a.grad, b) for a, b in zip(model.parameters(), want_g, strict=True))
+        pf.remove_hooks(model, fault)
+
+
+def test_scale_prefix_gradient_is_exactly_scaled_gkv():
+    """Scaling Phase C's contribution equals scaling the accumulated gK/gV (linearity, fp64)."""
+    from conftest import tiny_model
+
+    from prefixflow.kv_cache import PrefixKVCache
+
+    group = pf.synthetic_group(97, 12, [5, 4], seed=2)
+    model = tiny_model("llama3")
+    fault = pf.add_hooks(model, ScalePrefixGradient(0.25))
+    pf.train_group(model, group, microbatch=1)
+    got = [p.grad.clone() for p in model.parameters()]
+    pf.remove_hooks(model, fault)
+    original = PrefixKVCache.backward_prefix
+
+    def scaled(cache):
+        for entry in cache.layers.values():
+            for leaf in (entry.prefix_k, entry.prefix_v):
+                leaf.grad.mul_(0.25)
+        original(cache)
+
+    model.zero_grad(set_to_none=True)
+    PrefixKVCache.backward_prefix = scaled
+    try:
+        pf.train_group(model, group, microbatch=1)
+    finally:
+        PrefixKVCache.backward_prefix = original
+    want = [p.grad for p in model.parameters()]
+    assert max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want, strict=True)) < 1e-12
+
+
+def test_inputs_are_validated():
     with pytest.raises(ValueError, match="report_steps"):
         run_alignment(overrides=TINY, steps=5, report_steps=(10,))
+    with pytest.raises(ValueError, match="unknown control"):
+        run_alignment(overrides=TINY, steps=1, report_steps=(1,), controls=["nope"])
+    with pytest.raises(ValueError, match="microbatch_loss_scale"):
+        run_alignment(overrides=TINY, steps=1, report_steps=(1,), controls=["microbatch_loss_scale"])

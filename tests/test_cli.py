@@ -232,12 +232,17 @@ def test_align_writes_rows_that_tables_render_as_table3(tmp_path):
     res = invoke(
         "align", "--dtype", "fp32", "--steps", "2", "--prefix-len", "9", "--suffix-len", "4", "--n", "2",
         "--override", "dim=32", "--override", "n_layers=1", "--override", "n_heads=2",
-        "--override", "vocab_size=64", "--out", tmp_path,
+        "--override", "vocab_size=64", "--microbatch", "1", "--controls", "--out", tmp_path,
     )  # fmt: skip
     assert res.exit_code == 0, res.output
     files = list((tmp_path / "_alignment").glob("*.parquet"))
     assert len(files) == 1
     rows = pd.read_parquet(files[0])
-    assert set(rows["quantity"]) == {"G", "L", "W"} and rows["pass"].all() and set(rows["step"]) == {1, 2}
+    assert set(rows["quantity"]) == {"G", "L", "W"} and set(rows["step"]) == {1, 2}
+    correct = rows[rows["run"] == "prefixflow"]
+    assert correct["pass"].all() and set(correct["dtype"]) == {"fp32"} and rows["git_rev"].notna().all()
+    controls = rows[rows["run"] != "prefixflow"]
+    assert set(controls["run"]) == {"phase_c_off", "gkv_x0.9", "rope_offset+1", "microbatch_loss_scale"}
+    assert not controls.groupby(["run", "step"])["pass"].all().any()  # every control fails at every step
     made = render_tables(pd.DataFrame(), tmp_path / "t", alignment=tmp_path / "_alignment")
     assert any(p.name == "table3_alignment.md" for p in made)

@@ -238,9 +238,19 @@ def test_tables_markdown_latex_and_alignment(tmp_path):
     ])  # fmt: skip
     csv = tmp_path / "alignment.csv"
     align.to_csv(csv, index=False)
-    frame = alignment_frame(align)
-    assert list(frame.columns) == ["model", "step", "max|dG|", "max|dL|", "max|dW|", "result"]
+    frame = alignment_frame(align)  # older rows: no run, no normwise columns
+    assert list(frame.columns) == ["model", "run", "step", "max|dG|", "max|dL|", "max|dW|", "result"]
     assert list(frame["result"]) == ["pass", "pass", "FAIL"]
+    controls = pd.DataFrame([
+        {"model": "llama3", "run": run, "step": 1, "quantity": q, "max_abs_diff": 1e-3,
+         "norm_rel_diff": rel if q == "G" else 0.5, "norm_tol": 0.014 if q == "G" else float("nan"),
+         "margin": rel / 0.004 if run != "prefixflow" else float("nan"), "passed": run == "prefixflow"}
+        for run, rel in (("gkv_x0.9", 0.09), ("prefixflow", 0.004)) for q in ("G", "L", "W")
+    ])  # fmt: skip
+    frame = alignment_frame(controls)
+    assert list(frame["run"]) == ["prefixflow", "gkv_x0.9"]  # the correct run first, then the controls
+    assert list(frame["result"]) == ["pass", "FAIL (x22.5)"]
+    assert list(frame["G norm"]) == [0.004, 0.09] and list(frame["G bound"]) == [0.014, 0.014]
     paths = render_tables(df, tmp_path / "out", alignment=csv)
     assert sorted(p.name for p in paths) == [
         "speedup.md",
@@ -249,7 +259,7 @@ def test_tables_markdown_latex_and_alignment(tmp_path):
         "table3_alignment.tex",
     ]
     md = (tmp_path / "out" / "table3_alignment.md").read_text()
-    assert "| model | step |" in md and "FAIL" in md
+    assert "| model | run | step |" in md and "FAIL" in md
     tex = (tmp_path / "out" / "speedup.tex").read_text()
     assert r"\toprule" in tex and r"\end{tabular}" in tex and "llama3:debugmodel" in tex
     assert to_markdown(pd.DataFrame({"a_b": [1.0]})).startswith("| a_b |")

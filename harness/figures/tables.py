@@ -96,29 +96,47 @@ def load_alignment(source) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-def alignment_frame(align: pd.DataFrame) -> pd.DataFrame:
-    """Table 3: max |diff| of loss (L), gradients (G) and updated weights (W) per step, and the verdict.
+ALIGN_VALUES = (
+    "step", "quantity", "max_abs_diff", "max_abs_value", "pass", "passed", "norm_rel_diff", "norm_tol",
+    "worst_tensor", "tau_abs", "tau_rel", "paper_pass", "margin", "git_rev", "timestamp",
+)  # fmt: skip
+CORRECT_RUN = "prefixflow"
 
-    Extra identifying columns (model, dtype, parallel layout, ...) become leading row keys.
+
+def alignment_frame(align: pd.DataFrame) -> pd.DataFrame:
+    """Table 3: per run (the correct PrefixFlow copy, then each negative control) and step, the max |diff|
+    of gradients (G), loss (L) and updated weights (W), the normwise differences, and the verdict.
+
+    Every other column (model, dtype, layout, microbatch, parallel layout, ...) is a leading row key. Rows of
+    older records without ``run``/normwise columns render with ``run`` = prefixflow and "-" for the rest.
     """
-    need = {"step", "quantity", "max_abs_diff", "pass"}
-    if align.empty or not need <= set(align.columns):
+    need = {"step", "quantity", "max_abs_diff"}
+    if align.empty or not need <= set(align.columns) or not {"pass", "passed"} & set(align.columns):
         return pd.DataFrame()
-    api = pd.api.types
-    extra = [
-        c
-        for c in align.columns
-        if c not in need and not (api.is_numeric_dtype(align[c]) or api.is_bool_dtype(align[c]))
-    ]
-    keys = [*extra, "step"]
-    wide = align.pivot_table(index=keys, columns="quantity", values="max_abs_diff", aggfunc="max")
-    wide = wide[
-        [q for q in ALIGN_QUANTITIES if q in wide.columns]
-        + [q for q in wide.columns if q not in ALIGN_QUANTITIES]
-    ]
+    a = align.rename(columns={"passed": "pass"}).copy()
+    if "run" not in a.columns:
+        a["run"] = CORRECT_RUN
+    for col in ("norm_rel_diff", "norm_tol", "margin"):
+        if col not in a.columns:
+            a[col] = float("nan")
+    keys = [c for c in a.columns if c not in ALIGN_VALUES and c != "run"]
+    a[keys] = a[keys].map(str) if keys else a[keys]
+    index = [*keys, "run", "step"]
+    wide = a.pivot_table(index=index, columns="quantity", values="max_abs_diff", aggfunc="max")
+    wide = wide[[q for q in ALIGN_QUANTITIES if q in wide.columns]]
     wide.columns = [f"max|d{q}|" for q in wide.columns]
-    verdict = align.groupby(keys)["pass"].all().map({True: "pass", False: "FAIL"}).rename("result")
-    return wide.join(verdict).reset_index()
+    g = a[a["quantity"] == "G"].set_index(index)
+    w = a[a["quantity"] == "W"].set_index(index)
+    wide["G norm"] = g["norm_rel_diff"]
+    wide["G bound"] = g["norm_tol"]
+    wide["W update norm"] = w["norm_rel_diff"]
+    verdict = a.groupby(index)["pass"].all().map({True: "pass", False: "FAIL"})
+    margin = g["margin"].map(lambda m: "" if m != m else f"x{m:.3g}")
+    wide["result"] = verdict + margin.reindex(verdict.index).fillna("").map(lambda m: f" ({m})" if m else "")
+    out = wide.reset_index()
+    out["_control"] = out["run"] != CORRECT_RUN
+    out = out.sort_values([*keys, "_control", "run", "step"], kind="stable").drop(columns="_control")
+    return out.dropna(axis=1, how="all").reset_index(drop=True)
 
 
 def alignment_table(align, out_dir: str | Path) -> list[Path]:
@@ -129,5 +147,6 @@ def alignment_table(align, out_dir: str | Path) -> list[Path]:
         out_dir,
         "table3_alignment",
         table,
-        "Table 3: multi-step alignment with the baseline (G gradients, L loss, W weights)",
+        "Table 3: multi-step alignment with the baseline (G gradients, L loss, W weights); negative controls "
+        "(injected faults) must FAIL, (xK) = their G normwise difference over the correct run's",
     )
