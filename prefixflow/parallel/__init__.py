@@ -95,7 +95,11 @@ def parallelize(
     _check_supported(dims)
     if ac not in AC_MODES:
         raise ValueError(f"ac {ac!r} unknown; valid: {AC_MODES}")
-    runtime_of(model)  # PrefixFlow's SDPA wrappers go in first: TP hooks attach to them
+    runtime = runtime_of(model)  # PrefixFlow's SDPA wrappers go in first: TP hooks attach to them
+    if runtime.adapter.name != "torchtitan":
+        raise ValueError(
+            f"parallelize applies TorchTitan's plans to TorchTitan models; this is a {runtime.adapter.name} model"
+        )
     if parallel_state(model) is not None:
         raise ValueError("parallelize was already applied to this model")
     device = next(model.parameters()).device

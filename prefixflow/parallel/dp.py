@@ -74,7 +74,10 @@ def group_costs(model: nn.Module, group: RolloutGroup, system: str) -> tuple[flo
     if system == "prefixflow":
         c = p - 1
         prefix = 3.0 * (per_token * c + per_pair * c * (c + 1) / 2)
-        resp = [3.0 * (per_token * s + per_pair * (s * c + s * (s + 1) / 2) + head * s) for s in group.response_lens]
+        resp = [
+            3.0 * (per_token * s + per_pair * (s * c + s * (s + 1) / 2) + head * s)
+            for s in group.response_lens
+        ]
         return prefix, resp
     if system == "baseline":
         resp = []
@@ -209,7 +212,9 @@ class PrefixExchange:
         if layers:
             _, h, c, d = layers[0].live_k.shape
             dtype = layers[0].live_k.dtype
-            header = torch.tensor([len(layers), h, c, d, _DTYPES.index(dtype)], dtype=torch.int64, device=device)
+            header = torch.tensor(
+                [len(layers), h, c, d, _DTYPES.index(dtype)], dtype=torch.int64, device=device
+            )
             flat = torch.cat([t.detach().reshape(-1) for e in layers for t in (e.live_k, e.live_v)])
         else:
             header = torch.zeros(5, dtype=torch.int64, device=device)
@@ -217,7 +222,9 @@ class PrefixExchange:
             self.header_bytes += self._send(header, r)
             if layers:
                 self.kv_bytes += self._send(flat, r)
-                self.expected_kv_bytes += sum(t.numel() * t.element_size() for e in layers for t in (e.live_k, e.live_v))
+                self.expected_kv_bytes += sum(
+                    t.numel() * t.element_size() for e in layers for t in (e.live_k, e.live_v)
+                )
 
     def receive_prefix(self, cache: PrefixKVCache, owner: int, device: torch.device) -> None:
         header = torch.empty(5, dtype=torch.int64, device=device)
@@ -241,7 +248,11 @@ class PrefixExchange:
             self.grad_kv_bytes += self._send(torch.cat(grads), owner)
 
     def receive_grad_kv(self, cache: PrefixKVCache, helpers: list[int]) -> None:
-        leaves = [leaf for i in sorted(cache.layers) for leaf in (cache.layers[i].prefix_k, cache.layers[i].prefix_v)]
+        leaves = [
+            leaf
+            for i in sorted(cache.layers)
+            for leaf in (cache.layers[i].prefix_k, cache.layers[i].prefix_v)
+        ]
         if not leaves:
             return
         numel = sum(leaf.numel() for leaf in leaves)
@@ -254,8 +265,20 @@ class PrefixExchange:
                 leaf.grad = g.clone() if leaf.grad is None else leaf.grad + g
 
 
-def _train_split_part(model, group: RolloutGroup, work: Work, me: int, exchange: PrefixExchange, *, system,
-                      layout, microbatch, loss, loss_config, observer) -> GroupStats:
+def _train_split_part(
+    model,
+    group: RolloutGroup,
+    work: Work,
+    me: int,
+    exchange: PrefixExchange,
+    *,
+    system,
+    layout,
+    microbatch,
+    loss,
+    loss_config,
+    observer,
+) -> GroupStats:
     """This rank's part of a split group (see the module docstring); the loss weights stay the group's."""
     runtime = runtime_of(model)
     _validate(model, group, system, layout, microbatch)
@@ -340,8 +363,12 @@ class StepStats:
 
 def _lockstep(placement: Placement, microbatch: int | None) -> bool:
     """Whether every DP rank runs the same sequence of forwards and backwards (ZeRO-3 can then run)."""
+
     def shape(ws: list[Work]):
-        return [(len(w.responses) if microbatch is None else math.ceil(len(w.responses) / microbatch)) for w in ws]
+        return [
+            (len(w.responses) if microbatch is None else math.ceil(len(w.responses) / microbatch)) for w in ws
+        ]
+
     if placement.split_groups:
         return False
     first = shape(placement.work[0])
@@ -381,13 +408,22 @@ def train_step(
         mode = "fsdp-zero3" if zero3 else "fsdp-gathered"
     else:
         sync, mode = contextlib.nullcontext(), "all-reduce" if n_ranks > 1 else "none"
-    kwargs = dict(system=system, layout=layout, microbatch=microbatch, loss=loss, loss_config=loss_config, observer=observer)
+    kwargs = dict(
+        system=system,
+        layout=layout,
+        microbatch=microbatch,
+        loss=loss,
+        loss_config=loss_config,
+        observer=observer,
+    )
     stats = StepStats(system, math.nan, placement, me)
     start = time.perf_counter()
     with sync:
         for work in placement.work[me]:
             if work.split:
-                stats.groups.append(_train_split_part(model, groups[work.group], work, me, exchange, **kwargs))
+                stats.groups.append(
+                    _train_split_part(model, groups[work.group], work, me, exchange, **kwargs)
+                )
             else:
                 stats.groups.append(train_group(model, groups[work.group], **kwargs))
     all_reduces = 0
@@ -398,13 +434,11 @@ def train_step(
     if n_ranks > 1:
         dist.all_reduce(local, group=state.mesh["batch"].get_group())
     stats.loss = float(local)
-    stats.exchange = {
-        "kv_bytes": exchange.kv_bytes,
-        "grad_kv_bytes": exchange.grad_kv_bytes,
-        "header_bytes": exchange.header_bytes,
-        "expected_kv_bytes": exchange.expected_kv_bytes,
-        "expected_grad_kv_bytes": exchange.expected_grad_kv_bytes,
-    }
+    keys = ("kv_bytes", "grad_kv_bytes", "header_bytes", "expected_kv_bytes", "expected_grad_kv_bytes")
+    counts = torch.tensor([getattr(exchange, k) for k in keys], dtype=torch.int64)
+    if n_ranks > 1:  # each transfer is counted once, by the rank that sends (or receives) it
+        dist.all_reduce(counts, group=state.mesh["batch"].get_group())
+    stats.exchange = dict(zip(keys, counts.tolist(), strict=True))
     stats.grad_sync = {"mode": mode, "all_reduces": all_reduces}
     if fsdp_on:
         counts = fsdp_mod.collective_counts(model)

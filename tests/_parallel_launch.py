@@ -1,0 +1,31 @@
+"""Shared by tests/test_parallel_*.py: run one suite of tests/_parallel_worker.py under torchrun, once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.launch import run_torchrun
+
+TESTS = Path(__file__).resolve().parent
+TOL = 1e-9
+
+
+def run_suite(suite: str, nproc: int, out_dir: Path, timeout_s: float = 1200) -> dict:
+    out = out_dir / f"{suite}.json"
+    proc = run_torchrun(nproc, "_parallel_worker", [suite, str(out)], timeout_s=timeout_s, extra_path=[TESTS])
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(
+            f"torchrun {suite} exited {proc.returncode}:\n{proc.stderr.decode(errors='replace')[-6000:]}"
+        )
+    return json.loads(out.read_text())
+
+
+def check_exact(result: dict) -> None:
+    assert "error" not in result, result["error"]
+    assert not result["missing_params"]
+    assert result["max_rel"] < TOL, result
+    assert result["loss_rel"] < TOL, result
+    assert not result.get("residue"), result["residue"]

@@ -1,0 +1,106 @@
+"""Single-process parts of prefixflow.parallel: degrees, validation, group placement, rank-max merging."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import tiny_model
+
+import prefixflow as pf
+from harness.launch import merge_rank_records, torchrun_argv
+from prefixflow.parallel import ParallelDims, parallelize
+from prefixflow.parallel.dp import group_costs, place_groups, train_step
+
+
+def test_dims_use_torchtitan_names_and_reject_others():
+    dims = ParallelDims.of({"tp": 2, "dp_shard": 2})
+    assert dims.world_size == 4 and dims.batch == 2 and dims.fsdp_enabled
+    assert dims.label == "dp_shard2-tp2"
+    with pytest.raises(ValueError, match="unknown parallel dimension.*'dp'.*TorchTitan"):
+        ParallelDims.of({"dp": 2})
+    with pytest.raises(ValueError, match="tp must be an int >= 1"):
+        ParallelDims(tp=0)
+    with pytest.raises(ValueError, match="ep=4 must divide"):
+        ParallelDims(ep=4, tp=2)
+
+
+@pytest.mark.parametrize("dims", [{"cp": 2}, {"pp": 2}, {"ep": 2, "dp_shard": 2}])
+def test_cp_pp_ep_are_rejected_with_a_clear_error_before_anything_changes(dims):
+    model = tiny_model("llama3")
+    with pytest.raises(ValueError, match="not supported yet"):
+        parallelize(model, dims)
+    assert getattr(model, "prefixflow_parallel", None) is None
+
+
+def test_parallelize_needs_prefixflow_wrappers_first():
+    model = pf.build_model("llama3:debugmodel", overrides={"dim": 64, "n_layers": 1, "n_heads": 4})
+    with pytest.raises(ValueError, match="apply_prefixflow"):
+        parallelize(model, {"tp": 1})
+
+
+def test_lpt_placement_balances_whole_groups_and_is_deterministic():
+    costs = [(0.0, [5.0]), (0.0, [4.0]), (0.0, [3.0]), (0.0, [3.0]), (0.0, [3.0])]
+    p = place_groups(costs, 2, split_threshold=None)
+    assert p.loads == [8.0, 10.0]  # LPT: 5 -> r0, 4 -> r1, 3 -> r1, 3 -> r0, 3 -> r1
+    assert [[w.group for w in ws] for ws in p.work] == [[0, 3], [1, 2, 4]]
+    assert p.split_groups == ()
+    assert place_groups(costs, 2, split_threshold=None).as_dict() == p.as_dict()
+
+
+def test_split_fallback_splits_the_largest_group_when_ranks_are_unbalanced():
+    costs = [(10.0, [5.0, 5.0, 5.0, 5.0]), (0.0, [2.0])]  # one big group, one small: 30 vs 2
+    whole = place_groups(costs, 2, split_threshold=None)
+    assert whole.imbalance > 0.8
+    p = place_groups(costs, 2, split_threshold=0.25)
+    assert p.split_groups == (0,)
+    parts = [w for ws in p.work for w in ws if w.group == 0]
+    assert {w.owner for w in parts} == {parts[0].owner} and len(parts) == 2
+    assert sorted(i for w in parts for i in w.responses) == [0, 1, 2, 3]
+    assert p.imbalance < whole.imbalance
+    for ws in p.work:  # split groups run first, in group order, on every rank that holds a part
+        assert ws[0].group == 0
+
+
+def test_a_split_that_does_not_help_is_not_made():
+    costs = [(0.0, [1.0]), (0.0, [1.0])]
+    assert place_groups(costs, 2, split_threshold=0.0).split_groups == ()
+
+
+def test_costs_charge_the_prefix_once_for_prefixflow_and_per_sequence_for_the_baseline():
+    model = tiny_model("llama3")
+    group = pf.synthetic_group(97, 40, [4, 4, 4], seed=0)
+    pre, resp = group_costs(model, group, "prefixflow")
+    base_pre, base_resp = group_costs(model, group, "baseline")
+    assert base_pre == 0 and pre > 0
+    assert sum(base_resp) > pre + sum(resp)
+
+
+def test_train_step_on_one_process_equals_train_group_per_group():
+    model, ref = tiny_model("llama3"), tiny_model("llama3")
+    groups = [pf.synthetic_group(97, 10, [3, 5], seed=s) for s in range(3)]
+    stats = train_step(model, groups, microbatch=1)
+    total = sum(pf.train_group(ref, g, microbatch=1).loss for g in groups)
+    assert stats.grad_sync["mode"] == "none" and len(stats.groups) == 3
+    assert math.isclose(stats.loss, total, rel_tol=1e-12)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert (p.grad - q.grad).abs().max() <= 1e-12 * q.grad.abs().max()
+
+
+def test_rank_records_merge_to_the_rank_max_with_per_rank_values_and_spread():
+    rank0 = [{"system": "prefixflow", "status": "ok", "step_time_s": 1.0, "peak_mem_bytes": 10.0}]
+    rank1 = [{"system": "prefixflow", "status": "ok", "step_time_s": 2.0, "peak_mem_bytes": 30.0}]
+    (rec,) = merge_rank_records([rank0, rank1])
+    assert rec["step_time_s"] == 2.0 and rec["peak_mem_bytes"] == 30.0
+    assert json.loads(rec["step_time_s_per_rank"]) == [1.0, 2.0]
+    assert rec["step_time_s_spread"] == pytest.approx(0.5)
+    failed = [{"system": "prefixflow", "status": "error", "error": "boom", "step_time_s": math.nan}]
+    (rec,) = merge_rank_records([rank0, failed])
+    assert rec["status"] == "error" and rec["error"] == "boom"
+
+
+def test_torchrun_argv_is_standalone_and_runs_a_module():
+    argv = torchrun_argv(2, "harness.rank_worker", ["job.json"])
+    assert argv[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert "--nproc-per-node=2" in argv and argv[-3:] == ["-m", "harness.rank_worker", "job.json"]

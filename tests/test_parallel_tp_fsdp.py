@@ -1,0 +1,28 @@
+"""fp64 exactness on four ranks (one torchrun launch): TP2 x FSDP2 and TP2 x DP2 with a split group."""
+
+from __future__ import annotations
+
+import pytest
+from _parallel_launch import check_exact, run_suite
+from _parallel_worker import SUITES
+
+NAMES = [name for name, _ in SUITES["four_ranks"]]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_suite("four_ranks", 4, tmp_path_factory.mktemp("parallel4"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_matches_one_process(results, name):
+    check_exact(results[name])
+    sync = results[name]["grad_sync"]
+    if sync["mode"].startswith("fsdp"):
+        assert sync["max_reduce_scatters_per_unit"] == 1, sync
+
+
+def test_split_group_under_tp_exchanges_each_ranks_head_shard(results):
+    ex = results["tp2xdp2-split-qwen3-prefixflow"]["exchange"]
+    assert ex["kv_bytes"] == ex["expected_kv_bytes"] > 0
+    assert ex["grad_kv_bytes"] == ex["expected_grad_kv_bytes"] > 0
