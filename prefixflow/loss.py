@@ -4,6 +4,16 @@ A loss is a weighted sum over the group's response tokens, ``sum_{i,t} w_{i,t} *
 by the whole group (never by a microbatch), so any split of the suffixes into microbatches gives the same
 objective. ``pg``: ``l = -A_i log pi``, weights ``1/(N |S_i|)``, i.e.
 ``-(1/N) sum_i A_i mean_t log pi(s_{i,t} | prompt, s_{i,<t})``.
+
+``grpo`` covers TRL's GRPO family (``prefixflow.integrations.trl`` maps a ``GRPOConfig`` onto it):
+``l = -min(r A, clip(r, 1-eps_low, 1+eps_high) A) + beta * KL``, with ``r`` the token ratio or, with
+``importance_sampling="sequence"``, the ratio of the response's mean log-ratio (GSPO); ``ratio_cap`` caps the
+unclipped ``r`` (TRL's ``delta``); ``kl_ratio_correction`` multiplies the k3 KL by ``r`` (TRL's
+``use_bias_correction_kl``); ``temperature`` divides the logits before the log-softmax. Aggregations (weights):
+``seq-mean-token-mean`` ``1/(N |S_i|)`` (TRL ``grpo``), ``token-mean`` ``1/sum_i |S_i|`` (TRL ``bnpo``/``dapo``
+over their token counts), ``seq-mean-token-sum`` ``1/N``, ``seq-mean-token-sum-norm`` ``1/(N norm_len)`` (TRL
+``dr_grpo``, ``norm_len`` = ``max_completion_length``). ``group_weight`` scales the whole group objective: the
+group's share of a larger batch objective (e.g. a TRL micro-batch holding several prompts).
 """
 
 from __future__ import annotations
@@ -18,18 +28,29 @@ from .layouts import Microbatch
 __all__ = ["LOSSES", "AGGREGATIONS", "LossConfig", "resolve_loss", "microbatch_loss", "token_logprobs"]
 
 LOSSES = ("pg", "grpo")
-AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
+AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+IMPORTANCE_SAMPLING = ("token", "sequence")
 
 
 @dataclass(frozen=True)
 class LossConfig:
     """``clip_eps_low/high``: PPO clip range ``[1-low, 1+high]``; ``kl_coef``: weight of the k3 KL estimator
-    to ``ref_logprobs`` (0 disables it); ``aggregation``: how token losses are averaged over the group."""
+    to ``ref_logprobs`` (0 disables it); ``aggregation``: how token losses are averaged over the group (see the
+    module docstring, with ``norm_len`` for ``seq-mean-token-sum-norm``); ``importance_sampling``: ``"token"`` or
+    ``"sequence"`` ratios; ``ratio_cap``: upper cap on the unclipped ratio (None = none); ``kl_ratio_correction``:
+    KL times the ratio; ``temperature``: logits are divided by it; ``group_weight``: scale of the group objective.
+    """
 
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
     kl_coef: float = 0.0
     aggregation: str = "seq-mean-token-mean"
+    importance_sampling: str = "token"
+    ratio_cap: float | None = None
+    kl_ratio_correction: bool = False
+    temperature: float = 1.0
+    norm_len: int | None = None
+    group_weight: float = 1.0
 
 
 def resolve_loss(loss: str, loss_config: dict | LossConfig | None, group: RolloutGroup) -> LossConfig:
@@ -51,6 +72,7 @@ def resolve_loss(loss: str, loss_config: dict | LossConfig | None, group: Rollou
             raise ValueError(f"loss_config.{name} must be a number >= 0, got {value!r}")
     if cfg.aggregation not in AGGREGATIONS:
         raise ValueError(f"loss_config.aggregation {cfg.aggregation!r} unknown; valid: {AGGREGATIONS}")
+    _check_trl_fields(cfg, loss, group)
     if loss == "pg" and cfg.aggregation != "seq-mean-token-mean":
         raise ValueError(
             "loss='pg' is defined with aggregation 'seq-mean-token-mean'; use loss='grpo' otherwise"
@@ -62,18 +84,65 @@ def resolve_loss(loss: str, loss_config: dict | LossConfig | None, group: Rollou
     return cfg
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log pi(target) per row of ``logits[T, V]``, computed in fp32 or better."""
+def _number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value == value
+
+
+def _check_trl_fields(cfg: LossConfig, loss: str, group: RolloutGroup) -> None:
+    if cfg.importance_sampling not in IMPORTANCE_SAMPLING:
+        raise ValueError(
+            f"loss_config.importance_sampling {cfg.importance_sampling!r} unknown; valid: {IMPORTANCE_SAMPLING}"
+        )
+    if not isinstance(cfg.kl_ratio_correction, bool):
+        raise ValueError(f"loss_config.kl_ratio_correction must be a bool, got {cfg.kl_ratio_correction!r}")
+    if not _number(cfg.temperature) or cfg.temperature <= 0:
+        raise ValueError(f"loss_config.temperature must be a number > 0, got {cfg.temperature!r}")
+    if not _number(cfg.group_weight) or cfg.group_weight < 0 or cfg.group_weight == float("inf"):
+        raise ValueError(f"loss_config.group_weight must be a finite number >= 0, got {cfg.group_weight!r}")
+    if cfg.ratio_cap is not None and (not _number(cfg.ratio_cap) or cfg.ratio_cap <= 0):
+        raise ValueError(f"loss_config.ratio_cap must be None or a number > 0, got {cfg.ratio_cap!r}")
+    if cfg.aggregation == "seq-mean-token-sum-norm":
+        if isinstance(cfg.norm_len, bool) or not isinstance(cfg.norm_len, int) or cfg.norm_len < 1:
+            raise ValueError(
+                "loss_config.aggregation 'seq-mean-token-sum-norm' needs norm_len, an int >= 1 "
+                f"(e.g. TRL's max_completion_length), got {cfg.norm_len!r}"
+            )
+    elif cfg.norm_len is not None:
+        raise ValueError("loss_config.norm_len is only used by aggregation 'seq-mean-token-sum-norm'")
+    if loss == "pg" and (
+        cfg.importance_sampling != "token" or cfg.ratio_cap is not None or cfg.kl_ratio_correction
+    ):
+        raise ValueError("importance_sampling, ratio_cap and kl_ratio_correction apply to loss='grpo' only")
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log pi(target) per row of ``logits[T, V] / temperature``, computed in fp32 or better."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def _weights(group: RolloutGroup, mb: Microbatch, cfg: LossConfig, dtype) -> torch.Tensor:
     lens = torch.tensor(group.response_lens, dtype=dtype, device=mb.response_ids.device)
+    ones = torch.ones_like(mb.response_ids, dtype=dtype)
     if cfg.aggregation == "token-mean":
-        return torch.full_like(mb.response_ids, 1.0, dtype=dtype) / lens.sum()
-    return 1.0 / (group.n * lens[mb.response_ids])
+        weights = ones / lens.sum()
+    elif cfg.aggregation == "seq-mean-token-sum":
+        weights = ones / group.n
+    elif cfg.aggregation == "seq-mean-token-sum-norm":
+        weights = ones / (group.n * cfg.norm_len)
+    else:
+        weights = 1.0 / (group.n * lens[mb.response_ids])
+    return weights * cfg.group_weight if cfg.group_weight != 1.0 else weights
+
+
+def _response_mean(x: torch.Tensor, mb: Microbatch, group: RolloutGroup) -> torch.Tensor:
+    """Each token's value replaced by the mean over its response (every response lies in one microbatch)."""
+    lens = torch.tensor(group.response_lens, dtype=x.dtype, device=x.device)
+    sums = torch.zeros(group.n, dtype=x.dtype, device=x.device).index_add(0, mb.response_ids, x)
+    return (sums / lens)[mb.response_ids]
 
 
 def _gather(per_response: list[torch.Tensor], mb: Microbatch, dtype) -> torch.Tensor:
@@ -92,10 +161,15 @@ def microbatch_loss(
         token_loss = -adv * logp
     else:
         old = logp.detach() if group.old_logprobs is None else _gather(group.old_logprobs, mb, logp.dtype)
-        ratio = torch.exp(logp - old)
+        log_ratio = logp - old
+        if cfg.importance_sampling == "sequence":
+            log_ratio = _response_mean(log_ratio, mb, group)
+        ratio = torch.exp(log_ratio)
         clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
-        token_loss = -torch.minimum(ratio * adv, clipped * adv)
+        unclipped = ratio if cfg.ratio_cap is None else torch.clamp(ratio, max=cfg.ratio_cap)
+        token_loss = -torch.minimum(unclipped * adv, clipped * adv)
         if cfg.kl_coef > 0:
             delta = _gather(group.ref_logprobs, mb, logp.dtype) - logp
-            token_loss = token_loss + cfg.kl_coef * (torch.exp(delta) - delta - 1.0)
+            kl = torch.exp(delta) - delta - 1.0
+            token_loss = token_loss + cfg.kl_coef * (kl * ratio if cfg.kl_ratio_correction else kl)
     return (weights * token_loss).sum()

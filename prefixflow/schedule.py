@@ -31,6 +31,7 @@ __all__ = [
     "SYSTEMS",
     "GroupStats",
     "train_group",
+    "check_group",
     "phase_a_prefix_forward",
     "phase_b_suffix_microbatches",
     "phase_c_prefix_backward",
@@ -74,7 +75,7 @@ def _forward_backward(model, mb: Microbatch, group, loss: str, cfg: LossConfig) 
     with hooks_of(model).microbatch(mb):
         hidden = forward_hidden(model, mb.tokens, mb.positions)
         logits = adapter_for(model).lm_head(model)(hidden[mb.loss_rows, mb.loss_cols])
-        value = microbatch_loss(token_logprobs(logits, mb.targets), mb, group, loss, cfg)
+        value = microbatch_loss(token_logprobs(logits, mb.targets, cfg.temperature), mb, group, loss, cfg)
         value.backward()
     return value.item()
 
@@ -188,6 +189,23 @@ def _validate(model, group, system, layout, microbatch) -> None:
     group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
     adapter.check(model, group)
     hooks_of(model).check(model, group, system)
+
+
+def check_group(
+    model: nn.Module,
+    group: RolloutGroup,
+    *,
+    system: str = "prefixflow",
+    layout: str = "padded",
+    microbatch: int | None = None,
+    loss: str = "pg",
+    loss_config: dict | LossConfig | None = None,
+) -> LossConfig:
+    """Everything ``train_group`` validates, without training: raises ``ValueError``/``TypeError`` naming the
+    field. Lets a caller validate several groups before the first one changes any gradient."""
+    runtime_of(model)
+    _validate(model, group, system, layout, microbatch)
+    return resolve_loss(loss, loss_config, group)
 
 
 def train_group(

@@ -156,7 +156,9 @@ def train_group_prefix_grouper(model: nn.Module, group, *, loss: str = "pg", los
             hidden = forward_hidden(model, tokens, positions)
             _, _, suffix_hidden, _ = pg.split_output(hidden, include_prefix_last=1)
             logits = adapter.lm_head(model)(suffix_hidden[index.loss_rows, index.loss_cols])
-            value = microbatch_loss(token_logprobs(logits, index.targets), index, group, loss, cfg)
+            value = microbatch_loss(
+                token_logprobs(logits, index.targets, cfg.temperature), index, group, loss, cfg
+            )
             value.backward()
         result = value.item()
         _sync(device)
