@@ -14,6 +14,7 @@ from .kv_cache import PrefixKVCache
 from .layouts import LAYOUTS
 from .loss import LOSSES, LossConfig
 from .models import build_model, list_models, model_args
+from .moe import MoEConfig, RoutingMasks, apply_moe, record_routing, update_expert_bias
 from .offload import OffloadStats, PrefixOffload
 from .schedule import SYSTEMS, GroupStats, train_group
 
@@ -25,6 +26,7 @@ __all__ = [
     "GroupStats",
     "LossConfig",
     "ModelAdapter",
+    "MoEConfig",
     "OffloadStats",
     "PrefixFlowConfig",
     "PrefixKVCache",
@@ -32,16 +34,20 @@ __all__ = [
     "RolloutGroup",
     "TorchTitanAdapter",
     "adapter_for",
+    "RoutingMasks",
     "ScheduleHooks",
     "apply_ac",
     "apply_compile",
+    "apply_moe",
     "add_hooks",
     "apply_prefixflow",
     "build_model",
     "list_models",
     "model_args",
     "register_adapter",
+    "record_routing",
     "remove_hooks",
     "synthetic_group",
     "train_group",
+    "update_expert_bias",
 ]

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .moe.routing import RoutingMasks, check_routing_masks
+
 __all__ = ["RolloutGroup", "synthetic_group"]
 
 
@@ -29,7 +31,9 @@ class RolloutGroup:
 
     ``prompt``: LongTensor[P]; ``responses``: list of N LongTensor[S_i] (lengths may differ);
     ``advantages``: Tensor[N]; ``old_logprobs`` / ``ref_logprobs``: optional lists of N Tensor[S_i]
-    (per-token log-probs of the responses under the sampling / reference policy). Validated on construction.
+    (per-token log-probs of the responses under the sampling / reference policy). ``routing``: optional
+    recorded MoE routing (:class:`prefixflow.RoutingMasks`: one prefix mask, per-response suffix masks) that
+    both systems replay. Validated on construction.
     """
 
     prompt: torch.Tensor
@@ -37,6 +41,7 @@ class RolloutGroup:
     advantages: torch.Tensor
     old_logprobs: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
+    routing: RoutingMasks | None = None
 
     def __post_init__(self) -> None:
         self.prompt = _check_tokens("prompt", self.prompt)
@@ -74,6 +79,8 @@ class RolloutGroup:
                     raise ValueError(f"{field}[{i}] must be finite (found NaN or inf)")
                 checked.append(lp)
             setattr(self, field, checked)
+        if self.routing is not None:
+            self.routing = check_routing_masks(self.routing, self.prompt_len, self.response_lens)
 
     @property
     def n(self) -> int:
@@ -115,6 +122,7 @@ class RolloutGroup:
             self.advantages.to(device),
             move(self.old_logprobs),
             move(self.ref_logprobs),
+            None if self.routing is None else self.routing.to(device),
         )
 
 

@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -38,6 +39,11 @@ class ScheduleHooks:
       (baseline).
     - ``microbatch(mb)``: a context around one microbatch's forward, loss and backward (Phase B and the
       baseline's microbatches).
+    - ``extra_loss()``: a scalar the hook's modules added to the objective during the forward since the last
+      call (e.g. an MoE balance loss), or None. The schedule adds it to each microbatch's loss before its
+      backward; what Phase A produced joins Phase C's prefix backward.
+    - ``full_prefix_forward()``: True when Phase A must run every block to its end instead of stopping at
+      the last layer's K/V (the hook reads prefix work past them).
     """
 
     def check(self, model: nn.Module, group: RolloutGroup, system: str) -> None:
@@ -51,6 +57,12 @@ class ScheduleHooks:
 
     def microbatch(self, mb: Microbatch):
         return contextlib.nullcontext()
+
+    def extra_loss(self) -> torch.Tensor | None:
+        return None
+
+    def full_prefix_forward(self) -> bool:
+        return False
 
 
 class HookChain:
@@ -83,6 +95,14 @@ class HookChain:
 
     def microbatch(self, mb: Microbatch):
         return self._enter("microbatch", mb)
+
+    def extra_loss(self) -> torch.Tensor | None:
+        """The sum of every hook's ``extra_loss()`` (None when none has one)."""
+        terms = [t for t in (hook.extra_loss() for hook in self.hooks) if t is not None]
+        return torch.stack(terms).sum() if terms else None
+
+    def full_prefix_forward(self) -> bool:
+        return any(hook.full_prefix_forward() for hook in self.hooks)
 
 
 def hooks_of(model: nn.Module) -> HookChain:

@@ -34,6 +34,7 @@ class PrefixKVCache:
     def __init__(self, grad_dtype: torch.dtype | None = None) -> None:
         self.grad_dtype = grad_dtype
         self.layers: dict[int, LayerKV] = {}
+        self.prefix_loss: torch.Tensor | None = None  # loss terms of the prefix graph itself (Phase A)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -86,9 +87,19 @@ class PrefixKVCache:
                     total += t.numel() * t.element_size()
         return total
 
+    def add_prefix_loss(self, loss: torch.Tensor | None) -> None:
+        """Keep a scalar the prefix forward added to the objective (e.g. an MoE balance loss over the prefix
+        tokens); Phase C backpropagates it with gK/gV."""
+        if loss is not None:
+            self.prefix_loss = loss if self.prefix_loss is None else self.prefix_loss + loss
+
     def backward_prefix(self) -> None:
-        """Phase C: one backward through the retained prefix graph, seeded with the accumulated gK/gV."""
+        """Phase C: one backward through the retained prefix graph, seeded with the accumulated gK/gV (and
+        with 1 for the prefix's own loss terms)."""
         roots, grads = [], []
+        if self.prefix_loss is not None and self.prefix_loss.requires_grad:
+            roots.append(self.prefix_loss)
+            grads.append(torch.ones_like(self.prefix_loss))
         for entry in self.layers.values():
             for live, leaf in ((entry.live_k, entry.prefix_k), (entry.live_v, entry.prefix_v)):
                 if leaf.grad is None or not live.requires_grad:
@@ -104,3 +115,4 @@ class PrefixKVCache:
             entry.prefix_k.grad = None
             entry.prefix_v.grad = None
         self.layers.clear()
+        self.prefix_loss = None

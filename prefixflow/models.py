@@ -17,10 +17,10 @@ def _families() -> dict[str, tuple[dict, type]]:
     from torchtitan.models.llama3 import Transformer, llama3_args
     from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
 
-    dense_qwen3 = {k: v for k, v in qwen3_args.items() if not getattr(v, "moe_enabled", False)}
     # Only SDPA flavours: flex/varlen attention have no CPU backward and bypass our SDPA boundary.
+    # MoE flavours (debugmodel_moe, 30B-A3B, ...) get prefixflow.moe.apply_moe in build_model.
     sdpa_llama3 = {k: v for k, v in llama3_args.items() if getattr(v, "attn_type", "sdpa") == "sdpa"}
-    sdpa_qwen3 = {k: v for k, v in dense_qwen3.items() if getattr(v, "attn_type", "sdpa") == "sdpa"}
+    sdpa_qwen3 = {k: v for k, v in qwen3_args.items() if getattr(v, "attn_type", "sdpa") == "sdpa"}
     return {"llama3": (sdpa_llama3, Transformer), "qwen3": (sdpa_qwen3, Qwen3Model)}
 
 
@@ -41,12 +41,12 @@ def _resolve_args(name: str, overrides: dict[str, Any] | None):
         raise ValueError(f"unknown {family} flavor {flavor!r}; valid flavors: {sorted(flavors)}")
     args = copy.deepcopy(flavors[flavor])
     overrides = dict(overrides or {})
-    valid = {f.name for f in dataclasses.fields(args) if not f.name.startswith("_")}
-    unknown = sorted(set(overrides) - valid)
+    valid = _fields(args)
+    unknown = sorted(set(overrides) - set(valid))
     if unknown:
         raise ValueError(f"unknown override field(s) {unknown} for {family}; valid fields: {sorted(valid)}")
     for key, value in overrides.items():
-        current = getattr(args, key)
+        current = valid[key]
         if (
             current is not None
             and not isinstance(value, type(current))
@@ -56,12 +56,33 @@ def _resolve_args(name: str, overrides: dict[str, Any] | None):
                 f"override {key}={value!r} has type {type(value).__name__}; "
                 f"{family} expects {type(current).__name__}"
             )
-    args = dataclasses.replace(args, **overrides)
+    nested = {k: v for k, v in overrides.items() if "." in k}
+    args = dataclasses.replace(args, **{k: v for k, v in overrides.items() if "." not in k})
+    for key, value in nested.items():
+        outer, inner = key.split(".")
+        setattr(args, outer, dataclasses.replace(getattr(args, outer), **{inner: value}))
     if args.n_heads % (args.n_kv_heads or args.n_heads):
         raise ValueError(f"n_heads={args.n_heads} must be a multiple of n_kv_heads={args.n_kv_heads}")
     if family == "llama3" and args.dim % args.n_heads:
         raise ValueError(f"llama3 needs dim ({args.dim}) divisible by n_heads ({args.n_heads})")
     return args, cls
+
+
+def _fields(args) -> dict[str, Any]:
+    """Overridable fields and their current values; nested dataclasses (Qwen3's ``moe_args``) as
+    ``outer.inner`` (e.g. ``moe_args.num_experts``)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(args):
+        if f.name.startswith("_"):
+            continue
+        value = getattr(args, f.name)
+        if dataclasses.is_dataclass(value):
+            for g in dataclasses.fields(value):
+                if not g.name.startswith("_"):
+                    out[f"{f.name}.{g.name}"] = getattr(value, g.name)
+        else:
+            out[f.name] = value
+    return out
 
 
 def build_model(
@@ -77,6 +98,8 @@ def build_model(
     The model is created on the meta device, materialised on ``device`` and initialised by TorchTitan's own
     ``init_weights`` under ``torch.manual_seed(seed)``. Only parameters are cast to ``dtype``: RoPE buffers keep
     their dtype (``Module.to(dtype)`` would turn Llama3's complex ``freqs_cis`` into a real tensor).
+    MoE flavours come with :func:`prefixflow.moe.apply_moe` applied; their ``overrides`` reach the MoE
+    arguments as ``moe_args.FIELD`` (e.g. ``{"moe_args.num_experts": 4, "moe_args.top_k": 2}``).
     ``model(tokens[B, L]) -> logits[B, L, V]``.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -93,6 +116,10 @@ def build_model(
         param.data = param.data.to(dtype)
     if dtype == torch.float64 and name.startswith("llama3:"):
         _use_fp64_llama3_rope()
+    if getattr(args, "moe_enabled", False):
+        from .moe import apply_moe
+
+        apply_moe(model)  # CPU-capable routing/experts and routing replay; GPU keeps grouped GEMMs
     model.prefixflow_name = name
     return model
 

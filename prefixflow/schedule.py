@@ -72,11 +72,13 @@ def forward_hidden(
 def _forward_backward(model, mb: Microbatch, group, loss: str, cfg: LossConfig) -> float:
     """One microbatch: forward, LM head at loss positions only, group-weighted loss, backward.
     The model's schedule hooks (:mod:`prefixflow.hooks`) wrap it."""
-    with hooks_of(model).microbatch(mb):
+    hooks = hooks_of(model)
+    with hooks.microbatch(mb):
         hidden = forward_hidden(model, mb.tokens, mb.positions)
         logits = adapter_for(model).lm_head(model)(hidden[mb.loss_rows, mb.loss_cols])
         value = microbatch_loss(token_logprobs(logits, mb.targets, cfg.temperature), mb, group, loss, cfg)
-        value.backward()
+        extra = hooks.extra_loss()  # e.g. an MoE balance loss; not part of the reported loss
+        (value if extra is None else value + extra).backward()
     return value.item()
 
 
@@ -88,7 +90,8 @@ def phase_a_prefix_forward(
     offload: PrefixOffload | None = None,
 ) -> None:
     """Phase A: run the shared prefix ``P[:-1]`` forward once; each layer leaves its live K/V in ``cache``.
-    With ``offload``, the other tensors the prefix graph saves move out of device memory as they are saved."""
+    With ``offload``, the other tensors the prefix graph saves move out of device memory as they are saved.
+    Loss terms the hooks add during this forward (``extra_loss``) join Phase C's backward."""
     prefix = group.prompt[:-1]
     if prefix.numel() == 0:
         return  # one-token prompt: nothing to cache, suffixes start at position 0
@@ -97,16 +100,19 @@ def phase_a_prefix_forward(
             forward_hidden(model, prefix.unsqueeze(0), None, final_norm=False)
         except PrefixCaptured:
             pass  # the last layer's K/V are in the cache; the rest of the prefix forward is dead work
+    cache.add_prefix_loss(hooks_of(model).extra_loss())
 
 
 def _last_needed_layer(model: nn.Module, runtime: PrefixFlowRuntime) -> int | None:
     """The layer after whose K/V Phase A may stop, or None to run the whole forward.
 
     A checkpointed last block runs to its end: its recomputation in Phase C must save exactly what the
-    original forward saved.
+    original forward saved. So does every block when a schedule hook reads prefix work past the last K/V.
     """
     adapter = runtime.adapter
-    return None if adapter.block_is_checkpointed(adapter.blocks(model)[-1]) else runtime.n_wrapped - 1
+    if adapter.block_is_checkpointed(adapter.blocks(model)[-1]) or hooks_of(model).full_prefix_forward():
+        return None
+    return runtime.n_wrapped - 1
 
 
 def phase_b_suffix_microbatches(
@@ -188,6 +194,8 @@ def _validate(model, group, system, layout, microbatch) -> None:
     adapter = adapter_for(model)
     group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
     adapter.check(model, group)
+    if group.routing is not None and getattr(model, "_prefixflow_moe", None) is None:
+        raise ValueError("group.routing replays MoE expert choices, but this model has no MoE layers")
     hooks_of(model).check(model, group, system)
 
 
