@@ -18,6 +18,9 @@ the loss (L) and the weights after the step (W):
   dtype sums in its own precision use the same multiple of that dtype's unit roundoff ``u``, grown by the
   usual ``sqrt(n)`` of an ``n``-term sum (``n``: the tokens the baseline's weight gradients sum over):
   ``tau = tau_paper * (u / u_bf16) * (1 + sqrt(n))``.
+- **MoE** models train under Rollout Routing Replay, as the paper's MoE row: each step the baseline copy
+  records the group's routing (:func:`prefixflow.record_routing`, the rollout's masks) and every copy
+  replays them.
 - **Negative controls** (``controls``): PrefixFlow copies with an injected fault (:mod:`prefixflow.faults`).
   Each must FAIL; its ``margin`` is its G normwise difference over the correct run's at the same step.
 """
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -35,6 +38,7 @@ from .faults import FAULTS, make_fault
 from .group import synthetic_group
 from .hooks import add_hooks
 from .models import build_model, model_args
+from .moe import is_moe, record_routing
 from .schedule import train_group
 
 __all__ = [
@@ -186,6 +190,7 @@ def run_alignment(
         copies[run] = (m, torch.optim.AdamW(m.parameters(), lr=lr), start)
     names = [name for name, _ in copies["baseline"][0].named_parameters()]
     vocab = model_args(copies["baseline"][0]).vocab_size
+    moe = is_moe(copies["baseline"][0])
     gen = torch.Generator().manual_seed(seed)
     rows: list[AlignmentRow] = []
     for step in range(1, steps + 1):
@@ -193,6 +198,10 @@ def run_alignment(
         group = synthetic_group(
             vocab, prefix_len, lens, seed=seed * 100_003 + step, with_logprobs=loss == "grpo"
         )
+        if moe:
+            base = copies["baseline"][0]
+            with torch.autocast(next(base.parameters()).device.type, dtype=dtype, enabled=autocast):
+                group = replace(group, routing=record_routing(base, group))
         tau = tolerances(dtype, sum(prefix_len + s - 1 for s in lens))
         state = {}
         for run, (m, opt, start) in copies.items():

@@ -23,11 +23,11 @@ def record_routing(model: nn.Module, group, *, microbatch: int | None = None) ->
     The model's load counters are not touched.
     """
     # Imported here: the schedule imports this package (RolloutGroup carries RoutingMasks).
+    from ..adapters import adapter_for
     from ..apply import runtime_of
     from ..attention import AttendWithPrefix, CapturePrefix
     from ..kv_cache import PrefixKVCache
     from ..layouts import build_microbatch, suffix_segments
-    from ..models import model_args
     from ..schedule import forward_hidden
 
     runtime = runtime_of(model)
@@ -38,8 +38,8 @@ def record_routing(model: nn.Module, group, *, microbatch: int | None = None) ->
         isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1
     ):
         raise ValueError(f"microbatch must be None (all responses) or an int >= 1, got {microbatch!r}")
-    args = model_args(model)
-    group.check_fits(args.vocab_size, args.max_seq_len)
+    adapter = adapter_for(model)
+    group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
     device = next(model.parameters()).device
     group = group.to(device)
 
