@@ -79,7 +79,7 @@ def config(tmp_path, **overrides):
         learning_rate=0.5,
         lr_scheduler_type="constant",
         max_grad_norm=0.0,  # no clipping: the SGD step is the gradient
-        gradient_checkpointing=False,
+        gradient_checkpointing=True,  # TRL's default (non-reentrant, per decoder layer)
         logging_steps=1,
         save_strategy="no",
         disable_tqdm=True,

@@ -20,12 +20,14 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 def trainer(tmp_path, cls=PrefixFlowGRPOTrainer, model=None, **config):
+    extra = {k: config.pop(k) for k in list(config) if k.startswith("prefixflow_")}
     return cls(
         model=model if model is not None else F.model(),
         reward_funcs=F.reward_even_words,
         args=F.config(tmp_path, **config),
         train_dataset=F.dataset(),
         processing_class=F.tokenizer(),
+        **extra,
     )
 
 
@@ -56,7 +58,13 @@ def grads(model):
 
 CASES = {
     "grpo-token-kl-biascorr-temp": dict(loss_type="grpo", beta=0.04, temperature=0.7, epsilon_high=0.28),
-    "bnpo-sequence": dict(loss_type="bnpo", importance_sampling_level="sequence", epsilon=0.1),
+    "bnpo-sequence-packed": dict(
+        loss_type="bnpo",
+        importance_sampling_level="sequence",
+        epsilon=0.1,
+        prefixflow_layout="packed",
+        prefixflow_microbatch=1,
+    ),
     "dr_grpo-kl-nocorr-delta": dict(loss_type="dr_grpo", beta=0.1, use_bias_correction_kl=False, delta=1.2),
     "dapo-ga2": dict(
         loss_type="dapo", gradient_accumulation_steps=2, steps_per_generation=2, epsilon_high=0.28
@@ -99,6 +107,7 @@ def test_one_optimizer_step_equals_grpo_trainer(tmp_path, loss_type):
         after = [p.detach().clone() for p in tr.model.parameters()]
         params[cls] = (after, [a - b for a, b in zip(after, before, strict=True)])
         logged = tr.state.log_history[0]
+        assert tr.model.model.layers[0].gradient_checkpointing  # TRL's default, on in both trainers
         if cls is PrefixFlowGRPOTrainer:  # the update really ran train_group: 2 prompts x 4 completions
             assert logged["prefixflow/group_size"] == 4 and logged["prefixflow/prefix_tokens_reused"] > 0
         else:
