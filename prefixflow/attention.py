@@ -9,6 +9,10 @@ full-sequence forward. The schedule installs one of three modes for the duration
 - ``AttendWithPrefix`` (Phase B): suffix queries attend to ``[cached prefix K/V ; suffix K/V]`` under the
   layout's mask (every prefix key, own suffix causally, never another suffix or a pad).
 - ``MaskedAttention`` (baseline, packed layout): plain attention under a block-diagonal causal mask.
+
+When a microbatch's tokens are spread over ranks (context parallelism, ``Microbatch.sequence``), every mode
+first gathers the whole sequence's K/V (``sequence.gather``) and attends this rank's queries to them under
+the mask's local rows; the cached prefix view comes from the cache's ``PrefixView`` either way.
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ __all__ = [
 ATTENTION_VARIANTS = ("concat", "split")
 
 
+def _whole_sequence(sequence, k: torch.Tensor, v: torch.Tensor):
+    """The K/V of every token of the microbatch: this rank's own, or gathered when tokens are sharded."""
+    return (k, v) if sequence is None else sequence.gather(k, v)
+
+
 class AttentionState:
     """Shared by all wrapped layers of one model: the mode of the phase that is running (or None)."""
 
@@ -46,7 +55,7 @@ class AttentionState:
     @contextlib.contextmanager
     def use(self, mode) -> Iterator[None]:
         """Activate ``mode``; a mode with ``bind(wrappers)`` may hand each layer its data before the phase.
-        Every bound ``prefix_kv`` is dropped on exit."""
+        Every bound ``prefix_kv`` is dropped on exit, then ``mode.unbind()`` runs if it has one."""
         if self.mode is not None:
             raise RuntimeError(
                 f"attention mode {type(self.mode).__name__} is already active (nested phases?)"
@@ -60,6 +69,8 @@ class AttentionState:
             self.mode = None
             for wrapper in self.wrappers:
                 wrapper.prefix_kv = None
+            if hasattr(mode, "unbind"):
+                mode.unbind()
 
 
 class PrefixAwareAttention(nn.Module):
@@ -95,15 +106,29 @@ class CapturePrefix:
     MLP over the prefix are dead work: the baseline computes them in every sequence, PrefixFlow skips them.
     """
 
-    def __init__(self, cache: PrefixKVCache, stop_after: int | None = None) -> None:
+    def __init__(
+        self,
+        cache: PrefixKVCache,
+        stop_after: int | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+        sequence=None,
+    ) -> None:
         self.cache = cache
         self.stop_after = stop_after
+        self.mask = mask  # None: plain causal over the whole prefix
+        self.sequence = sequence  # the prefix's sequence exchange when its tokens are sharded
 
     def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
         self.cache.capture(wrapper.layer, k, v)
         if wrapper.layer == self.stop_after:
             raise PrefixCaptured
-        return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
+        if self.mask is None and self.sequence is None:
+            return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
+        k, v = _whole_sequence(self.sequence, k, v)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=enable_gqa
+        )
 
 
 class AttendWithPrefix:
@@ -116,27 +141,45 @@ class AttendWithPrefix:
     needs only the mask's suffix columns.
     """
 
-    def __init__(self, cache: PrefixKVCache, mask: torch.Tensor, variant: str = "concat") -> None:
+    def __init__(
+        self, cache: PrefixKVCache, mask: torch.Tensor, variant: str = "concat", *, sequence=None
+    ) -> None:
         if variant not in ATTENTION_VARIANTS:
             raise ValueError(f"attention variant {variant!r} unknown; valid: {ATTENTION_VARIANTS}")
         self.cache = cache
         self.mask = mask
         self.variant = variant
-        self._split_mask = None
+        self.sequence = sequence  # the microbatch's sequence exchange when its tokens are sharded
+        self._suffix_mask = self._split_mask = None
         if variant == "split" and len(cache):
+            n_keys = mask.shape[-2] if sequence is None else sequence.length
+            self._suffix_mask = mask[..., mask.shape[-1] - n_keys :]
             # Built once per microbatch, eagerly (it inspects the mask), shared by every layer.
-            self._split_mask = suffix_bias(mask[..., mask.shape[-1] - mask.shape[-2] :], cache.compute_dtype)
+            self._split_mask = suffix_bias(self._suffix_mask, cache.compute_dtype)
 
     def bind(self, wrappers: list[PrefixAwareAttention]) -> None:
-        """Give each wrapped layer its cached prefix K/V (in the compute dtype) for this phase."""
-        if len(self.cache):
+        """Give each wrapped layer its prefix K/V view (in the compute dtype) for this phase; a lazy
+        :class:`~prefixflow.kv_cache.PrefixView` is read by each layer when its attention runs instead."""
+        if not len(self.cache):
+            return
+        self.cache.view.begin(self.cache)
+        if not self.cache.view.lazy:
             for wrapper in wrappers:
                 wrapper.prefix_kv = self.cache.read(wrapper.layer, self.cache.compute_dtype)
 
+    def unbind(self) -> None:
+        if len(self.cache):
+            self.cache.view.end()
+
     def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
         cached = wrapper.prefix_kv  # set by bind() when AttentionState.use activated this mode
+        if cached is None and self.cache.view.lazy and len(self.cache):
+            cached = self.cache.read(wrapper.layer, self.cache.compute_dtype)
+        k, v = _whole_sequence(self.sequence, k, v)
         if cached is not None and self.variant == "split":
-            return split_attention(q, k, v, *cached, None, scale=scale, prepared=self._split_mask)
+            return split_attention(
+                q, k, v, *cached, self._suffix_mask, scale=scale, prepared=self._split_mask
+            )
         if cached is not None:
             prefix_k, prefix_v = cached
             b = q.shape[0]
@@ -148,12 +191,17 @@ class AttendWithPrefix:
 
 
 class MaskedAttention:
-    """Plain attention under an explicit mask (the baseline's packed layout)."""
+    """Plain attention under an explicit mask (the baseline's packed layout); with neither a mask nor a
+    sequence exchange it is the wrapped module's own causal attention (the plain forward)."""
 
-    def __init__(self, mask: torch.Tensor) -> None:
+    def __init__(self, mask: torch.Tensor, sequence=None) -> None:
         self.mask = mask
+        self.sequence = sequence  # the microbatch's sequence exchange when its tokens are sharded
 
     def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
+        if self.mask is None and self.sequence is None:
+            return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
+        k, v = _whole_sequence(self.sequence, k, v)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=enable_gqa
         )

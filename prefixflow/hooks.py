@@ -21,6 +21,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from .group import RolloutGroup
+    from .kv_cache import PrefixView
     from .layouts import Microbatch
 
 __all__ = ["ScheduleHooks", "HookChain", "add_hooks", "remove_hooks", "hooks_of"]
@@ -44,6 +45,16 @@ class ScheduleHooks:
       backward; what Phase A produced joins Phase C's prefix backward.
     - ``full_prefix_forward()``: True when Phase A must run every block to its end instead of stopping at
       the last layer's K/V (the hook reads prefix work past them).
+
+    Where the work of a microbatch runs (context parallelism, say) enters through three more methods:
+
+    - ``shard(mb)``: the part of a microbatch (Phase A's prefix, a suffix microbatch, a baseline microbatch)
+      that this rank computes; it may set ``mb.sequence``, which gathers the K/V of the tokens other ranks hold.
+    - ``prefix_view(model, group)``: how each layer's suffix attention gets the full prefix K/V and where
+      gK/gV go back (a :class:`~prefixflow.kv_cache.PrefixView`; ``None`` = the cache's own leaves).
+    - ``reduce_loss(value)``: the group loss every rank reports, from this rank's share.
+
+    ``stats()`` returns counters of the last group; they land in ``GroupStats.hooks``.
     """
 
     def check(self, model: nn.Module, group: RolloutGroup, system: str) -> None:
@@ -63,6 +74,17 @@ class ScheduleHooks:
 
     def full_prefix_forward(self) -> bool:
         return False
+    def shard(self, mb: Microbatch) -> Microbatch:
+        return mb
+
+    def prefix_view(self, model: nn.Module, group: RolloutGroup) -> PrefixView | None:
+        return None
+
+    def reduce_loss(self, value: float) -> float:
+        return value
+
+    def stats(self) -> dict[str, float]:
+        return {}
 
 
 class HookChain:
@@ -103,6 +125,28 @@ class HookChain:
 
     def full_prefix_forward(self) -> bool:
         return any(hook.full_prefix_forward() for hook in self.hooks)
+    def shard(self, mb: Microbatch) -> Microbatch:
+        for hook in self.hooks:
+            mb = hook.shard(mb)
+        return mb
+
+    def prefix_view(self, model: nn.Module, group: RolloutGroup) -> PrefixView | None:
+        views = [(h, v) for h in self.hooks if (v := h.prefix_view(model, group)) is not None]
+        if len(views) > 1:
+            names = [type(h).__name__ for h, _ in views]
+            raise ValueError(f"several hooks supply the prefix K/V view ({names}); register only one")
+        return views[0][1] if views else None
+
+    def reduce_loss(self, value: float) -> float:
+        for hook in self.hooks:
+            value = hook.reduce_loss(value)
+        return value
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for hook in self.hooks:
+            out.update(hook.stats())
+        return out
 
 
 def hooks_of(model: nn.Module) -> HookChain:

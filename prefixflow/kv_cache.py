@@ -4,6 +4,12 @@ Phase A ``capture``s each layer's live prefix K/V (graph attached) and hands Pha
 require grad; every suffix microbatch reads the leaves, and its backward accumulates gK/gV into
 ``leaf.grad``. Phase C ``backward_prefix`` injects the accumulated gradients into the live tensors and runs
 the retained prefix graph once. ``release`` drops everything; nothing survives a group.
+
+How a layer's suffix attention gets its *full* prefix view, and where gK/gV go back, is the cache's
+:class:`PrefixView`. The default reads the cache's own leaves (the whole prefix lives on this rank) and autograd
+accumulates gK/gV straight into ``leaf.grad``. A parallel layout supplies another view through its schedule hook
+(``ScheduleHooks.prefix_view``): context parallelism all-gathers each layer's prefix shards from the CP group and
+reduce-scatters the gathered view's gK/gV back into the owners' leaves (``prefixflow.parallel.cp``).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PrefixKVCache", "LayerKV"]
+__all__ = ["PrefixKVCache", "LayerKV", "PrefixView"]
 
 
 @dataclass
@@ -23,6 +29,31 @@ class LayerKV:
     prefix_v: torch.Tensor
 
 
+class PrefixView:
+    """How suffix attention reads each layer's full prefix K/V: here, the cache's own leaves.
+
+    ``lazy``: False = every layer's view is read once when a suffix microbatch binds the cache (a compiled
+    block then gets it as a graph input); True = each layer reads its view when its attention runs, so a view
+    that moves data can overlap the move with the previous layer's compute. ``begin``/``end`` bracket one
+    suffix microbatch's forward. The returned K/V must be differentiable w.r.t. the leaves: their backward is
+    where gK/gV go back.
+    """
+
+    lazy = False
+
+    def begin(self, cache: PrefixKVCache) -> None:
+        return None
+
+    def read(self, cache: PrefixKVCache, layer: int, dtype: torch.dtype):
+        entry = cache.layers.get(layer)
+        if entry is None:
+            return None
+        return entry.prefix_k.to(dtype), entry.prefix_v.to(dtype)
+
+    def end(self) -> None:
+        return None
+
+
 class PrefixKVCache:
     """Per-layer prefix K/V leaves and their gradient accumulators for one rollout group.
 
@@ -31,16 +62,18 @@ class PrefixKVCache:
     ``leaf.to(compute dtype)``, whose backward casts the gradient up before accumulating.
     """
 
-    def __init__(self, grad_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, grad_dtype: torch.dtype | None = None, view: PrefixView | None = None) -> None:
         self.grad_dtype = grad_dtype
         self.layers: dict[int, LayerKV] = {}
         self.prefix_loss: torch.Tensor | None = None  # loss terms of the prefix graph itself (Phase A)
+        self.view = view or PrefixView()
 
     def __len__(self) -> int:
         return len(self.layers)
 
     @property
     def prefix_len(self) -> int:
+        """Prefix tokens held here (this rank's shard when the prefix is sequence-sharded)."""
         if not self.layers:
             return 0
         return next(iter(self.layers.values())).live_k.shape[-2]
@@ -67,11 +100,9 @@ class PrefixKVCache:
         )
 
     def read(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The cached prefix K/V of ``layer`` in the compute dtype (``None`` when the prefix is empty)."""
-        entry = self.layers.get(layer)
-        if entry is None:
-            return None
-        return entry.prefix_k.to(dtype), entry.prefix_v.to(dtype)
+        """The full prefix K/V view of ``layer`` in the compute dtype, through the cache's :class:`PrefixView`
+        (``None`` when the prefix is empty)."""
+        return self.view.read(self, layer, dtype)
 
     def grad_kv(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Accumulated gK/gV of ``layer`` (``None`` before any suffix backward)."""
@@ -93,10 +124,11 @@ class PrefixKVCache:
         if loss is not None:
             self.prefix_loss = loss if self.prefix_loss is None else self.prefix_loss + loss
 
-    def backward_prefix(self) -> None:
+    def backward_prefix(self, extra_roots=(), extra_grads=()) -> None:
         """Phase C: one backward through the retained prefix graph, seeded with the accumulated gK/gV (and
-        with 1 for the prefix's own loss terms)."""
-        roots, grads = [], []
+        with 1 for the prefix's own loss terms). ``extra_roots``/``extra_grads``: more seeds of the same
+        backward (a pipeline stage's prefix output and the gradient the next stage sent back for it)."""
+        roots, grads = list(extra_roots), list(extra_grads)
         if self.prefix_loss is not None and self.prefix_loss.requires_grad:
             roots.append(self.prefix_loss)
             grads.append(torch.ones_like(self.prefix_loss))

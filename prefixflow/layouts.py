@@ -21,6 +21,7 @@ __all__ = [
     "full_sequence_segments",
     "suffix_segments",
     "build_microbatch",
+    "prefix_microbatch",
     "LAYOUTS",
 ]
 
@@ -47,6 +48,10 @@ class Microbatch:
     token_ids: torch.Tensor  # [T] index of the predicted token within its response
     responses: tuple[int, ...] = ()  # the group's responses in this microbatch, in row/packing order
     cached_prefix_len: int | None = None  # keys before the tokens (PrefixFlow); None = full sequences
+    # When the tokens are spread over ranks (context parallelism): an object whose ``gather(k, v)`` returns
+    # the K/V of the whole sequence in token order, differentiably; ``length`` = that sequence's length. The
+    # mask then has this rank's query rows over every key. None: every token of the microbatch is here.
+    sequence: object | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -78,6 +83,21 @@ def _loss_index(group: RolloutGroup, segments: list[Segment], row_of, col_of):
         resp.append(torch.full((n,), seg.response, dtype=torch.long))
         tok.append(idx)
     return [torch.cat(x) for x in (rows, cols, targets, resp, tok)]
+
+
+def prefix_microbatch(group: RolloutGroup, device: torch.device) -> Microbatch:
+    """Phase A's input: the cached prefix ``P[:-1]`` as one causal row at positions ``0 ..`` (no loss)."""
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    return Microbatch(
+        tokens=group.prompt[:-1].unsqueeze(0).to(device),
+        positions=None,
+        mask=None,
+        loss_rows=empty,
+        loss_cols=empty,
+        targets=empty,
+        response_ids=empty,
+        token_ids=empty,
+    )
 
 
 def build_microbatch(

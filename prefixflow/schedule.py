@@ -23,7 +23,14 @@ from .attention import AttendWithPrefix, CapturePrefix, MaskedAttention, PrefixC
 from .group import RolloutGroup
 from .hooks import hooks_of
 from .kv_cache import PrefixKVCache
-from .layouts import LAYOUTS, Microbatch, build_microbatch, full_sequence_segments, suffix_segments
+from .layouts import (
+    LAYOUTS,
+    Microbatch,
+    build_microbatch,
+    full_sequence_segments,
+    prefix_microbatch,
+    suffix_segments,
+)
 from .loss import LossConfig, microbatch_loss, resolve_loss, token_logprobs
 from .offload import OffloadStats, PrefixOffload, offloading
 
@@ -56,6 +63,7 @@ class GroupStats:
     trunk_tokens: int
     phase_times: dict[str, float] = field(default_factory=dict)
     offload: OffloadStats | None = None  # set when PrefixFlowConfig.offload is on
+    hooks: dict[str, float] = field(default_factory=dict)  # counters of the schedule hooks (e.g. CP gathers)
 
     @property
     def total_s(self) -> float:
@@ -88,19 +96,22 @@ def phase_a_prefix_forward(
     group: RolloutGroup,
     cache,
     offload: PrefixOffload | None = None,
-) -> None:
+) -> Microbatch | None:
     """Phase A: run the shared prefix ``P[:-1]`` forward once; each layer leaves its live K/V in ``cache``.
     With ``offload``, the other tensors the prefix graph saves move out of device memory as they are saved.
-    Loss terms the hooks add during this forward (``extra_loss``) join Phase C's backward."""
-    prefix = group.prompt[:-1]
-    if prefix.numel() == 0:
-        return  # one-token prompt: nothing to cache, suffixes start at position 0
-    with runtime.state.use(CapturePrefix(cache, _last_needed_layer(model, runtime))), offloading(offload):
+    Loss terms the hooks add during this forward (``extra_loss``) join Phase C's backward.
+    Returns the prefix microbatch this rank ran (Phase C recomputes under its attention), None if empty."""
+    if group.prompt_len == 1:
+        return None  # one-token prompt: nothing to cache, suffixes start at position 0
+    mb = hooks_of(model).shard(prefix_microbatch(group, group.prompt.device))
+    mode = CapturePrefix(cache, _last_needed_layer(model, runtime), mask=mb.mask, sequence=mb.sequence)
+    with runtime.state.use(mode), offloading(offload):
         try:
-            forward_hidden(model, prefix.unsqueeze(0), None, final_norm=False)
+            forward_hidden(model, mb.tokens, mb.positions, final_norm=False)
         except PrefixCaptured:
             pass  # the last layer's K/V are in the cache; the rest of the prefix forward is dead work
     cache.add_prefix_loss(hooks_of(model).extra_loss())
+    return mb
 
 
 def _last_needed_layer(model: nn.Module, runtime: PrefixFlowRuntime) -> int | None:
@@ -121,32 +132,49 @@ def phase_b_suffix_microbatches(
     """Phase B: train the suffixes as ordinary microbatches reading the cache; returns the group loss."""
     segments = suffix_segments(group)
     device = group.prompt.device
+    variant = runtime.config.attention_for(device)
     total = 0.0
     for chunk in chunks:
-        mb = build_microbatch(
-            group, [segments[i] for i in chunk], layout, cached_prefix_len=cache.prefix_len, device=device
-        )
-        with runtime.state.use(AttendWithPrefix(cache, mb.mask, runtime.config.attention_for(device))):
+        mb = _microbatch(model, group, [segments[i] for i in chunk], layout, group.prompt_len - 1)
+        with runtime.state.use(AttendWithPrefix(cache, mb.mask, variant, sequence=mb.sequence)):
             total += _forward_backward(model, mb, group, loss, cfg)
     return total
 
 
-def phase_c_prefix_backward(cache: PrefixKVCache, offload: PrefixOffload | None = None) -> None:
+def _microbatch(model, group, segments, layout: str, cached_prefix_len: int | None) -> Microbatch:
+    """Lay out ``segments``; the schedule hooks keep the part this rank computes (``ScheduleHooks.shard``)."""
+    mb = build_microbatch(
+        group, segments, layout, cached_prefix_len=cached_prefix_len, device=group.prompt.device
+    )
+    return hooks_of(model).shard(mb)
+
+
+def phase_c_prefix_backward(
+    cache: PrefixKVCache,
+    offload: PrefixOffload | None = None,
+    *,
+    runtime: PrefixFlowRuntime | None = None,
+    prefix: Microbatch | None = None,
+) -> None:
     """Phase C: inject the accumulated gK/gV into the retained prefix graph; one prefix backward.
-    With ``offload``, its saved tensors are prefetched in reverse layer order (or demand-loaded)."""
+    With ``offload``, its saved tensors are prefetched in reverse layer order (or demand-loaded).
+    ``runtime``/``prefix``: checkpointed prefix blocks recompute under the prefix's attention (Phase A's
+    minus the capture: plain causal, or the sharded prefix's when its tokens are spread over ranks)."""
     if offload is not None:
         offload.prefetch()
-    cache.backward_prefix()
+    recompute = contextlib.nullcontext()  # unsharded: no mode, the plain forward's causal attention
+    if runtime is not None and prefix is not None and prefix.sequence is not None:
+        recompute = runtime.state.use(MaskedAttention(prefix.mask, prefix.sequence))
+    with recompute:
+        cache.backward_prefix()
 
 
 def _baseline(model, runtime, group, chunks, layout, loss, cfg) -> float:
     segments = full_sequence_segments(group)
     total = 0.0
     for chunk in chunks:
-        mb = build_microbatch(
-            group, [segments[i] for i in chunk], layout, cached_prefix_len=None, device=group.prompt.device
-        )
-        mode = MaskedAttention(mb.mask) if mb.mask is not None else None
+        mb = _microbatch(model, group, [segments[i] for i in chunk], layout, None)
+        mode = MaskedAttention(mb.mask, mb.sequence) if mb.mask is not None else None
         with runtime.state.use(mode) if mode is not None else contextlib.nullcontext():
             total += _forward_backward(model, mb, group, loss, cfg)
     return total
@@ -234,6 +262,18 @@ def train_group(
     ``enter(phase)``/``exit(phase)`` called around each phase. All input is validated before any gradient
     changes. Needs ``apply_prefixflow(model)`` first.
     """
+    pipeline = getattr(model, "_prefixflow_pipeline", None)
+    if pipeline is not None:  # a pipeline stage (prefixflow.parallel.pp): the same phases, run per stage
+        return pipeline.train_group(
+            model,
+            group,
+            system=system,
+            layout=layout,
+            microbatch=microbatch,
+            loss=loss,
+            loss_config=loss_config,
+            observer=observer,
+        )
     runtime = runtime_of(model)
     _validate(model, group, system, layout, microbatch)
     cfg = resolve_loss(loss, loss_config, group)
@@ -244,22 +284,28 @@ def train_group(
     hooks = hooks_of(model)
     suffix_tokens = sum(group.response_lens)
     if system == "baseline":
-        with hooks.group(model, group, system), clock("full"), hooks.phase("full"):
-            value = _baseline(model, runtime, group, chunks, layout, loss, cfg)
+        with hooks.group(model, group, system):
+            with clock("full"), hooks.phase("full"):
+                value = _baseline(model, runtime, group, chunks, layout, loss, cfg)
+            value = hooks.reduce_loss(value)
         trunk = _trunk_tokens(group, chunks, layout, group.prompt_len)
-        return GroupStats(system, layout, value, len(chunks), 0, suffix_tokens, trunk, clock.times)
+        return GroupStats(
+            system, layout, value, len(chunks), 0, suffix_tokens, trunk, clock.times, hooks=hooks.stats()
+        )
 
     cache = PrefixKVCache(runtime.grad_kv_dtype(model))
     config = runtime.config
     offload = PrefixOffload(model, cache, prefetch=config.offload_prefetch) if config.offload else None
     try:
         with hooks.group(model, group, system):
+            cache.view = hooks.prefix_view(model, group) or cache.view
             with clock("A"), hooks.phase("A"):
-                phase_a_prefix_forward(model, runtime, group, cache, offload)
+                prefix_mb = phase_a_prefix_forward(model, runtime, group, cache, offload)
             with clock("B"), hooks.phase("B"):
                 value = phase_b_suffix_microbatches(model, runtime, group, cache, chunks, layout, loss, cfg)
             with clock("C"), hooks.phase("C"):
-                phase_c_prefix_backward(cache, offload)
+                phase_c_prefix_backward(cache, offload, runtime=runtime, prefix=prefix_mb)
+            value = hooks.reduce_loss(value)
     finally:
         cache.release()  # drops the prefix graph first, then the pool its saved tensors point into
         if offload is not None:
@@ -268,7 +314,16 @@ def train_group(
     trunk = prefix + _trunk_tokens(group, chunks, layout, 1)
     offload_stats = offload.stats if offload is not None else None
     return GroupStats(
-        system, layout, value, len(chunks), prefix, suffix_tokens, trunk, clock.times, offload_stats
+        system,
+        layout,
+        value,
+        len(chunks),
+        prefix,
+        suffix_tokens,
+        trunk,
+        clock.times,
+        offload_stats,
+        hooks=hooks.stats(),
     )
 
 

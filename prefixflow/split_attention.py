@@ -35,15 +35,16 @@ _FLASH_CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_back
 def suffix_bias(suffix_mask: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor | None, bool]:
     """The suffix part's mask as the flash kernel wants it: ``(additive bias or None, is_causal)``.
 
-    ``suffix_mask``: bool ``[b, 1, S, S]`` (True = may attend) or None (plain causal). An exactly
+    ``suffix_mask``: bool ``[b, 1, S_q, S]`` (True = may attend) or None (plain causal). An exactly
     lower-triangular mask (padded layout with equal lengths, e.g. microbatch 1) becomes ``is_causal=True``.
     """
     if suffix_mask is None:
         return None, True
     s = suffix_mask.shape[-1]
-    tril = torch.ones(s, s, dtype=torch.bool, device=suffix_mask.device).tril_()
-    if torch.equal(suffix_mask, tril.expand_as(suffix_mask)):
-        return None, True
+    if suffix_mask.shape[-2] == s:  # a query block over other keys (sequence-sharded) is never plain causal
+        tril = torch.ones(s, s, dtype=torch.bool, device=suffix_mask.device).tril_()
+        if torch.equal(suffix_mask, tril.expand_as(suffix_mask)):
+            return None, True
     bias = torch.zeros(suffix_mask.shape, dtype=dtype, device=suffix_mask.device)
     return bias.masked_fill_(~suffix_mask, float("-inf")), False
 

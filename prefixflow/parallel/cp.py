@@ -1,0 +1,484 @@
+"""Context parallelism (paper §4.5): sequence-sharded attention both systems share, and PrefixFlow's prefix K/V
+exchange.
+
+torch's ``context_parallel`` has no CPU kernels, so CP here is built from collectives every backend has
+(all-gather, reduce-scatter), on CPU (gloo) and GPU (NCCL) alike:
+
+- **Sharding.** Every sequence the schedule runs (Phase A's prefix, each suffix microbatch, each baseline
+  microbatch) is cut on its own into ``2·cp`` equal chunks (padded to a multiple); rank ``r`` keeps chunks
+  ``r`` and ``2·cp-1-r`` (head–tail), so every rank holds as many cheap early causal rows as expensive late
+  ones. The microbatch keeps this rank's tokens, their global RoPE positions, its loss positions and the mask
+  rows of its queries over every key (:func:`shard_microbatch`). Each rank scores only its own tokens, with the
+  group's fixed weights, so the rank losses and gradients sum to the single-process ones.
+- **Attention.** Before attending, a layer all-gathers the sequence's K/V into token order
+  (:class:`SequenceExchange`); the backward reduce-scatters dK/dV to the owners. The baseline runs exactly this
+  attention over its full sequences; only the schedule differs.
+- **Prefix K/V (PrefixFlow).** Phase A captures each rank's K/V shard of the prefix. Before a layer's suffix
+  attention, :class:`CPPrefixView` all-gathers the shards into the full view; the suffix backward reduce-scatters
+  the view's gK/gV into the owners' accumulators (the cache's leaves), which Phase C injects as usual. With
+  ``prefetch`` the gather of layer ``l+1`` is issued asynchronously as soon as layer ``l`` has its view, so it
+  overlaps layer ``l``'s compute; only each microbatch's first layer gathers on demand.
+
+:class:`ContextParallel` is the schedule hook that does all of this (``apply_cp``); it also all-reduces the
+new parameter gradients over the CP group after each group and sums the reported loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..hooks import ScheduleHooks, add_hooks
+from ..kv_cache import PrefixKVCache, PrefixView
+from ..layouts import Microbatch
+
+__all__ = [
+    "SequenceLayout",
+    "shard_microbatch",
+    "SequenceExchange",
+    "CPPrefixView",
+    "CommStats",
+    "Collectives",
+    "ContextParallel",
+    "apply_cp",
+]
+
+
+class SequenceLayout:
+    """Head–tail split of ``length`` tokens over ``size`` ranks (causal load balancing).
+
+    ``indices[r]``: the token indices rank ``r`` holds, in its local order (values ``>= length`` are padding);
+    ``order[j]``: where token ``j`` sits in the rank-major concatenation of every rank's local tokens.
+    """
+
+    def __init__(self, length: int, size: int) -> None:
+        if length < 1 or size < 1:
+            raise ValueError(f"SequenceLayout needs length >= 1 and size >= 1, got {length}, {size}")
+        self.length, self.size = length, size
+        self.chunk = math.ceil(length / (2 * size))
+        self.local_len = 2 * self.chunk
+        c = self.chunk
+        self.indices = torch.stack(
+            [
+                torch.cat(
+                    [
+                        torch.arange(r * c, (r + 1) * c),
+                        torch.arange((2 * size - 1 - r) * c, (2 * size - r) * c),
+                    ]
+                )
+                for r in range(size)
+            ]
+        )
+        self.order = torch.argsort(self.indices.reshape(-1))[:length]
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(indices, order)`` on ``device`` (moved once)."""
+        if device not in self._on:
+            self._on[device] = (self.indices.to(device), self.order.to(device))
+        return self._on[device]
+
+
+@dataclass
+class CommStats:
+    """What the CP exchange did in one group. Times in seconds, bytes as received (gathers) or sent
+    (reduce-scatters) by this rank over the network, i.e. ``(cp-1)/cp`` of the buffer.
+
+    ``exposed_s``: time spent blocked on prefix-K/V communication (waiting on a gather handle, and the
+    blocking gK/gV reduce-scatters); ``overlapped_s``: prefetched gathers' time in flight that nothing waited
+    on; ``sequence_s``: the (blocking) K/V exchange of the sequence-sharded attention, all phases."""
+
+    demand_gathers: int = 0
+    prefetched_gathers: int = 0
+    scatters: int = 0
+    gather_bytes: int = 0
+    scatter_bytes: int = 0
+    exposed_s: float = 0.0
+    overlapped_s: float = 0.0
+    sequence_exchanges: int = 0
+    sequence_bytes: int = 0
+    sequence_s: float = 0.0
+
+    def as_dict(self, prefix: str = "cp_") -> dict[str, float]:
+        return {prefix + f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Collectives:
+    """The two collectives CP uses, behind one seam (tests substitute a deferred variant to prove that every
+    prefetched gather is waited on before its buffer is read)."""
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+        """``out[r] = inp`` of rank ``r`` (``out``: ``[size, *inp.shape]``)."""
+        return dist.all_gather_into_tensor(out.flatten(0, 1), inp, group=group, async_op=async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group) -> None:
+        dist.reduce_scatter_tensor(out, inp, group=group)
+
+
+def _wire(nbytes: int, size: int) -> int:
+    return nbytes * (size - 1) // size
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """Gradients are summed over ranks in fp32 at least (bf16 partial sums would lose precision)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather K/V shards into token order; backward reduce-scatters dK/dV to their owners."""
+
+    @staticmethod
+    def forward(ctx, k, v, exchange: SequenceExchange):
+        ctx.exchange = exchange
+        return exchange.forward(k, v)
+
+    @staticmethod
+    def backward(ctx, grad_k, grad_v):
+        return (*ctx.exchange.backward(grad_k, grad_v), None)
+
+
+class SequenceExchange:
+    """The K/V exchange of one sharded microbatch: ``gather(k, v)`` returns the whole sequence's K/V in token
+    order (``[b, H_kv, length, D]``) from this rank's ``[b, H_kv, local_len, D]``, differentiably."""
+
+    def __init__(self, group, layout: SequenceLayout, stats: CommStats, collectives: Collectives) -> None:
+        self.group, self.layout, self.stats, self.collectives = group, layout, stats, collectives
+        self.length = layout.length
+
+    def gather(self, k: torch.Tensor, v: torch.Tensor):
+        return _GatherSequence.apply(k, v, self)
+
+    def forward(self, k, v):
+        size = self.layout.size
+        local = torch.stack([k, v]).contiguous()  # [2, b, H, l, D]
+        out = local.new_empty((size, *local.shape))
+        start = time.perf_counter()
+        self.collectives.all_gather(out, local, self.group)
+        self._count(out, start)
+        _, order = self.layout.on(k.device)
+        two, b, h, _, d = local.shape
+        whole = out.permute(1, 2, 3, 0, 4, 5).reshape(two, b, h, size * self.layout.local_len, d)
+        return whole[0].index_select(2, order), whole[1].index_select(2, order)
+
+    def backward(self, grad_k, grad_v):
+        size, local_len = self.layout.size, self.layout.local_len
+        ref = grad_k if grad_k is not None else grad_v
+        b, h, _, d = ref.shape
+        wide = _wide(ref.dtype)
+        buf = torch.zeros(2, b, h, size * local_len, d, dtype=wide, device=ref.device)
+        _, order = self.layout.on(ref.device)
+        for i, g in enumerate((grad_k, grad_v)):
+            if g is not None:
+                buf[i].index_copy_(2, order, g.to(wide))
+        send = buf.view(2, b, h, size, local_len, d).permute(3, 0, 1, 2, 4, 5).contiguous()
+        recv = buf.new_empty(2, b, h, local_len, d)
+        start = time.perf_counter()
+        self.collectives.reduce_scatter(recv, send.view(size * 2, b, h, local_len, d), self.group)
+        self._count(send, start)
+        return recv[0].to(ref.dtype), recv[1].to(ref.dtype)
+
+    def _count(self, buf: torch.Tensor, start: float) -> None:
+        self.stats.sequence_exchanges += 1
+        self.stats.sequence_bytes += _wire(buf.numel() * buf.element_size(), self.layout.size)
+        self.stats.sequence_s += time.perf_counter() - start
+
+
+def shard_microbatch(
+    mb: Microbatch, rank: int, size: int, group, stats: CommStats, collectives: Collectives | None = None
+) -> Microbatch:
+    """This rank's head–tail share of ``mb``: tokens, global positions, mask rows, loss positions.
+
+    Padding tokens (when the length is not a multiple of ``2·size``) get token 0 and the last real position,
+    attend to every key (so no row is fully masked) and carry no loss; their gradient is exactly zero.
+    """
+    b, length = mb.tokens.shape
+    layout = SequenceLayout(length, size)
+    device = mb.tokens.device
+    indices, _ = layout.on(device)
+    idx = indices[rank]
+    real = idx < length
+    take = idx.clamp(max=length - 1)
+    tokens = mb.tokens[:, take].masked_fill(~real, 0)
+    positions = mb.positions if mb.positions is not None else torch.arange(length, device=device).unsqueeze(0)
+    positions = positions[:, take]
+    if mb.mask is not None:
+        mask = mb.mask[:, :, take, :]
+    else:  # plain causal over the whole sequence
+        keys = torch.arange(length, device=device)
+        mask = (keys.unsqueeze(0) <= take.unsqueeze(1)).view(1, 1, layout.local_len, length)
+    mask = mask.masked_fill(~real.view(1, 1, -1, 1), True)
+    local_col = torch.full((length,), -1, dtype=torch.long, device=device)
+    local_col[idx[real]] = torch.arange(layout.local_len, device=device)[real]
+    cols = local_col[mb.loss_cols]
+    keep = cols >= 0
+    return replace(
+        mb,
+        tokens=tokens,
+        positions=positions,
+        mask=mask,
+        loss_rows=mb.loss_rows[keep],
+        loss_cols=cols[keep],
+        targets=mb.targets[keep],
+        response_ids=mb.response_ids[keep],
+        token_ids=mb.token_ids[keep],
+        sequence=SequenceExchange(group, layout, stats, collectives or Collectives()),
+    )
+
+
+class _PrefixGather:
+    """One in-flight all-gather of a layer's prefix K/V shards; ``done`` is set when the data has arrived."""
+
+    def __init__(self, view: CPPrefixView, cache: PrefixKVCache, layer: int, dtype: torch.dtype) -> None:
+        entry = cache.layers[layer]
+        local = torch.stack([entry.prefix_k.detach(), entry.prefix_v.detach()]).to(dtype).contiguous()
+        self.out = local.new_empty((view.layout.size, *local.shape))  # [cp, 2, 1, H, l, D]
+        self.issued = time.perf_counter()
+        self.done: float | None = None
+        self.work = view.collectives.all_gather(self.out, local, view.group, async_op=True)
+        fut = self.work.get_future() if hasattr(self.work, "get_future") else None
+        if fut is not None:
+            fut.then(self._arrived)
+
+    def _arrived(self, _fut) -> None:
+        self.done = time.perf_counter()
+
+    def wait(self) -> float:
+        """Block until the data is here; returns the seconds spent blocked."""
+        start = time.perf_counter()
+        self.work.wait()
+        end = time.perf_counter()
+        if self.done is None:
+            self.done = end
+        return end - start
+
+
+class _PrefixViewFn(torch.autograd.Function):
+    """The gathered full prefix view of one layer, differentiable w.r.t. this rank's leaves: the backward
+    reduce-scatters the view's gK/gV to the owners."""
+
+    @staticmethod
+    def forward(ctx, leaf_k, leaf_v, gathered, view: CPPrefixView):
+        ctx.view, ctx.leaf_dtype = view, leaf_k.dtype
+        size, local_len = view.layout.size, view.layout.local_len
+        _, order = view.layout.on(gathered.device)
+        _, two, one, h, _, d = gathered.shape
+        whole = gathered.permute(1, 2, 3, 0, 4, 5).reshape(two, one, h, size * local_len, d)
+        return whole[0].index_select(2, order), whole[1].index_select(2, order)
+
+    @staticmethod
+    def backward(ctx, grad_k, grad_v):
+        view = ctx.view
+        gk, gv = view.scatter_back(grad_k, grad_v, ctx.leaf_dtype)
+        return gk, gv, None, None
+
+
+class CPPrefixView(PrefixView):
+    """The full prefix K/V view of each layer, all-gathered from the CP group's shards (paper §4.5).
+
+    Lazy: each layer reads its view when its suffix attention runs. Without ``prefetch`` every read is a
+    demand gather (issue and wait). With it, reading layer ``l`` issues layer ``l+1``'s gather asynchronously,
+    which then overlaps layer ``l``'s compute. gK/gV go back by a reduce-scatter in the view's backward.
+    With activation checkpointing a recomputed block gathers its view again (on demand): AC trades the
+    gathered view's memory for one more gather.
+    """
+
+    lazy = True
+
+    def __init__(
+        self, group, layout: SequenceLayout, *, prefetch: bool, stats: CommStats, collectives: Collectives
+    ) -> None:
+        self.group, self.layout, self.prefetch = group, layout, prefetch
+        self.stats, self.collectives = stats, collectives
+        self.pending: dict[int, _PrefixGather] = {}
+        self.seen: set[int] = set()
+
+    def begin(self, cache: PrefixKVCache) -> None:
+        self.end()
+
+    def read(self, cache: PrefixKVCache, layer: int, dtype: torch.dtype):
+        if layer not in cache.layers:
+            return None
+        gather = self.pending.pop(layer, None)
+        if gather is None:
+            gather = _PrefixGather(self, cache, layer, dtype)
+            self.stats.demand_gathers += 1
+            self.stats.exposed_s += gather.wait()
+        else:
+            self.stats.prefetched_gathers += 1
+            blocked = gather.wait()
+            self.stats.exposed_s += blocked
+            self.stats.overlapped_s += max(0.0, (gather.done - gather.issued) - blocked)
+        self.stats.gather_bytes += _wire(gather.out.numel() * gather.out.element_size(), self.layout.size)
+        self.seen.add(layer)
+        # Prefetch runs ahead of the forward only: a checkpointed block recomputing in the backward (reverse
+        # layer order) re-gathers its own view on demand and starts nothing for a layer already read.
+        nxt = layer + 1
+        if self.prefetch and nxt in cache.layers and nxt not in self.pending and nxt not in self.seen:
+            self.pending[nxt] = _PrefixGather(self, cache, nxt, dtype)
+        entry = cache.layers[layer]
+        return _PrefixViewFn.apply(entry.prefix_k, entry.prefix_v, gather.out, self)
+
+    def scatter_back(self, grad_k, grad_v, leaf_dtype: torch.dtype):
+        """Reduce-scatter a gathered view's gK/gV (``[1, H, P, D]``) into this rank's shard."""
+        size, local_len = self.layout.size, self.layout.local_len
+        ref = grad_k if grad_k is not None else grad_v
+        _, h, _, d = ref.shape
+        wide = torch.promote_types(_wide(ref.dtype), leaf_dtype)
+        buf = torch.zeros(2, 1, h, size * local_len, d, dtype=wide, device=ref.device)
+        _, order = self.layout.on(ref.device)
+        for i, g in enumerate((grad_k, grad_v)):
+            if g is not None:
+                buf[i].index_copy_(2, order, g.to(wide))
+        send = buf.view(2, 1, h, size, local_len, d).permute(3, 0, 1, 2, 4, 5).contiguous()
+        recv = buf.new_empty(2, 1, h, local_len, d)
+        start = time.perf_counter()
+        self.collectives.reduce_scatter(recv, send.view(size * 2, 1, h, local_len, d), self.group)
+        self.stats.exposed_s += time.perf_counter() - start
+        self.stats.scatters += 1
+        self.stats.scatter_bytes += _wire(send.numel() * send.element_size(), size)
+        return recv[0].to(leaf_dtype), recv[1].to(leaf_dtype)
+
+    def end(self) -> None:
+        # A forward that stopped early leaves a prefetch in flight: finish it so no collective dangles.
+        for gather in self.pending.values():
+            gather.wait()
+        self.pending.clear()
+        self.seen.clear()
+
+
+class ContextParallel(ScheduleHooks):
+    """The CP schedule hook: shards every microbatch over ``group``, gathers K/V inside attention, exchanges
+    the prefix K/V (PrefixFlow), sums the loss and all-reduces the group's new parameter gradients.
+
+    ``prefetch``: overlap the next layer's prefix gather with the current layer (False: on demand).
+    ``reduce_grads``: all-reduce gradients over the CP group after each group (False when another
+    transformation, e.g. FSDP over a mesh that includes ``cp``, reduces them).
+    """
+
+    def __init__(
+        self,
+        group,
+        *,
+        prefetch: bool = True,
+        reduce_grads: bool = True,
+        collectives: Collectives | None = None,
+    ) -> None:
+        self.pg = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.prefetch = prefetch
+        self.reduce_grads = reduce_grads
+        self.collectives = collectives or Collectives()
+        self.comm = CommStats()
+        self.phase_b_ranks: list[float] = []
+        self._phase_b_s = 0.0
+
+    def check(self, model: nn.Module, group, system: str) -> None:
+        if getattr(model, "prefixflow_compiled", None) is not None:
+            raise ValueError("context parallelism runs eager blocks; build the model without compile")
+
+    @contextlib.contextmanager
+    def group(self, model: nn.Module, group, system: str):
+        self.comm = CommStats()
+        self.phase_b_ranks, self._phase_b_s = [], 0.0
+        params = [p for p in model.parameters() if p.requires_grad]
+        earlier = {p: p.grad for p in params}
+        for p in params:
+            p.grad = None
+        try:
+            yield
+            if self.reduce_grads:
+                self._all_reduce_grads(params)
+            self._gather_phase_b()
+        finally:
+            for p, g in earlier.items():
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad + g
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if name in ("B", "full"):
+                self._phase_b_s += time.perf_counter() - start
+
+    def shard(self, mb: Microbatch) -> Microbatch:
+        return shard_microbatch(mb, self.rank, self.size, self.pg, self.comm, self.collectives)
+
+    def prefix_view(self, model: nn.Module, group) -> PrefixView | None:
+        if group.prompt_len < 2:
+            return None
+        layout = SequenceLayout(group.prompt_len - 1, self.size)
+        return CPPrefixView(
+            self.pg, layout, prefetch=self.prefetch, stats=self.comm, collectives=self.collectives
+        )
+
+    def reduce_loss(self, value: float) -> float:
+        total = torch.tensor([value], dtype=torch.float64, device=self._device())
+        dist.all_reduce(total, group=self.pg)
+        return float(total.item())
+
+    def stats(self) -> dict[str, float]:
+        out = self.comm.as_dict()
+        if self.phase_b_ranks:
+            out["cp_phase_b_rank_min_s"] = min(self.phase_b_ranks)
+            out["cp_phase_b_rank_max_s"] = max(self.phase_b_ranks)
+            out["cp_phase_b_spread_s"] = max(self.phase_b_ranks) - min(self.phase_b_ranks)
+        return out
+
+    def _device(self) -> torch.device:
+        if dist.get_backend(self.pg) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _gather_phase_b(self) -> None:
+        """Every CP rank's Phase-B (baseline: whole-step) time, for the balance columns."""
+        mine = torch.tensor([self._phase_b_s], dtype=torch.float64, device=self._device())
+        every = mine.new_empty(self.size)
+        dist.all_gather_into_tensor(every, mine, group=self.pg)
+        self.phase_b_ranks = every.tolist()
+
+    def _all_reduce_grads(self, params: list[nn.Parameter]) -> None:
+        """Sum this group's gradient contributions over the CP ranks (one flat all-reduce per dtype)."""
+        locals_ = [_local(p.grad) for p in params if p.grad is not None]
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for g in locals_:
+            by_dtype.setdefault((g.dtype, g.device), []).append(g)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.pg)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (tensor-parallel gradients), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def apply_cp(
+    model: nn.Module,
+    group,
+    *,
+    prefetch: bool = True,
+    reduce_grads: bool = True,
+    collectives: Collectives | None = None,
+) -> ContextParallel:
+    """Context-parallelise ``model`` over ``group`` (a ProcessGroup, or a 1-D DeviceMesh such as
+    ``mesh["cp"]``): registers a :class:`ContextParallel` hook; returns it (its ``stats()`` hold the counters).
+    The model's parameters must be identical on every CP rank."""
+    if hasattr(group, "get_group"):
+        group = group.get_group()
+    hook = ContextParallel(group, prefetch=prefetch, reduce_grads=reduce_grads, collectives=collectives)
+    add_hooks(model, hook)
+    return hook

@@ -1,0 +1,78 @@
+"""Multi-rank test support: one ``torchrun`` launch per test module, every case inside it.
+
+A test module calls :func:`launch_cases` once (module-scoped fixture); its ``__main__`` block runs on every
+rank, calls :func:`run_worker` with its case list, and rank 0 writes one JSON of results. Launching torchrun
+costs ~20 s (importing torchtitan), so cases share the launch. The rendezvous listens on 127.0.0.1 only, and
+gloo is pinned to the loopback interface.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_cases(script: Path, nproc: int, out: Path, *args: str, timeout: float = 900) -> dict:
+    """Run ``script`` under torchrun with ``nproc`` ranks; return rank 0's JSON (raises with the ranks' output
+    when the launch fails)."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}",
+        str(script),
+        str(out),
+        *args,
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(
+            f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+    return json.loads(out.read_text())
+
+
+def run_worker(cases: dict[str, Callable[[], dict]], out: str, select: list[str] | None = None) -> None:
+    """On every rank: run each case (a callable returning JSON-able numbers, identical on every rank for the
+    keys that matter); rank 0 writes ``{name: result}``. A case that raises records its traceback."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank = dist.get_rank()
+    results = {}
+    for name, case in cases.items():
+        if select and name not in select:
+            continue
+        print(f"[rank {rank}] case {name}", file=sys.stderr, flush=True)
+        try:
+            results[name] = case()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+            print(f"[rank {rank}] case {name} failed:\n{results[name]['error']}", file=sys.stderr, flush=True)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()

@@ -1,0 +1,202 @@
+"""Pipeline parallelism (prefixflow.parallel.pp): PP2 against the single-process baseline, one torchrun launch.
+
+Every case cuts the fp64 tiny model into 2 stages with TorchTitan's split, trains one rollout group with the
+stage program (stage-local switching unless named otherwise) and compares each stage's gradients, by parameter
+name, and the loss with the single-process baseline (bound 1e-9 relative).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _torchrun_cases import launch_cases, run_worker
+
+BOUND = 1e-9
+LENS = [5, 9, 3, 6]
+
+
+def _cases() -> dict:
+    cases = {}
+    for system in ("baseline", "prefixflow"):
+        for layout in ("padded", "packed"):
+            for mb in (None, 1):
+                cases[f"{system}-{layout}-{mb}"] = dict(system=system, layout=layout, microbatch=mb)
+    cases["prefixflow-padded-1-barrier"] = dict(
+        system="prefixflow", layout="padded", microbatch=1, switching="barrier"
+    )
+    cases["prefixflow-packed-2-barrier"] = dict(
+        system="prefixflow", layout="packed", microbatch=2, switching="barrier"
+    )
+    cases["prefixflow-padded-1-qwen3"] = dict(
+        system="prefixflow", layout="padded", microbatch=1, family="qwen3", untie=True
+    )
+    cases["prefixflow-padded-1-ac-selective"] = dict(
+        system="prefixflow", layout="padded", microbatch=1, ac="selective"
+    )
+    cases["prefixflow-one-token-prompt"] = dict(
+        system="prefixflow", layout="padded", microbatch=2, prompt_len=1
+    )
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp") / "pp.json"
+    return launch_cases(Path(__file__), 2, out)
+
+
+def _get(results, name):
+    res = results[name]
+    assert "error" not in res, res.get("error")
+    return res
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pp2_matches_single_process_baseline_fp64(results, name):
+    res = _get(results, name)
+    assert res["n_params"] == res["n_params_ref"]  # every parameter lives on exactly one stage
+    assert res["grad_rel"] < BOUND, res
+    assert res["loss_rel"] < BOUND, res
+
+
+@pytest.mark.parametrize("name", ["prefixflow-padded-1", "prefixflow-padded-1-barrier"])
+def test_stage_timelines_follow_the_program(results, name):
+    from prefixflow.parallel.pp import stage_program
+
+    res, case = _get(results, name), CASES[name]
+    n_mb = -(-len(LENS) // case["microbatch"])
+    for stage, events in enumerate(res["timelines"]):
+        program = stage_program(case.get("switching", "stage_local"), 2, stage, n_mb, True)
+        assert [(e["op"],) if e["mb"] is None else (e["op"], e["mb"]) for e in events] == program
+        for e in events:
+            assert e["wait"] <= e["start"] <= e["end"]
+    first, last = res["timelines"]
+    a0 = next(e for e in first if e["op"] == "A")
+    a1 = next(e for e in last if e["op"] == "A")
+    c0 = next(e for e in first if e["op"] == "C")
+    c1 = next(e for e in last if e["op"] == "C")
+    assert a1["start"] >= a0["end"]  # the prefix forward flows down the stages
+    assert c0["start"] >= c1["end"]  # the prefix backward flows back up
+    last_b0 = max(e["end"] for e in first if e["op"] == "B")
+    f0 = min(e["start"] for e in first if e["op"] == "F")
+    if case.get("switching") == "barrier":
+        assert f0 >= a1["end"]  # nothing of Phase B starts before every stage finished Phase A
+        assert c1["start"] >= last_b0  # ... and Phase C waits for the whole pipeline's Phase B
+    else:
+        assert f0 < a1["end"]  # stage 0 starts its suffix work while stage 1 still runs its Phase A
+        assert c1["start"] < last_b0  # the last stage starts its prefix backward while stage 0 still works
+    assert res["pp_bubble_max_s"] >= res["pp_bubble_mean_s"] >= 0
+
+
+def test_stage_program_is_1f1b_inside_the_prefix_phases():
+    from prefixflow.parallel.pp import stage_program
+
+    assert stage_program("stage_local", 2, 0, 3, True) == [
+        ("A",),
+        ("F", 0),
+        ("F", 1),
+        ("B", 0),
+        ("F", 2),
+        ("B", 1),
+        ("B", 2),
+        ("C",),
+    ]
+    assert stage_program("stage_local", 2, 1, 3, True) == [
+        ("A",),
+        ("F", 0),
+        ("B", 0),
+        ("F", 1),
+        ("B", 1),
+        ("F", 2),
+        ("B", 2),
+        ("C",),
+    ]
+    barrier = stage_program("barrier", 4, 3, 2, True)
+    assert barrier == [("A",), ("barrier",), ("F", 0), ("B", 0), ("F", 1), ("B", 1), ("barrier",), ("C",)]
+    assert stage_program("stage_local", 4, 0, 2, False) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    with pytest.raises(ValueError, match="switching"):
+        stage_program("global", 2, 0, 1, True)
+
+
+# --- worker (runs under torchrun) -------------------------------------------------------------------------
+
+_MESHES: dict = {}
+
+
+def _mesh(pp: int, cp: int, tp: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (pp, cp, tp)
+    if key not in _MESHES:
+        dims = [(n, s) for n, s in (("pp", pp), ("cp", cp), ("tp", tp)) if s > 1]
+        _MESHES[key] = init_device_mesh(
+            "cpu", tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims)
+        )
+    return _MESHES[key]
+
+
+def run_pp_case(spec: dict, lens=LENS, pp: int = 2, cp: int = 1, tp: int = 1) -> dict:
+    """Train one group on this rank's stage; max relative differences over all ranks (identical everywhere)."""
+    import torch.distributed as dist
+    from conftest import TINY, tiny_model
+
+    import prefixflow as pf
+    from prefixflow.parallel.cp import apply_cp
+    from prefixflow.parallel.pp import apply_pp
+
+    family, ac = spec.get("family", "llama3"), spec.get("ac", "none")
+    group = pf.synthetic_group(97, spec.get("prompt_len", 14), lens, seed=5)
+    extra = {"enable_weight_tying": False} if spec.get("untie") else {}
+    ref = tiny_model(family, ac=ac, **extra)
+    ref_stats = pf.train_group(ref, group, system="baseline", layout="padded")
+    want = {n: p.grad for n, p in ref.named_parameters()}
+
+    mesh = _mesh(pp, cp, tp)
+    name, overrides = TINY[family]
+    model = pf.build_model(name, dtype=torch.float64, seed=0, overrides={**overrides, **extra})
+    stage = apply_pp(model, mesh["pp"], switching=spec.get("switching", "stage_local"))
+    if tp > 1:
+        from prefixflow.parallel import parallelize  # the TP issue's entry point
+
+        stage = parallelize(stage, mesh, tp=tp)
+    pf.apply_ac(stage, ac)
+    pf.apply_prefixflow(stage)
+    if cp > 1:
+        apply_cp(stage, mesh["cp"])
+    stats = pf.train_group(
+        stage, group, system=spec["system"], layout=spec["layout"], microbatch=spec["microbatch"]
+    )
+    worst = 0.0
+    n_params = torch.zeros(1)
+    for pname, p in stage.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        w = want[pname]
+        worst = max(worst, float((g - w).abs().max()) / (float(w.abs().max()) or 1.0))
+        n_params += 1
+    out = torch.tensor([worst, abs(stats.loss - ref_stats.loss) / abs(ref_stats.loss)], dtype=torch.float64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    if cp > 1 or tp > 1:  # count each stage's parameters once
+        n_params /= cp * tp
+    dist.all_reduce(n_params)
+    return {
+        "grad_rel": out[0].item(),
+        "loss_rel": out[1].item(),
+        "n_params": int(n_params.item()),
+        "n_params_ref": len(want),
+        "timelines": stage._prefixflow_pipeline.timelines,
+        **stats.hooks,
+    }
+
+
+if __name__ == "__main__":
+    run_worker(
+        {name: (lambda spec=spec: run_pp_case(spec)) for name, spec in CASES.items()},
+        sys.argv[1],
+        sys.argv[2:],
+    )
