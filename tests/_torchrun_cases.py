@@ -55,6 +55,21 @@ def launch_cases(script: Path, nproc: int, out: Path, *args: str, timeout: float
     return json.loads(out.read_text())
 
 
+def max_rel(got, want) -> float:
+    """Max over tensors of max|got - want| / max|want|; NaN or inf anywhere gives inf (``max()`` would drop it)."""
+    import math
+
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        if g is None:
+            return math.inf
+        d = float((g - w).abs().max()) / (float(w.abs().max()) or 1.0)
+        if not math.isfinite(d):
+            return math.inf
+        worst = max(worst, d)
+    return worst
+
+
 def run_worker(cases: dict[str, Callable[[], dict]], out: str, select: list[str] | None = None) -> None:
     """On every rank: run each case (a callable returning JSON-able numbers, identical on every rank for the
     keys that matter); rank 0 writes ``{name: result}``. A case that raises records its traceback."""
