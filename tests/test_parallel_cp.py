@@ -102,7 +102,7 @@ def test_baseline_moves_no_prefix_kv(results):
 
 
 def test_shard_layout_is_head_tail_and_covers_every_token():
-    from prefixflow.parallel.cp import SequenceLayout
+    from prefixflow.parallel.sequence import SequenceLayout
 
     lay = SequenceLayout(13, 2)  # padded to 16, chunks of 4: rank 0 holds chunks 0 and 3, rank 1 chunks 1, 2
     assert lay.indices.tolist() == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
@@ -113,7 +113,7 @@ def test_shard_layout_is_head_tail_and_covers_every_token():
 def test_shard_microbatch_keeps_loss_positions_and_positions():
     import prefixflow as pf
     from prefixflow.layouts import build_microbatch, suffix_segments
-    from prefixflow.parallel.cp import CommStats, shard_microbatch
+    from prefixflow.parallel.sequence import CommStats, shard_microbatch
 
     group = pf.synthetic_group(97, 14, LENS, seed=3)
     mb = build_microbatch(

@@ -36,6 +36,9 @@ def _cases() -> dict:
     cases["prefixflow-padded-1-ac-selective"] = dict(
         system="prefixflow", layout="padded", microbatch=1, ac="selective"
     )
+    cases["prefixflow-packed-1-wrapped-before-split"] = dict(
+        system="prefixflow", layout="packed", microbatch=1, wrap_first=True
+    )
     cases["prefixflow-one-token-prompt"] = dict(
         system="prefixflow", layout="padded", microbatch=2, prompt_len=1
     )
@@ -160,6 +163,8 @@ def run_pp_case(spec: dict, lens=LENS, pp: int = 2, cp: int = 1, tp: int = 1) ->
     mesh = _mesh(pp, cp, tp)
     name, overrides = TINY[family]
     model = pf.build_model(name, dtype=torch.float64, seed=0, overrides={**overrides, **extra})
+    if spec.get("wrap_first"):
+        pf.apply_prefixflow(model)
     stage = apply_pp(model, mesh["pp"], switching=spec.get("switching", "stage_local"))
     if tp > 1:
         from prefixflow.parallel import parallelize  # the TP issue's entry point

@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from .common import SkipFigure, pair_speedups
+from .fig6 import figure6a, figure6b, simulator_validation
 from .fig9 import figure9a, figure9a_split, figure9b
 from .fig10 import figure10a, figure10b, frontier_table
 from .fig11 import figure11
@@ -32,6 +33,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FIGURES: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {
+    "fig6a": figure6a,
+    "fig6b": figure6b,
+    "fig6_sim": simulator_validation,
     "fig9a": figure9a,
     "fig9a_split": figure9a_split,
     "fig9b": figure9b,

@@ -58,10 +58,13 @@ def frontier_mask(df: pd.DataFrame) -> pd.Series:
 
 
 def measured(df: pd.DataFrame) -> pd.DataFrame:
-    """Successful non-frontier records."""
+    """Successful non-frontier records that were measured (not ``pf-bench simulate``'s)."""
     if df.empty or "status" not in df.columns:
         return df.iloc[0:0]
-    return df[(df["status"] == "ok") & ~frontier_mask(df)]
+    ok = (df["status"] == "ok") & ~frontier_mask(df)
+    if "source" in df.columns:
+        ok &= ~df["source"].isin(["simulated", "simulator-validation"])
+    return df[ok]
 
 
 def variant(df: pd.DataFrame) -> pd.Series:

@@ -1,23 +1,14 @@
-"""Context parallelism (paper §4.5): sequence-sharded attention both systems share, and PrefixFlow's prefix K/V
-exchange.
+"""Context parallelism (paper §4.5): the CP schedule hook and PrefixFlow's prefix K/V exchange.
 
-torch's ``context_parallel`` has no CPU kernels, so CP here is built from collectives every backend has
-(all-gather, reduce-scatter), on CPU (gloo) and GPU (NCCL) alike:
+Sequence sharding and the K/V exchange inside attention, which both systems share, are in
+:mod:`prefixflow.parallel.sequence`. On top of it, PrefixFlow's prefix:
 
-- **Sharding.** Every sequence the schedule runs (Phase A's prefix, each suffix microbatch, each baseline
-  microbatch) is cut on its own into ``2·cp`` equal chunks (padded to a multiple); rank ``r`` keeps chunks
-  ``r`` and ``2·cp-1-r`` (head–tail), so every rank holds as many cheap early causal rows as expensive late
-  ones. The microbatch keeps this rank's tokens, their global RoPE positions, its loss positions and the mask
-  rows of its queries over every key (:func:`shard_microbatch`). Each rank scores only its own tokens, with the
-  group's fixed weights, so the rank losses and gradients sum to the single-process ones.
-- **Attention.** Before attending, a layer all-gathers the sequence's K/V into token order
-  (:class:`SequenceExchange`); the backward reduce-scatters dK/dV to the owners. The baseline runs exactly this
-  attention over its full sequences; only the schedule differs.
-- **Prefix K/V (PrefixFlow).** Phase A captures each rank's K/V shard of the prefix. Before a layer's suffix
-  attention, :class:`CPPrefixView` all-gathers the shards into the full view; the suffix backward reduce-scatters
-  the view's gK/gV into the owners' accumulators (the cache's leaves), which Phase C injects as usual. With
-  ``prefetch`` the gather of layer ``l+1`` is issued asynchronously as soon as layer ``l`` has its view, so it
-  overlaps layer ``l``'s compute; only each microbatch's first layer gathers on demand.
+- Phase A shards the prefix like any sequence, so each rank captures its own (balanced) K/V shard.
+- Before a layer's suffix attention, :class:`CPPrefixView` all-gathers the shards into the full view; the
+  suffix backward reduce-scatters the view's gK/gV into the owners' accumulators (the cache's leaves), which
+  Phase C injects as usual. With ``prefetch`` the gather of layer ``l+1`` is issued asynchronously as soon as
+  layer ``l`` has its view, so it overlaps layer ``l``'s compute; only each microbatch's first layer gathers on
+  demand.
 
 :class:`ContextParallel` is the schedule hook that does all of this (``apply_cp``); it also all-reduces the
 new parameter gradients over the CP group after each group and sums the reported loss.
@@ -26,9 +17,7 @@ new parameter gradients over the CP group after each group and sums the reported
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -37,198 +26,17 @@ from torch import nn
 from ..hooks import ScheduleHooks, add_hooks
 from ..kv_cache import PrefixKVCache, PrefixView
 from ..layouts import Microbatch
+from .sequence import Collectives, CommStats, SequenceLayout, _wide, _wire, shard_microbatch
 
 __all__ = [
-    "SequenceLayout",
-    "shard_microbatch",
-    "SequenceExchange",
     "CPPrefixView",
     "CommStats",
     "Collectives",
     "ContextParallel",
     "apply_cp",
+    "cp_hook",
+    "prefetching",
 ]
-
-
-class SequenceLayout:
-    """Head–tail split of ``length`` tokens over ``size`` ranks (causal load balancing).
-
-    ``indices[r]``: the token indices rank ``r`` holds, in its local order (values ``>= length`` are padding);
-    ``order[j]``: where token ``j`` sits in the rank-major concatenation of every rank's local tokens.
-    """
-
-    def __init__(self, length: int, size: int) -> None:
-        if length < 1 or size < 1:
-            raise ValueError(f"SequenceLayout needs length >= 1 and size >= 1, got {length}, {size}")
-        self.length, self.size = length, size
-        self.chunk = math.ceil(length / (2 * size))
-        self.local_len = 2 * self.chunk
-        c = self.chunk
-        self.indices = torch.stack(
-            [
-                torch.cat(
-                    [
-                        torch.arange(r * c, (r + 1) * c),
-                        torch.arange((2 * size - 1 - r) * c, (2 * size - r) * c),
-                    ]
-                )
-                for r in range(size)
-            ]
-        )
-        self.order = torch.argsort(self.indices.reshape(-1))[:length]
-        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(indices, order)`` on ``device`` (moved once)."""
-        if device not in self._on:
-            self._on[device] = (self.indices.to(device), self.order.to(device))
-        return self._on[device]
-
-
-@dataclass
-class CommStats:
-    """What the CP exchange did in one group. Times in seconds, bytes as received (gathers) or sent
-    (reduce-scatters) by this rank over the network, i.e. ``(cp-1)/cp`` of the buffer.
-
-    ``exposed_s``: time spent blocked on prefix-K/V communication (waiting on a gather handle, and the
-    blocking gK/gV reduce-scatters); ``overlapped_s``: prefetched gathers' time in flight that nothing waited
-    on; ``sequence_s``: the (blocking) K/V exchange of the sequence-sharded attention, all phases."""
-
-    demand_gathers: int = 0
-    prefetched_gathers: int = 0
-    scatters: int = 0
-    gather_bytes: int = 0
-    scatter_bytes: int = 0
-    exposed_s: float = 0.0
-    overlapped_s: float = 0.0
-    sequence_exchanges: int = 0
-    sequence_bytes: int = 0
-    sequence_s: float = 0.0
-
-    def as_dict(self, prefix: str = "cp_") -> dict[str, float]:
-        return {prefix + f.name: getattr(self, f.name) for f in fields(self)}
-
-
-class Collectives:
-    """The two collectives CP uses, behind one seam (tests substitute a deferred variant to prove that every
-    prefetched gather is waited on before its buffer is read)."""
-
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
-        """``out[r] = inp`` of rank ``r`` (``out``: ``[size, *inp.shape]``)."""
-        return dist.all_gather_into_tensor(out.flatten(0, 1), inp, group=group, async_op=async_op)
-
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group) -> None:
-        dist.reduce_scatter_tensor(out, inp, group=group)
-
-
-def _wire(nbytes: int, size: int) -> int:
-    return nbytes * (size - 1) // size
-
-
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    """Gradients are summed over ranks in fp32 at least (bf16 partial sums would lose precision)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-class _GatherSequence(torch.autograd.Function):
-    """All-gather K/V shards into token order; backward reduce-scatters dK/dV to their owners."""
-
-    @staticmethod
-    def forward(ctx, k, v, exchange: SequenceExchange):
-        ctx.exchange = exchange
-        return exchange.forward(k, v)
-
-    @staticmethod
-    def backward(ctx, grad_k, grad_v):
-        return (*ctx.exchange.backward(grad_k, grad_v), None)
-
-
-class SequenceExchange:
-    """The K/V exchange of one sharded microbatch: ``gather(k, v)`` returns the whole sequence's K/V in token
-    order (``[b, H_kv, length, D]``) from this rank's ``[b, H_kv, local_len, D]``, differentiably."""
-
-    def __init__(self, group, layout: SequenceLayout, stats: CommStats, collectives: Collectives) -> None:
-        self.group, self.layout, self.stats, self.collectives = group, layout, stats, collectives
-        self.length = layout.length
-
-    def gather(self, k: torch.Tensor, v: torch.Tensor):
-        return _GatherSequence.apply(k, v, self)
-
-    def forward(self, k, v):
-        size = self.layout.size
-        local = torch.stack([k, v]).contiguous()  # [2, b, H, l, D]
-        out = local.new_empty((size, *local.shape))
-        start = time.perf_counter()
-        self.collectives.all_gather(out, local, self.group)
-        self._count(out, start)
-        _, order = self.layout.on(k.device)
-        two, b, h, _, d = local.shape
-        whole = out.permute(1, 2, 3, 0, 4, 5).reshape(two, b, h, size * self.layout.local_len, d)
-        return whole[0].index_select(2, order), whole[1].index_select(2, order)
-
-    def backward(self, grad_k, grad_v):
-        size, local_len = self.layout.size, self.layout.local_len
-        ref = grad_k if grad_k is not None else grad_v
-        b, h, _, d = ref.shape
-        wide = _wide(ref.dtype)
-        buf = torch.zeros(2, b, h, size * local_len, d, dtype=wide, device=ref.device)
-        _, order = self.layout.on(ref.device)
-        for i, g in enumerate((grad_k, grad_v)):
-            if g is not None:
-                buf[i].index_copy_(2, order, g.to(wide))
-        send = buf.view(2, b, h, size, local_len, d).permute(3, 0, 1, 2, 4, 5).contiguous()
-        recv = buf.new_empty(2, b, h, local_len, d)
-        start = time.perf_counter()
-        self.collectives.reduce_scatter(recv, send.view(size * 2, b, h, local_len, d), self.group)
-        self._count(send, start)
-        return recv[0].to(ref.dtype), recv[1].to(ref.dtype)
-
-    def _count(self, buf: torch.Tensor, start: float) -> None:
-        self.stats.sequence_exchanges += 1
-        self.stats.sequence_bytes += _wire(buf.numel() * buf.element_size(), self.layout.size)
-        self.stats.sequence_s += time.perf_counter() - start
-
-
-def shard_microbatch(
-    mb: Microbatch, rank: int, size: int, group, stats: CommStats, collectives: Collectives | None = None
-) -> Microbatch:
-    """This rank's head–tail share of ``mb``: tokens, global positions, mask rows, loss positions.
-
-    Padding tokens (when the length is not a multiple of ``2·size``) get token 0 and the last real position,
-    attend to every key (so no row is fully masked) and carry no loss; their gradient is exactly zero.
-    """
-    b, length = mb.tokens.shape
-    layout = SequenceLayout(length, size)
-    device = mb.tokens.device
-    indices, _ = layout.on(device)
-    idx = indices[rank]
-    real = idx < length
-    take = idx.clamp(max=length - 1)
-    tokens = mb.tokens[:, take].masked_fill(~real, 0)
-    positions = mb.positions if mb.positions is not None else torch.arange(length, device=device).unsqueeze(0)
-    positions = positions[:, take]
-    if mb.mask is not None:
-        mask = mb.mask[:, :, take, :]
-    else:  # plain causal over the whole sequence
-        keys = torch.arange(length, device=device)
-        mask = (keys.unsqueeze(0) <= take.unsqueeze(1)).view(1, 1, layout.local_len, length)
-    mask = mask.masked_fill(~real.view(1, 1, -1, 1), True)
-    local_col = torch.full((length,), -1, dtype=torch.long, device=device)
-    local_col[idx[real]] = torch.arange(layout.local_len, device=device)[real]
-    cols = local_col[mb.loss_cols]
-    keep = cols >= 0
-    return replace(
-        mb,
-        tokens=tokens,
-        positions=positions,
-        mask=mask,
-        loss_rows=mb.loss_rows[keep],
-        loss_cols=cols[keep],
-        targets=mb.targets[keep],
-        response_ids=mb.response_ids[keep],
-        token_ids=mb.token_ids[keep],
-        sequence=SequenceExchange(group, layout, stats, collectives or Collectives()),
-    )
 
 
 class _PrefixGather:
@@ -305,15 +113,17 @@ class CPPrefixView(PrefixView):
         if layer not in cache.layers:
             return None
         gather = self.pending.pop(layer, None)
-        if gather is None:
+        prefetched = gather is not None
+        if not prefetched:
             gather = _PrefixGather(self, cache, layer, dtype)
-            self.stats.demand_gathers += 1
-            self.stats.exposed_s += gather.wait()
-        else:
+        blocked = gather.wait()
+        if prefetched:
             self.stats.prefetched_gathers += 1
-            blocked = gather.wait()
-            self.stats.exposed_s += blocked
             self.stats.overlapped_s += max(0.0, (gather.done - gather.issued) - blocked)
+        else:
+            self.stats.demand_gathers += 1
+        self.stats.gather_wait_s += blocked
+        self.stats.exposed_s += blocked
         self.stats.gather_bytes += _wire(gather.out.numel() * gather.out.element_size(), self.layout.size)
         self.seen.add(layer)
         # Prefetch runs ahead of the forward only: a checkpointed block recomputing in the backward (reverse
@@ -339,7 +149,9 @@ class CPPrefixView(PrefixView):
         recv = buf.new_empty(2, 1, h, local_len, d)
         start = time.perf_counter()
         self.collectives.reduce_scatter(recv, send.view(size * 2, 1, h, local_len, d), self.group)
-        self.stats.exposed_s += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.stats.scatter_s += seconds
+        self.stats.exposed_s += seconds
         self.stats.scatters += 1
         self.stats.scatter_bytes += _wire(send.numel() * send.element_size(), size)
         return recv[0].to(leaf_dtype), recv[1].to(leaf_dtype)
@@ -404,9 +216,11 @@ class ContextParallel(ScheduleHooks):
     @contextlib.contextmanager
     def phase(self, name: str):
         start = time.perf_counter()
+        self.comm._in_phase_b = name in ("B", "full")
         try:
             yield
         finally:
+            self.comm._in_phase_b = False
             if name in ("B", "full"):
                 self._phase_b_s += time.perf_counter() - start
 
@@ -482,3 +296,23 @@ def apply_cp(
     hook = ContextParallel(group, prefetch=prefetch, reduce_grads=reduce_grads, collectives=collectives)
     add_hooks(model, hook)
     return hook
+
+
+def cp_hook(model: nn.Module) -> ContextParallel | None:
+    """The model's :class:`ContextParallel` hook (None when it is not context-parallel)."""
+    from ..hooks import hooks_of
+
+    return next((h for h in hooks_of(model).hooks if isinstance(h, ContextParallel)), None)
+
+
+@contextlib.contextmanager
+def prefetching(model: nn.Module, enabled: bool):
+    """Run with the prefix K/V prefetch switched on or off for a while (e.g. to compare with on demand)."""
+    hook = cp_hook(model)
+    if hook is None:
+        raise ValueError("this model is not context-parallel (apply_cp / parallelize with cp > 1 first)")
+    old, hook.prefetch = hook.prefetch, bool(enabled)
+    try:
+        yield
+    finally:
+        hook.prefetch = old

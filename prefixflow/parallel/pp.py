@@ -43,7 +43,7 @@ from ..layouts import build_microbatch, full_sequence_segments, prefix_microbatc
 from ..loss import microbatch_loss, resolve_loss, token_logprobs
 from ..models import rope_buffer
 
-__all__ = ["SWITCHING", "Pipeline", "apply_pp", "stage_program", "stage_hidden"]
+__all__ = ["SWITCHING", "Pipeline", "apply_pp", "stage_program", "stage_hidden", "switching"]
 
 SWITCHING = ("stage_local", "barrier")
 _DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -378,8 +378,9 @@ def apply_pp(
     """Cut ``model`` into ``pp_mesh.size()`` stages with TorchTitan's ``pipeline_module_split`` and return this
     rank's stage (``pp_mesh``: a DeviceMesh with a ``pp`` dimension, e.g. ``world_mesh["pp"]``).
 
-    Apply it first (TorchTitan's order: PP, then TP/AC/compile/FSDP, then ``apply_prefixflow``);
-    ``train_group`` on the returned stage runs the pipelined schedule. ``switching``: ``"stage_local"`` or
+    TorchTitan's order: PP first, then TP/AC/compile/FSDP. It may come before or after ``apply_prefixflow``
+    (a wrapped model's stage renumbers its attention layers from 0). ``train_group`` on the returned stage runs
+    the pipelined schedule. ``switching``: ``"stage_local"`` or
     ``"barrier"`` (changeable later through ``model._prefixflow_pipeline.switching``)."""
     from torchtitan.distributed.pipeline_parallel import (
         generate_llm_fqn_per_model_part,
@@ -388,8 +389,6 @@ def apply_pp(
 
     if switching not in SWITCHING:
         raise ValueError(f"switching {switching!r} unknown; valid: {SWITCHING}")
-    if getattr(model, "_prefixflow", None) is not None:
-        raise ValueError("apply_pp must come before apply_prefixflow (it cuts the plain model into stages)")
     tok, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
     if tok is not None and out is not None and out.weight is tok.weight:
         raise ValueError(
@@ -401,6 +400,8 @@ def apply_pp(
     device = next(model.parameters()).device
     stages, models = pipeline_module_split(model, pp_mesh, "1F1B", device, names)
     stage = models[0]
+    if getattr(stage, "_prefixflow", None) is not None:
+        _renumber_attention(stage)
     stage._prefixflow_pipeline = Pipeline(
         stage=stages[0].stage_index,
         n_stages=stages[0].num_stages,
@@ -413,10 +414,25 @@ def apply_pp(
     return stage
 
 
+def _renumber_attention(stage: nn.Module) -> None:
+    """A stage cut from a PrefixFlow-wrapped model: its wrappers get a state of their own, numbered 0.. in
+    layer order (the cache's layer keys are per stage)."""
+    from ..attention import AttentionState, PrefixAwareAttention
+
+    runtime = stage._prefixflow
+    state = AttentionState()
+    for i, wrapper in enumerate(m for m in stage.modules() if isinstance(m, PrefixAwareAttention)):
+        wrapper.layer, wrapper.state = i, state
+        state.wrappers.append(wrapper)
+    runtime.state, runtime.n_wrapped = state, len(state.wrappers)
+
+
 @contextlib.contextmanager
 def switching(model: nn.Module, value: str):
     """Run with another phase switching for a while (e.g. to compare ``barrier`` with ``stage_local``)."""
-    pipe = model._prefixflow_pipeline
+    pipe = getattr(model, "_prefixflow_pipeline", None)
+    if pipe is None:
+        raise ValueError("this model is not a pipeline stage (apply_pp / parallelize with pp > 1 first)")
     if value not in SWITCHING:
         raise ValueError(f"switching {value!r} unknown; valid: {SWITCHING}")
     old, pipe.switching = pipe.switching, value

@@ -1,0 +1,140 @@
+"""harness/simulate.py: the discrete-event pipeline and CP model (no timing claims here: those live in records)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import prefixflow as pf
+from harness import simulate as sim
+
+
+def _unit_costs(n_stages: int, n_mb: int, a=1.0, f=1.0, b=2.0, c=2.0, msg=0.0) -> sim.PipelineCosts:
+    return sim.PipelineCosts(
+        forward=[[f] * n_mb for _ in range(n_stages)],
+        backward=[[b] * n_mb for _ in range(n_stages)],
+        prefix_forward=[a] * n_stages,
+        prefix_backward=[c] * n_stages,
+        message=[msg] * n_mb,
+        prefix_message=msg,
+    )
+
+
+def test_barrier_step_is_the_sum_of_three_drained_pipelines():
+    n, m = 4, 6
+    res = sim.simulate_pipeline(_unit_costs(n, m), "barrier")
+    # A flows through n stages; 1F1B of m microbatches takes (m + n - 1) * (f + b); C flows back up.
+    assert res.span_s == pytest.approx(n * 1.0 + (m + n - 1) * 3.0 + n * 2.0)
+
+
+def test_stage_local_gap_to_barrier_does_not_grow_with_n():
+    gaps = []
+    for m in (2, 4, 8, 16, 32):
+        costs = _unit_costs(4, m, msg=0.1)
+        local = sim.simulate_pipeline(costs, "stage_local").span_s
+        barrier = sim.simulate_pipeline(costs, "barrier").span_s
+        assert local < barrier
+        gaps.append(barrier - local)
+    assert max(gaps[1:]) - min(gaps[1:]) < 1e-9  # fixed once the pipeline has at least n microbatches
+
+
+def test_simulated_timelines_follow_the_stage_programs_and_dependencies():
+    from prefixflow.parallel.pp import stage_program
+
+    res = sim.simulate_pipeline(_unit_costs(3, 4, msg=0.5), "stage_local")
+    for s, events in enumerate(res.timelines):
+        assert [(e["op"],) if e["mb"] is None else (e["op"], e["mb"]) for e in events] == stage_program(
+            "stage_local", 3, s, 4, True
+        )
+    ends = {(e["op"], e["stage"], e["mb"]): e for events in res.timelines for e in events}
+    for (op, s, mb), e in ends.items():
+        if op in ("A", "F") and s > 0:
+            assert e["start"] >= ends[(op, s - 1, mb)]["end"] + 0.5
+        if op in ("B", "C") and s < 2:
+            assert e["start"] >= ends[(op, s + 1, mb)]["end"] + 0.5
+    assert all(b >= 0 for b in res.bubbles)
+
+
+def test_baseline_programs_have_no_prefix_phases():
+    costs = _unit_costs(2, 3)
+    local = sim.simulate_pipeline(costs, "stage_local", prefix=False)
+    barrier = sim.simulate_pipeline(costs, "barrier", prefix=False)
+    assert local.span_s == barrier.span_s == pytest.approx((3 + 1) * 3.0)
+
+
+def test_cp_prefetch_leaves_only_the_first_layer_on_demand():
+    kwargs = dict(n_microbatches=4, gather_s=0.5, scatter_s=0.1)
+    fwd, bwd = [1.0] * 8, [2.0] * 8
+    demand = sim.simulate_cp_phase_b(fwd, bwd, prefetch=False, **kwargs)
+    ahead = sim.simulate_cp_phase_b(fwd, bwd, prefetch=True, **kwargs)
+    assert demand["demand_gathers"] == 32 and demand["prefetched_gathers"] == 0
+    assert ahead["demand_gathers"] == 4 and ahead["prefetched_gathers"] == 28
+    assert ahead["exposed_s"] == pytest.approx(4 * 0.5 + 32 * 0.1)
+    assert ahead["overlapped_s"] == pytest.approx(28 * 0.5)
+    assert ahead["phase_b_s"] < demand["phase_b_s"]
+    slow = sim.simulate_cp_phase_b(fwd, bwd, prefetch=True, n_microbatches=1, gather_s=3.0, scatter_s=0.0)
+    assert slow["exposed_s"] == pytest.approx(3.0 + 7 * 2.0)  # a gather longer than a layer is partly exposed
+
+
+def test_profile_layers_measures_every_block_of_every_operation():
+    model = tiny_model("llama3", dtype=torch.float32)
+    group = pf.synthetic_group(97, 24, [6, 9, 4], seed=0)
+    costs = sim.profile_layers(model, group, system="prefixflow", microbatch=1, repeats=1)
+    assert len(costs.forward) == len(costs.backward) == 3
+    assert all(len(row) == 2 and min(row) > 0 for row in costs.forward + costs.backward)
+    assert len(costs.prefix_forward) == 2 and min(costs.prefix_forward + costs.prefix_backward) > 0
+    assert min(costs.head_forward + costs.head_backward) > 0
+    assert all(p.grad is None for p in model.parameters())
+    base = sim.profile_layers(model, group, system="baseline", microbatch=2, repeats=1)
+    assert base.prefix_forward == [] and len(base.forward) == 2
+    stages = sim.pipeline_costs(costs, [[0], [1]], message_s=0.001)
+    assert stages.n_stages == 2 and stages.n_microbatches == 3
+    assert stages.forward[1][0] == pytest.approx(costs.forward[0][1] + costs.head_forward[0])
+
+
+def test_flop_costs_scale_with_the_work():
+    shape = sim.costmodel.ModelShape(4096, 32, 32, 8, 128, 14336, 128256)
+    one = sim.flop_layer_costs(shape, 4096, 4096, 8, flops_per_s=1e14)
+    two = sim.flop_layer_costs(shape, 4096, 4096, 8, flops_per_s=1e14, tp=2)
+    assert len(one.forward) == 8 and one.n_layers == 32
+    assert two.forward[0][0] == pytest.approx(one.forward[0][0] / 2)
+    assert one.prefix_backward[0] == pytest.approx(2 * one.prefix_forward[0])
+
+
+def test_paper_scale_panels_are_simulated_records_that_figure_6_draws(tmp_path):
+    import pandas as pd
+
+    from harness.figures.fig6 import cp_breakdown, figure6a, figure6b, pp_gaps
+    from harness.simulate_claim1 import paper_cp_records, paper_pp_records
+
+    df = pd.DataFrame(paper_pp_records(ns=(4, 8, 16)) + paper_cp_records())
+    assert set(df["source"]) == {"simulated"}
+    gaps = pp_gaps(df)
+    assert set(gaps["panel"].str.startswith("simulated")) == {True}
+    for _, g in gaps.groupby("panel"):
+        assert (g["gap_s"] > 0).all() and g["gap_s"].max() - g["gap_s"].min() < 0.01 * g["gap_s"].mean()
+    cp = cp_breakdown(df).set_index("mode")
+    assert cp.loc["on demand", "demand_gathers"] == 16 * 32
+    assert cp.loc["prefetch", "demand_gathers"] == 16  # the first layer of each suffix microbatch
+    assert cp.loc["prefetch", "exposed_s"] < cp.loc["on demand", "exposed_s"]
+    paths = figure6a(df, tmp_path) + figure6b(df, tmp_path)
+    assert [p.name for p in paths] == ["fig6a_cp_prefetch.png", "fig6b_pp_switching.png"]
+
+
+def test_cp_validation_predicts_the_prefetch_run_from_the_on_demand_run():
+    import pandas as pd
+
+    from harness.simulate_claim1 import validate_records
+
+    common = dict(
+        cell_id="c1", status="ok", cp=2, pp=1, n=4, microbatch=1, n_layers=2, prefix_len=64, suffix_len=16
+    )
+    demand = dict(common, system="prefixflow_cp_demand", phase_b_s=1.0, cp_exposed_s=0.2, cp_gather_wait_s=0.16,
+                  cp_scatter_s=0.04, cp_demand_gathers=8, cp_scatters=8, cp_sequence_phase_b_s=0.1)  # fmt: skip
+    ahead = dict(common, system="prefixflow", phase_b_s=0.9, cp_exposed_s=0.1, cp_gather_wait_s=0.06,
+                 cp_scatter_s=0.04, cp_demand_gathers=4, cp_scatters=8, cp_sequence_phase_b_s=0.1)  # fmt: skip
+    rows = validate_records(pd.DataFrame([demand, ahead]))
+    assert len(rows) == 1 and rows[0]["quantity"] == "phase_b_s" and rows[0]["measured_s"] == 0.9
+    # compute 0.7 s + 4 first-layer gathers (0.02 s each) + 8 scatters (0.005 s) + sequence 0.1 s
+    assert rows[0]["predicted_s"] == pytest.approx(0.7 + 4 * 0.02 + 8 * 0.005 + 0.1)
