@@ -358,6 +358,34 @@ def tables(
     _render("tables", results, out)
 
 
+@app.command()
+def simulate(
+    out: Annotated[Path, typer.Option(help="folder for the simulated records")] = Path(
+        "results/claim1/simulated"
+    ),
+    validate: Annotated[
+        Path | None,
+        typer.Option(help="results folder whose measured CP/PP cells the simulator is checked against"),
+    ] = None,
+) -> None:
+    """Claim 1's simulated records: the paper-scale Figure 6 panels (labelled simulated) and, with --validate,
+    the simulator's predictions of measured CP/PP cells (per-layer costs profiled on this machine)."""
+    from harness.records import collect as collect_records
+    from harness.records import write_records
+    from harness.simulate_claim1 import paper_cp_records, paper_pp_records, validate_records
+
+    rows = paper_pp_records() + paper_cp_records()
+    console.print(str(write_records(out / "paper_scale.parquet", rows)))
+    if validate is not None:
+        df = collect_records(validate)
+        checked = validate_records(df) if not df.empty else []
+        if not checked:
+            _fail(f"no measured CP/PP records under {validate} to check the simulator against")
+        console.print(str(write_records(out / "validation.parquet", checked)))
+        worst = max(r["sim_error"] for r in checked)
+        console.print(f"simulator checked against {len(checked)} measured points; worst error {worst:.1%}")
+
+
 def report_steps_for(steps: int) -> list[int]:
     """The paper's reported steps (1, 10, 20) that fall within ``steps``, plus the last step."""
     return sorted({s for s in (1, 10, 20) if s <= steps} | {steps})
