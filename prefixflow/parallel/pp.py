@@ -265,13 +265,13 @@ class _StageSchedule:
         out = None
         with self.runtime.state.use(mode):
             try:
-                out = stage_hidden(self.model, inp, mb.positions, final_norm=False)
+                out = stage_hidden(self.model, inp, _positions(mb), final_norm=False)
             except PrefixCaptured:
                 pass
+        self._event("A", None, waited, started)
         if not self.pipe.last:
             self.p2p.send(out, +1, _FWD)
         self.prefix = (inp, out, mb)
-        self._event("A", None, waited, started)
 
     def _forward(self, m: int) -> None:
         mb = self.mbs[m]
@@ -284,15 +284,15 @@ class _StageSchedule:
         else:
             mode = MaskedAttention(mb.mask, mb.sequence) if mb.mask is not None else None
         with self.hooks.microbatch(mb), self._attention(mode):
-            out = stage_hidden(self.model, inp, mb.positions)
+            out = stage_hidden(self.model, inp, _positions(mb))
             if self.pipe.last:
                 logits = self.model.output(out[mb.loss_rows, mb.loss_cols])
                 out = microbatch_loss(token_logprobs(logits, mb.targets), mb, self.group, self.loss, self.cfg)
                 self.total += out.item()
+        self._event("F", m, waited, started)
         if not self.pipe.last:
             self.p2p.send(out, +1, _FWD)
         self.saved[m] = (inp, out, mode)
-        self._event("F", m, waited, started)
 
     def _attention(self, mode):
         """The microbatch's attention mode, active in its forward and again in its backward (checkpointed
@@ -306,9 +306,9 @@ class _StageSchedule:
         started = time.perf_counter()
         with self.hooks.microbatch(self.mbs[m]), self._attention(mode):
             torch.autograd.backward(out, grad)
+        self._event("B", m, waited, started)
         if not self.pipe.first:
             self.p2p.send(_grad_or_zeros(inp), -1, _BWD)
-        self._event("B", m, waited, started)
 
     def _prefix_backward(self) -> None:
         inp, out, mb = self.prefix
@@ -321,10 +321,10 @@ class _StageSchedule:
         recompute = MaskedAttention(mb.mask, mb.sequence) if mb.sequence is not None else None
         with self._attention(recompute):
             self.cache.backward_prefix(roots, grads)
+        self._event("C", None, waited, started)
         if not self.pipe.first:
             self.p2p.send(_grad_or_zeros(inp), -1, _BWD)
         self.prefix = None
-        self._event("C", None, waited, started)
 
     # --- after the group -----------------------------------------------------------------------------------
 
@@ -348,6 +348,14 @@ class _StageSchedule:
             "pp_bubble_mean_s": sum(bubbles) / len(bubbles),
             "pp_bubble_max_s": max(bubbles),
         }
+
+
+def _positions(mb) -> torch.Tensor:
+    """Explicit RoPE positions (``0 ..`` when the layout left them implicit): a stage cannot infer the sequence
+    length from tokens it never sees, e.g. under tensor parallelism's sequence-sharded activations."""
+    if mb.positions is not None:
+        return mb.positions
+    return torch.arange(mb.tokens.shape[1], device=mb.tokens.device).unsqueeze(0)
 
 
 def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
