@@ -74,6 +74,7 @@ class ScheduleHooks:
 
     def full_prefix_forward(self) -> bool:
         return False
+
     def shard(self, mb: Microbatch) -> Microbatch:
         return mb
 
@@ -125,6 +126,7 @@ class HookChain:
 
     def full_prefix_forward(self) -> bool:
         return any(hook.full_prefix_forward() for hook in self.hooks)
+
     def shard(self, mb: Microbatch) -> Microbatch:
         for hook in self.hooks:
             mb = hook.shard(mb)

@@ -163,6 +163,11 @@ def microbatch_loss(
         old = logp.detach() if group.old_logprobs is None else _gather(group.old_logprobs, mb, logp.dtype)
         log_ratio = logp - old
         if cfg.importance_sampling == "sequence":
+            if mb.sequence is not None:
+                raise ValueError(
+                    "loss_config.importance_sampling='sequence' needs each response's tokens on one rank; "
+                    "context parallelism spreads them over the CP group (use 'token')"
+                )
             log_ratio = _response_mean(log_ratio, mb, group)
         ratio = torch.exp(log_ratio)
         clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)

@@ -287,7 +287,8 @@ class _StageSchedule:
             out = stage_hidden(self.model, inp, _positions(mb))
             if self.pipe.last:
                 logits = self.model.output(out[mb.loss_rows, mb.loss_cols])
-                out = microbatch_loss(token_logprobs(logits, mb.targets), mb, self.group, self.loss, self.cfg)
+                logp = token_logprobs(logits, mb.targets, self.cfg.temperature)
+                out = microbatch_loss(logp, mb, self.group, self.loss, self.cfg)
                 self.total += out.item()
         self._event("F", m, waited, started)
         if not self.pipe.last:
