@@ -26,8 +26,8 @@ def test_dims_use_torchtitan_names_and_reject_others():
         ParallelDims(ep=4, tp=2)
 
 
-@pytest.mark.parametrize("dims", [{"cp": 2}, {"pp": 2}, {"ep": 2, "dp_shard": 2}])
-def test_cp_pp_ep_are_rejected_with_a_clear_error_before_anything_changes(dims):
+@pytest.mark.parametrize("dims", [{"ep": 2, "dp_shard": 2}])
+def test_ep_is_rejected_with_a_clear_error_before_anything_changes(dims):
     model = tiny_model("llama3")
     with pytest.raises(ValueError, match="not supported yet"):
         parallelize(model, dims)

@@ -1,7 +1,7 @@
 """Pipeline parallelism (prefixflow.parallel.pp): PP2 against the single-process baseline, one torchrun launch.
 
-Every case cuts the fp64 tiny model into 2 stages with TorchTitan's split, trains one rollout group with the
-stage program (stage-local switching unless named otherwise) and compares each stage's gradients, by parameter
+Every case cuts the fp64 tiny model into 2 stages with TorchTitan's split (through ``parallelize``), trains one
+rollout group with the stage program (stage-local switching unless named otherwise) and compares each stage's gradients, by parameter
 name, and the loss with the single-process baseline (bound 1e-9 relative).
 """
 
@@ -36,8 +36,8 @@ def _cases() -> dict:
     cases["prefixflow-padded-1-ac-selective"] = dict(
         system="prefixflow", layout="padded", microbatch=1, ac="selective"
     )
-    cases["prefixflow-packed-1-wrapped-before-split"] = dict(
-        system="prefixflow", layout="packed", microbatch=1, wrap_first=True
+    cases["prefixflow-packed-1-split-before-wrap"] = dict(
+        system="prefixflow", layout="packed", microbatch=1, split_first=True
     )
     cases["prefixflow-one-token-prompt"] = dict(
         system="prefixflow", layout="padded", microbatch=2, prompt_len=1
@@ -133,48 +133,47 @@ def test_stage_program_is_1f1b_inside_the_prefix_phases():
 _MESHES: dict = {}
 
 
-def _mesh(pp: int, cp: int, tp: int):
-    from torch.distributed.device_mesh import init_device_mesh
+def _mesh(dims: dict):
+    from prefixflow.parallel import ParallelDims, build_mesh
 
-    key = (pp, cp, tp)
+    key = tuple(sorted(dims.items()))
     if key not in _MESHES:
-        dims = [(n, s) for n, s in (("pp", pp), ("cp", cp), ("tp", tp)) if s > 1]
-        _MESHES[key] = init_device_mesh(
-            "cpu", tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims)
-        )
+        _MESHES[key] = build_mesh(ParallelDims.of(dims), "cpu")
     return _MESHES[key]
 
 
 def run_pp_case(spec: dict, lens=LENS, pp: int = 2, cp: int = 1, tp: int = 1) -> dict:
-    """Train one group on this rank's stage; max relative differences over all ranks (identical everywhere)."""
+    """Train one group on this rank's stage; max relative differences over all ranks (identical everywhere).
+
+    The stage comes from ``parallelize`` (PP split, TP, CP, AC in TorchTitan's order) on a wrapped model, or,
+    with ``split_first``, from ``apply_pp`` on the plain model followed by ``apply_prefixflow``."""
     import torch.distributed as dist
     from conftest import TINY, tiny_model
 
     import prefixflow as pf
-    from prefixflow.parallel.cp import apply_cp
+    from prefixflow.parallel import parallelize
     from prefixflow.parallel.pp import apply_pp
 
     family, ac = spec.get("family", "llama3"), spec.get("ac", "none")
-    group = pf.synthetic_group(97, spec.get("prompt_len", 14), lens, seed=5)
     extra = {"enable_weight_tying": False} if spec.get("untie") else {}
+    if tp > 1:
+        extra["vocab_size"] = 96  # TorchTitan's plan shards the vocabulary over the TP ranks
+    group = pf.synthetic_group(extra.get("vocab_size", 97), spec.get("prompt_len", 14), lens, seed=5)
     ref = tiny_model(family, ac=ac, **extra)
     ref_stats = pf.train_group(ref, group, system="baseline", layout="padded")
     want = {n: p.grad for n, p in ref.named_parameters()}
 
-    mesh = _mesh(pp, cp, tp)
+    dims = {"pp": pp, "cp": cp, "tp": tp}
+    mesh = _mesh(dims)
     name, overrides = TINY[family]
     model = pf.build_model(name, dtype=torch.float64, seed=0, overrides={**overrides, **extra})
-    if spec.get("wrap_first"):
-        pf.apply_prefixflow(model)
-    stage = apply_pp(model, mesh["pp"], switching=spec.get("switching", "stage_local"))
-    if tp > 1:
-        from prefixflow.parallel import parallelize  # the TP issue's entry point
-
-        stage = parallelize(stage, mesh, tp=tp)
-    pf.apply_ac(stage, ac)
-    pf.apply_prefixflow(stage)
-    if cp > 1:
-        apply_cp(stage, mesh["cp"])
+    switching = spec.get("switching", "stage_local")
+    if spec.get("split_first"):
+        stage = apply_pp(model, mesh["pp"], switching=switching)
+        pf.apply_ac(stage, ac)
+        pf.apply_prefixflow(stage)
+    else:
+        stage = parallelize(pf.apply_prefixflow(model), dims, ac=ac, mesh=mesh, pp_switching=switching)
     stats = pf.train_group(
         stage, group, system=spec["system"], layout=spec["layout"], microbatch=spec["microbatch"]
     )
@@ -187,9 +186,8 @@ def run_pp_case(spec: dict, lens=LENS, pp: int = 2, cp: int = 1, tp: int = 1) ->
     out = torch.tensor([worst, abs(stats.loss - ref_stats.loss) / abs(ref_stats.loss)], dtype=torch.float64)
     out = out.nan_to_num(nan=float("inf"))
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    if cp > 1 or tp > 1:  # count each stage's parameters once
-        n_params /= cp * tp
     dist.all_reduce(n_params)
+    n_params /= cp * tp  # every stage's parameters, counted once
     return {
         "grad_rel": out[0].item(),
         "loss_rel": out[1].item(),

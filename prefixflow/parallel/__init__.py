@@ -9,9 +9,9 @@
 
 One file per parallelism: ``mesh.py`` (degrees, process group, device mesh), ``tp.py`` (TorchTitan's TP
 plans), ``fsdp.py`` (FSDP2 under the three phases), ``dp.py`` (group placement, split groups, gradient
-sync). Context and pipeline parallelism slot in as ``cp.py`` (applied right after TP, as TorchTitan does)
-and ``pp.py`` (splits the model into stages before everything else); expert parallelism borrows ranks
-from ``dp_shard x cp x tp``. Until they exist, ``parallelize`` rejects ``cp``/``pp``/``ep`` > 1.
+sync), ``pp.py`` (cuts the model into pipeline stages before everything else; the stage programs switch
+phases stage-locally), ``cp.py`` with ``sequence.py`` (context parallelism, applied right after TP as TorchTitan
+does). Expert parallelism borrows ranks from ``dp_shard x cp x tp``; ``parallelize`` rejects ``ep`` > 1.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ __all__ = [
     "parallelize",
 ]
 
-# Dimensions parallelize() applies today. cp/pp (issue 9) and ep (MoE) join this set when their apply_*
-# step lands below.
-SUPPORTED_DIMS = ("dp_replicate", "dp_shard", "tp")
+# Dimensions parallelize() applies today. ep (MoE) joins this set when its apply_* step lands below.
+SUPPORTED_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 
 
 @dataclass
@@ -70,7 +69,7 @@ def _check_supported(dims: ParallelDims) -> None:
         if getattr(dims, name) > 1 and name not in SUPPORTED_DIMS:
             raise ValueError(
                 f"{name}={getattr(dims, name)} is not supported yet; parallelize applies "
-                f"{', '.join(SUPPORTED_DIMS)} (context/pipeline parallelism: prefixflow/parallel/cp.py, pp.py)"
+                f"{', '.join(SUPPORTED_DIMS)}"
             )
 
 
@@ -82,14 +81,20 @@ def parallelize(
     compile: bool = False,
     fsdp=None,
     mesh: DeviceMesh | None = None,
+    cp_prefetch: bool = True,
+    pp_switching: str = "stage_local",
 ) -> nn.Module:
-    """Apply, in TorchTitan's order: TP (TorchTitan's plans), [CP], activation checkpointing, per-block
-    compile, then FSDP2/HSDP over ``dp_replicate x dp_shard`` (or, with ``dp_replicate`` only, a gradient
-    all-reduce once per step). In place; returns the model.
+    """Apply, in TorchTitan's order: PP (cut into stages), TP (TorchTitan's plans), CP, activation
+    checkpointing, per-block compile, then FSDP2/HSDP over ``dp_replicate x dp_shard`` (x ``cp``: TorchTitan
+    folds CP into FSDP; without FSDP the CP hook all-reduces the gradients), or, with ``dp_replicate`` only, a
+    gradient all-reduce once per step. Returns the model: with ``pp`` > 1 this rank's stage, a new module;
+    otherwise the model itself, changed in place.
 
     ``dims``: a :class:`ParallelDims` or a mapping of TorchTitan names. The model must be wrapped by
     ``apply_prefixflow`` and live on this rank's device; the process group must exist
-    (:func:`init_distributed`). ``ac``: ``none``/``selective``/``full``; ``fsdp``: an ``FSDPConfig``.
+    (:func:`init_distributed`). ``ac``: ``none``/``selective``/``full``; ``fsdp``: an ``FSDPConfig``;
+    ``cp_prefetch``: overlap each layer's prefix K/V gather with the previous layer (else on demand);
+    ``pp_switching``: ``"stage_local"`` or ``"barrier"`` (global A | B | C barriers).
     """
     dims = ParallelDims.of(dims)
     _check_supported(dims)
@@ -104,11 +109,19 @@ def parallelize(
         raise ValueError("parallelize was already applied to this model")
     device = next(model.parameters()).device
     mesh = mesh if mesh is not None else build_mesh(dims, device)
+    if dims.pp > 1:
+        from .pp import apply_pp
+
+        model = apply_pp(model, mesh["pp"], switching=pp_switching)
     if dims.tp > 1:
         from .tp import apply_tp
 
         apply_tp(model, mesh["tp"])
-    # Context parallelism goes here (TorchTitan applies it to the attention modules right after TP).
+    fsdp_over_cp = dims.cp > 1 and dims.dp_shard > 1
+    if dims.cp > 1:
+        from .cp import apply_cp
+
+        apply_cp(model, mesh["cp"], prefetch=cp_prefetch, reduce_grads=not fsdp_over_cp)
     apply_ac(model, ac)
     if compile:
         from ..compile import apply_compile
@@ -117,7 +130,8 @@ def parallelize(
     if dims.dp_shard > 1:
         from .fsdp import FSDPConfig, apply_fsdp
 
-        names = ("dp_replicate", "dp_shard") if dims.dp_replicate > 1 else ("dp_shard",)
+        shard = "fsdp" if fsdp_over_cp else "dp_shard"  # fsdp = dp_shard x cp
+        names = ("dp_replicate", shard) if dims.dp_replicate > 1 else (shard,)
         apply_fsdp(model, mesh[names], fsdp or FSDPConfig())
     elif fsdp is not None:
         raise ValueError("an FSDP config needs dp_shard > 1")

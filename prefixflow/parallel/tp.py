@@ -90,7 +90,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     tp = tp_mesh.size()
     check_tp_degree(model, tp)
     family = model_family(model)
-    tied = model.output.weight is model.tok_embeddings.weight
+    tok, head = model.tok_embeddings, model.output  # None on pipeline stages that do not hold them
+    tied = tok is not None and head is not None and head.weight is tok.weight
     if family == "llama3":
         from torchtitan.models.llama3.infra.parallelize import apply_tp as titan_apply_tp
 
@@ -134,7 +135,9 @@ def _install_length_hooks(model: nn.Module, tp_mesh: DeviceMesh, tp: int) -> Non
         # TransformerBlock.forward(x, rope, attention_masks, positions)
         x = args[0]
         in_args = len(args) > 3
-        if (args[3] if in_args else kwargs.get("positions")) is not None:
+        given_positions = args[3] if in_args else kwargs.get("positions")
+        if given_positions is not None:
+            real.value = given_positions.shape[-1]  # a pipeline stage without the embedding learns it here
             return None
         positions = given.get(x)
         if positions is None:
@@ -169,7 +172,8 @@ def _install_length_hooks(model: nn.Module, tp_mesh: DeviceMesh, tp: int) -> Non
             x = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
         return (x, *args[1:])
 
-    model.tok_embeddings.register_forward_pre_hook(pad_tokens, prepend=True)
+    if model.tok_embeddings is not None:  # pipeline stages hold a part of the model
+        model.tok_embeddings.register_forward_pre_hook(pad_tokens, prepend=True)
     for block in model.layers.values():
         block.register_forward_pre_hook(explicit_positions, with_kwargs=True)
         attention = next(m for m in block.modules() if hasattr(m, "inner_attention"))
@@ -178,5 +182,7 @@ def _install_length_hooks(model: nn.Module, tp_mesh: DeviceMesh, tp: int) -> Non
             raise ValueError("apply_tp needs PrefixFlow's SDPA wrappers: call apply_prefixflow(model) first")
         attention.inner_attention.register_forward_pre_hook(local_heads, with_kwargs=True)
         attention.wo.register_forward_pre_hook(restore_pad_rows, prepend=True)  # before TP's input hook
-    model.norm.register_forward_hook(gather_hidden)
-    model.output.register_forward_pre_hook(replicated_head_input, prepend=True)
+    if model.norm is not None:
+        model.norm.register_forward_hook(gather_hidden)
+    if model.output is not None:
+        model.output.register_forward_pre_hook(replicated_head_input, prepend=True)
