@@ -111,26 +111,19 @@ register_system("prefix_grouper", PrefixGrouperSystem)
 
 
 class ParallelScheduleVariant(TrainGroupSystem):
-    """PrefixFlow with one knob of its parallel schedule turned for the step, so the two schedules run
-    interleaved in one cell: ``prefixflow_cp_demand`` (CP prefix K/V gathered on demand, no prefetch) and
-    ``prefixflow_pp_barrier`` (PP global A | B | C barriers instead of stage-local switching)."""
+    """PrefixFlow with one knob of its parallel schedule turned, so both schedules run interleaved in one
+    multi-rank cell: ``prefixflow_cp_demand`` (CP prefix K/V gathered on demand, no prefetch) and
+    ``prefixflow_pp_barrier`` (PP global A | B | C barriers instead of stage-local switching). The multi-rank
+    runner passes ``parallel_options`` to ``prefixflow.parallel.parallelize``."""
 
-    def __init__(self, name: str, knob: str) -> None:
+    def __init__(self, name: str, **parallel_options: Any) -> None:
         super().__init__(name, "prefixflow", uses_offload=True)
-        self.knob = knob
-
-    def step(self, model: nn.Module, group: Any, cell: Any, observer: Any) -> Any:
-        if self.knob == "cp_demand":
-            from prefixflow.parallel.cp import prefetching
-
-            context = prefetching(model, False)
-        else:
-            from prefixflow.parallel.pp import switching
-
-            context = switching(model, "barrier")
-        with context:
-            return super().step(model, group, cell, observer)
+        self.parallel_options = parallel_options
 
 
-register_system("prefixflow_cp_demand", lambda: ParallelScheduleVariant("prefixflow_cp_demand", "cp_demand"))
-register_system("prefixflow_pp_barrier", lambda: ParallelScheduleVariant("prefixflow_pp_barrier", "pp_barrier"))
+register_system(
+    "prefixflow_cp_demand", lambda: ParallelScheduleVariant("prefixflow_cp_demand", cp_prefetch=False)
+)
+register_system(
+    "prefixflow_pp_barrier", lambda: ParallelScheduleVariant("prefixflow_pp_barrier", pp_switching="barrier")
+)
