@@ -267,7 +267,18 @@ def test_tables_markdown_latex_and_alignment(tmp_path):
 
 
 def test_registry_is_complete():
-    assert set(FIGURES) == {"fig9a", "fig9a_split", "fig9b", "fig10a", "fig10b", "fig11", "smoke"}
+    assert set(FIGURES) == {
+        "fig6a",
+        "fig6b",
+        "fig6_sim",
+        "fig9a",
+        "fig9a_split",
+        "fig9b",
+        "fig10a",
+        "fig10b",
+        "fig11",
+        "smoke",
+    }
 
 
 def test_flag_reads_bools_tiers_and_missing_values():
