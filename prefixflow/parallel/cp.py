@@ -170,7 +170,9 @@ class ContextParallel(ScheduleHooks):
 
     ``prefetch``: overlap the next layer's prefix gather with the current layer (False: on demand).
     ``reduce_grads``: all-reduce gradients over the CP group after each group (False when another
-    transformation, e.g. FSDP over a mesh that includes ``cp``, reduces them).
+    transformation, e.g. FSDP over a mesh that includes ``cp``, reduces them). ``prefix_group``: the process
+    group of the same ranks that carries the prefix K/V traffic (default ``group``); a group of its own keeps
+    a prefetched gather from queueing with the sequence exchange on one communicator.
     """
 
     def __init__(
@@ -180,8 +182,10 @@ class ContextParallel(ScheduleHooks):
         prefetch: bool = True,
         reduce_grads: bool = True,
         collectives: Collectives | None = None,
+        prefix_group=None,
     ) -> None:
         self.pg = group
+        self.prefix_pg = prefix_group if prefix_group is not None else group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.prefetch = prefetch
@@ -232,7 +236,7 @@ class ContextParallel(ScheduleHooks):
             return None
         layout = SequenceLayout(group.prompt_len - 1, self.size)
         return CPPrefixView(
-            self.pg, layout, prefetch=self.prefetch, stats=self.comm, collectives=self.collectives
+            self.prefix_pg, layout, prefetch=self.prefetch, stats=self.comm, collectives=self.collectives
         )
 
     def reduce_loss(self, value: float) -> float:
@@ -287,15 +291,39 @@ def apply_cp(
     prefetch: bool = True,
     reduce_grads: bool = True,
     collectives: Collectives | None = None,
+    dedicated_prefix_group: bool = True,
 ) -> ContextParallel:
     """Context-parallelise ``model`` over ``group`` (a ProcessGroup, or a 1-D DeviceMesh such as
     ``mesh["cp"]``): registers a :class:`ContextParallel` hook; returns it (its ``stats()`` hold the counters).
-    The model's parameters must be identical on every CP rank."""
+    The model's parameters must be identical on every CP rank. With ``dedicated_prefix_group`` the prefix K/V
+    traffic gets a process group of its own; creating it is collective over the whole world, so every rank
+    must call ``apply_cp`` (``parallelize`` does)."""
     if hasattr(group, "get_group"):
         group = group.get_group()
-    hook = ContextParallel(group, prefetch=prefetch, reduce_grads=reduce_grads, collectives=collectives)
+    prefix_group = _twin_group(group) if dedicated_prefix_group else None
+    hook = ContextParallel(
+        group,
+        prefetch=prefetch,
+        reduce_grads=reduce_grads,
+        collectives=collectives,
+        prefix_group=prefix_group,
+    )
     add_hooks(model, hook)
     return hook
+
+
+def _twin_group(group):
+    """A new process group with the ranks of ``group``. ``new_group`` must be called by every rank of the
+    world for every group in the same order, so the ranks of every CP group are gathered first."""
+    mine = tuple(dist.get_process_group_ranks(group))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    twin = None
+    for ranks in sorted(set(every)):
+        created = dist.new_group(list(ranks), backend=dist.get_backend(group))
+        if ranks == mine:
+            twin = created
+    return twin
 
 
 def cp_hook(model: nn.Module) -> ContextParallel | None:
