@@ -26,7 +26,7 @@ from torch import nn
 from ..hooks import ScheduleHooks, add_hooks
 from ..kv_cache import PrefixKVCache, PrefixView
 from ..layouts import Microbatch
-from .sequence import Collectives, CommStats, SequenceLayout, _wide, _wire, shard_microbatch
+from .sequence import Blocked, Collectives, CommStats, SequenceLayout, _wide, _wire, shard_microbatch
 
 __all__ = [
     "CPPrefixView",
@@ -56,14 +56,13 @@ class _PrefixGather:
     def _arrived(self, _fut) -> None:
         self.done = time.perf_counter()
 
-    def wait(self) -> float:
-        """Block until the data is here; returns the seconds spent blocked."""
-        start = time.perf_counter()
+    def wait(self, stats: CommStats, names: tuple[str, ...], prefetched: bool) -> None:
+        """Block until the data is here, counting the wait in ``names`` (and the overlap, when prefetched)."""
+        blocked = Blocked(self.out.device)
         self.work.wait()
-        end = time.perf_counter()
         if self.done is None:
-            self.done = end
-        return end - start
+            self.done = time.perf_counter()
+        blocked.stop(stats, names, (self.done - self.issued) if prefetched else None)
 
 
 class _PrefixViewFn(torch.autograd.Function):
@@ -116,14 +115,11 @@ class CPPrefixView(PrefixView):
         prefetched = gather is not None
         if not prefetched:
             gather = _PrefixGather(self, cache, layer, dtype)
-        blocked = gather.wait()
+        gather.wait(self.stats, ("gather_wait_s", "exposed_s"), prefetched)
         if prefetched:
             self.stats.prefetched_gathers += 1
-            self.stats.overlapped_s += max(0.0, (gather.done - gather.issued) - blocked)
         else:
             self.stats.demand_gathers += 1
-        self.stats.gather_wait_s += blocked
-        self.stats.exposed_s += blocked
         self.stats.gather_bytes += _wire(gather.out.numel() * gather.out.element_size(), self.layout.size)
         self.seen.add(layer)
         # Prefetch runs ahead of the forward only: a checkpointed block recomputing in the backward (reverse
@@ -147,11 +143,9 @@ class CPPrefixView(PrefixView):
                 buf[i].index_copy_(2, order, g.to(wide))
         send = buf.view(2, 1, h, size, local_len, d).permute(3, 0, 1, 2, 4, 5).contiguous()
         recv = buf.new_empty(2, 1, h, local_len, d)
-        start = time.perf_counter()
+        blocked = Blocked(recv.device)
         self.collectives.reduce_scatter(recv, send.view(size * 2, 1, h, local_len, d), self.group)
-        seconds = time.perf_counter() - start
-        self.stats.scatter_s += seconds
-        self.stats.exposed_s += seconds
+        blocked.stop(self.stats, ("scatter_s", "exposed_s"))
         self.stats.scatters += 1
         self.stats.scatter_bytes += _wire(send.numel() * send.element_size(), size)
         return recv[0].to(leaf_dtype), recv[1].to(leaf_dtype)
@@ -159,7 +153,7 @@ class CPPrefixView(PrefixView):
     def end(self) -> None:
         # A forward that stopped early leaves a prefetch in flight: finish it so no collective dangles.
         for gather in self.pending.values():
-            gather.wait()
+            gather.work.wait()
         self.pending.clear()
         self.seen.clear()
 
@@ -226,6 +220,8 @@ class ContextParallel(ScheduleHooks):
         finally:
             self.comm._in_phase_b = False
             if name in ("B", "full"):
+                if self._device().type == "cuda":
+                    torch.cuda.synchronize()
                 self._phase_b_s += time.perf_counter() - start
 
     def shard(self, mb: Microbatch) -> Microbatch:

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
 
 from ..layouts import Microbatch
 
-__all__ = ["SequenceLayout", "CommStats", "Collectives", "SequenceExchange", "shard_microbatch"]
+__all__ = ["SequenceLayout", "CommStats", "Blocked", "Collectives", "SequenceExchange", "shard_microbatch"]
 
 
 class SequenceLayout:
@@ -68,10 +68,11 @@ class CommStats:
     """What the CP exchange did in one group. Times in seconds, bytes as received (gathers) or sent
     (reduce-scatters) by this rank over the network, i.e. ``(cp-1)/cp`` of the buffer.
 
-    ``exposed_s``: time spent blocked on prefix-K/V communication: waiting on a gather handle
-    (``gather_wait_s``) plus the blocking gK/gV reduce-scatters (``scatter_s``); ``overlapped_s``: prefetched gathers' time in flight that nothing waited
-    on; ``sequence_s``: the (blocking) K/V exchange of the sequence-sharded attention, all phases
-    (``sequence_phase_b_s``: its part in Phase B, or in the baseline's step)."""
+    ``exposed_s``: time the computation spent blocked on prefix-K/V communication: waiting on a gather handle
+    (``gather_wait_s``) plus the blocking gK/gV reduce-scatters (``scatter_s``); ``overlapped_s``: the part of
+    prefetched gathers' time in flight that nothing waited on; ``sequence_s``: the blocking K/V exchange of the
+    sequence-sharded attention, all phases (``sequence_phase_b_s``: its part in Phase B, or in the baseline's
+    step). Times measured with CUDA events are read by :meth:`resolve`."""
 
     demand_gathers: int = 0
     prefetched_gathers: int = 0
@@ -87,9 +88,49 @@ class CommStats:
     sequence_s: float = 0.0
     sequence_phase_b_s: float = 0.0
     _in_phase_b: bool = False
+    _pending: list = field(default_factory=list)
+
+    def add(self, names: tuple[str, ...], seconds: float, in_flight: float | None = None) -> None:
+        """``seconds`` blocked, added to each field in ``names``; a prefetched gather that was ``in_flight``
+        that long overlapped the rest."""
+        for name in names:
+            setattr(self, name, getattr(self, name) + seconds)
+        if in_flight is not None:
+            self.overlapped_s += max(0.0, in_flight - seconds)
+
+    def resolve(self) -> None:
+        """Read the CUDA event pairs of the group (one synchronisation)."""
+        if self._pending:
+            torch.cuda.synchronize()
+            for names, begin, end, in_flight in self._pending:
+                self.add(names, begin.elapsed_time(end) / 1000.0, in_flight)
+            self._pending.clear()
 
     def as_dict(self, prefix: str = "cp_") -> dict[str, float]:
+        self.resolve()
         return {prefix + f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+
+class Blocked:
+    """How long the computation waits for one communication. On CPU the host itself blocks (``perf_counter``).
+    On CUDA a collective's host call returns at once and the compute stream waits instead, so a CUDA event pair
+    on the current stream brackets the wait; it is read by ``CommStats.resolve`` at the end of the group."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        else:
+            self.begin = time.perf_counter()
+
+    def stop(self, stats: CommStats, names: tuple[str, ...], in_flight: float | None = None) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            stats._pending.append((names, self.begin, end, in_flight))
+        else:
+            stats.add(names, time.perf_counter() - self.begin, in_flight)
 
 
 class Collectives:
@@ -141,9 +182,9 @@ class SequenceExchange:
         size = self.layout.size
         local = torch.stack([k, v]).contiguous()  # [2, b, H, l, D]
         out = local.new_empty((size, *local.shape))
-        start = time.perf_counter()
+        blocked = Blocked(out.device)
         self.collectives.all_gather(out, local, self.group)
-        self._count(out, start)
+        self._count(out, blocked)
         _, order = self.layout.on(k.device)
         two, b, h, _, d = local.shape
         whole = out.permute(1, 2, 3, 0, 4, 5).reshape(two, b, h, size * self.layout.local_len, d)
@@ -161,18 +202,16 @@ class SequenceExchange:
                 buf[i].index_copy_(2, order, g.to(wide))
         send = buf.view(2, b, h, size, local_len, d).permute(3, 0, 1, 2, 4, 5).contiguous()
         recv = buf.new_empty(2, b, h, local_len, d)
-        start = time.perf_counter()
+        blocked = Blocked(recv.device)
         self.collectives.reduce_scatter(recv, send.view(size * 2, b, h, local_len, d), self.group)
-        self._count(send, start)
+        self._count(send, blocked)
         return recv[0].to(ref.dtype), recv[1].to(ref.dtype)
 
-    def _count(self, buf: torch.Tensor, start: float) -> None:
+    def _count(self, buf: torch.Tensor, blocked: Blocked) -> None:
         self.stats.sequence_exchanges += 1
         self.stats.sequence_bytes += _wire(buf.numel() * buf.element_size(), self.layout.size)
-        seconds = time.perf_counter() - start
-        self.stats.sequence_s += seconds
-        if self.stats._in_phase_b:
-            self.stats.sequence_phase_b_s += seconds
+        names = ("sequence_s", "sequence_phase_b_s") if self.stats._in_phase_b else ("sequence_s",)
+        blocked.stop(self.stats, names)
 
 
 def shard_microbatch(
