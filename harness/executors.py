@@ -10,6 +10,7 @@ import ctypes
 import math
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -18,8 +19,9 @@ from pathlib import Path
 
 import submitit
 
-from harness.records import cell_status, read_records, write_records
+from harness.records import InvalidRecord, cell_status, read_records, write_records
 from harness.runner import REPO_ROOT, failed_records
+from harness.safe_fs import jobs_folder, open_new, trusted_dir
 from harness.spec import Cell, ExecutorSettings
 from harness.worker import read_job, run_job, write_job
 
@@ -34,31 +36,54 @@ def record_path(folder: Path, cell: Cell) -> Path:
 
 
 def job_path(folder: Path, cell: Cell) -> Path:
-    return folder / "_jobs" / f"{cell.cell_id}.json"
+    """The cell's job file, in the spec folder's private job folder (never in the results folder: a job
+    file says what to run and where to write)."""
+    return jobs_folder(folder) / f"{cell.cell_id}.json"
 
 
-def recorded_status(path: Path) -> str | None:
-    """The status of an existing, readable record file, else None."""
+def check_record(path: Path, cell: Cell | None = None) -> str | None:
+    """Why the record file at ``path`` cannot stand for ``cell`` (None: it can). A missing file is a reason.
+    Verifies the file (harness.records.read_records) and that it holds this cell's spec and systems."""
+    if not os.path.lexists(path):
+        return "no record"
     try:
-        return cell_status(read_records(path)) if path.exists() else None
-    except Exception:
+        df = read_records(path)
+    except InvalidRecord as e:
+        return str(e)
+    if cell is not None:
+        if set(df["spec"]) != {cell.spec}:
+            return f"{path}: holds spec {sorted(set(df['spec']))[0]!r:.60}, not {cell.spec!r}"
+        if not set(df["system"]) <= set(cell.systems):
+            return f"{path}: holds systems {sorted(set(df['system']))!r:.80}, not the cell's {list(cell.systems)}"
+    return None
+
+
+def recorded_status(path: Path, cell: Cell | None = None) -> str | None:
+    """The status of an existing record file that passes :func:`check_record`, else None."""
+    if check_record(path, cell) is not None:
         return None
+    return cell_status(read_records(path))
 
 
 def _tail(path: Path, limit: int = 4000) -> str:
+    """The last ``limit`` bytes of a log file (never through a link, never more than that read)."""
     try:
-        data = path.read_bytes()[-limit:]
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return ""
-    return data.decode(errors="replace")
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        fh.seek(max(0, os.fstat(fd).st_size - limit))
+        return fh.read(limit).decode(errors="replace")
 
 
 def _finish(cell: Cell, rpath: Path, status: str, error: str) -> str:
     """Write status rows for a cell whose worker left no record; keep a record the worker did write."""
-    existing = recorded_status(rpath)
+    existing = recorded_status(rpath, cell)
     if existing is not None:
         return existing
-    write_records(rpath, failed_records(cell, status, error))
+    write_records(rpath, failed_records(cell, status, error), root=rpath.parent.parent)
     return status
 
 
@@ -101,9 +126,11 @@ class LocalExecutor:
 
     def _start(self, cell: Cell, folder: Path) -> tuple[subprocess.Popen, float]:
         jpath = write_job(job_path(folder, cell), cell, record_path(folder, cell))
-        logs = folder / "_logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        with open(logs / f"{cell.cell_id}.out", "wb") as out, open(logs / f"{cell.cell_id}.err", "wb") as err:
+        logs, root = folder / "_logs", folder.parent
+        with (
+            open_new(logs / f"{cell.cell_id}.out", root) as out,
+            open_new(logs / f"{cell.cell_id}.err", root) as err,
+        ):
             proc = subprocess.Popen(
                 [*WORKER_ARGV, str(jpath)],
                 cwd=REPO_ROOT,
@@ -184,7 +211,9 @@ class CellJob(submitit.helpers.Checkpointable):
             return run_job(cell, rpath)
         except _JobStopped as e:
             status = "timeout" if "timed-out" in str(e) else "error"
-            write_records(rpath, failed_records(cell, status, f"Slurm stopped the job: {e}"))
+            write_records(
+                rpath, failed_records(cell, status, f"Slurm stopped the job: {e}"), root=rpath.parent.parent
+            )
             return status
 
 
@@ -214,16 +243,16 @@ class SlurmExecutor:
         self.poll_s = poll_s
         self.wait_timeout_s = wait_timeout_s
         self.gone_grace_s = gone_grace_s
-        if SLURM_SHIM_DIR.is_dir() and str(SLURM_SHIM_DIR) not in os.environ.get("PATH", "").split(
-            os.pathsep
-        ):
-            os.environ["PATH"] = f"{SLURM_SHIM_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+        path = os.environ.get("PATH", "").split(os.pathsep)
+        if SLURM_SHIM_DIR.is_dir() and str(SLURM_SHIM_DIR) not in path and trusted_dir(SLURM_SHIM_DIR):
+            os.environ["PATH"] = os.pathsep.join([str(SLURM_SHIM_DIR), *path])
 
     def _executor(self, folder: Path, name: str) -> submitit.AutoExecutor:
         s = self.settings
         timeout_min = max(1, math.ceil(s.timeout_min))
+        jobs = jobs_folder(folder) / "slurm"  # submitit's pickles: private, never in the results folder
         try:
-            ex = submitit.AutoExecutor(folder=folder / "_slurm", cluster="slurm", slurm_max_num_timeout=0)
+            ex = submitit.AutoExecutor(folder=jobs, cluster="slurm", slurm_max_num_timeout=0)
         except Exception as e:
             raise RuntimeError(
                 f"--executor slurm needs a Slurm client (sbatch) on PATH: {e}; "

@@ -153,7 +153,7 @@ def run_frontier(
                     frontier_prefix=search.prefix_len,
                 )
             if all(r["status"] in ("ok", "oom") for r in recs):  # an error is retried on resume, not kept
-                write_records(path, recs)
+                write_records(path, recs, root=Path(folder).parent)
         for rec in recs:
             rec["probe"] = len(rows)
             rows.append(rec)

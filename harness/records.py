@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
+import stat
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -13,6 +13,8 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from harness.safe_fs import atomic_write
 
 STATUSES = ("ok", "error", "oom", "timeout")
 RECORD_SUFFIX = ".parquet"
@@ -66,6 +68,11 @@ SCHEMA = pa.schema(
 )
 COLUMNS = tuple(SCHEMA.names)
 _REQUIRED = ("cell_id", "spec", "system", "status")
+RECORD_MAX_BYTES = 64 * 2**20  # a cell's record is a few kB; anything this big is not one
+
+
+class InvalidRecord(ValueError):
+    """A record file failed verification; the message names the file and what is wrong."""
 
 
 def _clean(value: Any) -> Any:
@@ -98,30 +105,84 @@ def to_table(records: list[dict[str, Any]]) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
-def _atomic_write(table: pa.Table, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def _atomic_write(table: pa.Table, path: str | Path, root: str | Path | None = None) -> Path:
+    """Temp file in the same folder, fsync, rename; no link below ``root`` is followed (harness.safe_fs)."""
+    return atomic_write(path, lambda fh: pq.write_table(table, fh), root=root)
+
+
+def write_records(path: str | Path, records: list[dict[str, Any]], root: str | Path | None = None) -> Path:
+    """Write records atomically: a temp file in the same folder, fsync, then os.replace. ``root``: the
+    results folder; no directory between it and ``path`` may be a link."""
+    return _atomic_write(to_table(records), path, root)
+
+
+def _read_bounded(path: Path) -> bytes:
+    """The bytes of a regular file no bigger than RECORD_MAX_BYTES (a link, FIFO or device is refused)."""
     try:
-        os.fchmod(fd, 0o644)  # mkstemp creates 0600; records are shared results
-        with os.fdopen(fd, "wb") as fh:
-            pq.write_table(table, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise InvalidRecord(f"{path}: cannot open ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidRecord(f"{path}: not a regular file")
+        if st.st_size > RECORD_MAX_BYTES:
+            raise InvalidRecord(f"{path}: {st.st_size} bytes, more than a record can be ({RECORD_MAX_BYTES})")
+        return fh.read(RECORD_MAX_BYTES + 1)
 
 
-def write_records(path: str | Path, records: list[dict[str, Any]]) -> Path:
-    """Write records atomically: a temp file in the same folder, fsync, then os.replace."""
-    return _atomic_write(to_table(records), path)
+def verify_table(table: pa.Table, name: str, source: str = "<table>") -> None:
+    """Raise InvalidRecord unless ``table`` is the record file ``name``: every core column with its type,
+    at least one row, known statuses, and each row's cell id (or, for the probe rows of a capacity search,
+    its ``search_id``) equal to ``name``."""
+    problems = []
+    for field in SCHEMA:
+        if field.name not in table.schema.names:
+            problems.append(f"column {field.name!r} missing")
+        elif not table.schema.field(field.name).type.equals(field.type):
+            problems.append(
+                f"column {field.name!r} is {table.schema.field(field.name).type}, not {field.type}"
+            )
+        if len(problems) >= 3:
+            break
+    if problems:
+        raise InvalidRecord(f"{source}: not a pf-bench record ({'; '.join(problems)})")
+    if table.num_rows == 0:
+        raise InvalidRecord(f"{source}: no rows")
+    for col in _REQUIRED:
+        if table.column(col).null_count:
+            raise InvalidRecord(f"{source}: column {col!r} has empty values")
+    bad = sorted(set(table.column("status").to_pylist()) - set(STATUSES))
+    if bad:
+        raise InvalidRecord(f"{source}: status {_short(bad[0])} is not one of {', '.join(STATUSES)}")
+    ids = table.column("cell_id").to_pylist()
+    searches = (
+        table.column("search_id").to_pylist() if "search_id" in table.schema.names else [None] * len(ids)
+    )
+    other = sorted({c for c, s in zip(ids, searches, strict=True) if name not in (c, s)})
+    if other:
+        raise InvalidRecord(
+            f"{source}: holds cell {_short(other[0])}, not {name!r} (a record copied or moved under "
+            "another cell's name)"
+        )
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def read_records(path: str | Path) -> pd.DataFrame:
-    return pq.read_table(path).to_pandas()
+    """Read and verify one record file (see :func:`verify_table`; the cell id is the file name).
+    Raises InvalidRecord naming the file and the problem."""
+    path = Path(path)
+    data = _read_bounded(path)
+    try:
+        table = pq.read_table(pa.BufferReader(data))
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        raise InvalidRecord(f"{path}: not a readable Parquet file ({_short(str(e), 120)})") from None
+    verify_table(table, path.name.removesuffix(RECORD_SUFFIX), str(path))
+    return table.to_pandas()
 
 
 def record_files(root: str | Path, exclude: Iterable[str | Path] = ()) -> list[Path]:
@@ -139,15 +200,21 @@ def record_files(root: str | Path, exclude: Iterable[str | Path] = ()) -> list[P
     return out
 
 
-def collect(root: str | Path, exclude: Iterable[str | Path] = ()) -> pd.DataFrame:
-    """Concatenate all records under ``root`` (unknown extra columns kept; unreadable files skipped
-    with a warning); duplicates of (spec, cell_id, system) keep the newest timestamp."""
+def collect(
+    root: str | Path, exclude: Iterable[str | Path] = (), problems: list[str] | None = None
+) -> pd.DataFrame:
+    """Concatenate all verified records under ``root`` (unknown extra columns kept); a file that fails
+    verification is skipped and named in ``problems`` (or a warning). Duplicates of (spec, cell_id, system)
+    keep the newest timestamp."""
     frames = []
     for p in record_files(root, exclude):
         try:
             frames.append(read_records(p))
-        except Exception as e:  # a foreign or damaged file must not hide every other record
-            warnings.warn(f"skipping unreadable record file {p}: {e}", stacklevel=2)
+        except InvalidRecord as e:  # a foreign or damaged file must not hide every other record
+            if problems is None:
+                warnings.warn(f"skipping {e}", stacklevel=2)
+            else:
+                problems.append(str(e))
     if not frames:
         return pd.DataFrame(columns=list(COLUMNS))
     df = pd.concat(frames, ignore_index=True, sort=False)
@@ -159,9 +226,9 @@ def collect(root: str | Path, exclude: Iterable[str | Path] = ()) -> pd.DataFram
     return df.reset_index(drop=True)
 
 
-def write_table(df: pd.DataFrame, path: str | Path) -> Path:
+def write_table(df: pd.DataFrame, path: str | Path, root: str | Path | None = None) -> Path:
     """Write a collected DataFrame atomically."""
-    return _atomic_write(pa.Table.from_pandas(df, preserve_index=False), path)
+    return _atomic_write(pa.Table.from_pandas(df, preserve_index=False), path, root)
 
 
 def cell_status(df: pd.DataFrame) -> str:

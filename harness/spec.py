@@ -1,21 +1,32 @@
-"""Sweep specs (pydantic v2, loaded with yaml.safe_load) and their expansion into cells."""
+"""Sweep specs (pydantic v2, loaded with a safe YAML loader) and their expansion into cells.
+
+Specs are untrusted input: harness.safe_yaml bounds the file and its alias expansion and rejects repeated
+keys; model overrides and systems are resolved against their registries at load; a spec expands to at most
+``max_cells`` cells (``--max-cells``); error messages show truncated input.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import itertools
 import json
+import math
 import re
+import reprlib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PRESETS = ("cpu", "paper")
 SYSTEM_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 OverrideValue = int | float | bool | str
 NOT_IDENTITY = ("spec", "timeout_min")  # cell fields that do not change what is measured
+DEFAULT_MAX_CELLS = 2_000
+MAX_INT = 2**31 - 1  # lengths, counts and repeats (records store int64)
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1, description="random seed, 0 .. 2**32-1")]
+Count = Annotated[int, Field(ge=1, le=MAX_INT)]
+TIMEOUT_MAX_MIN = 60 * 24 * 365
 
 
 class SpecError(ValueError):
@@ -38,7 +49,7 @@ def _check_systems(v: list[str]) -> list[str]:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelSpec(_Strict):
@@ -80,8 +91,8 @@ class Parallel(_Strict):
 
 
 class LengthPair(_Strict):
-    prefix: int = Field(ge=1)
-    suffix: int = Field(ge=1)
+    prefix: int = Field(ge=1, le=MAX_INT)
+    suffix: int = Field(ge=1, le=MAX_INT)
 
 
 class Axes(_Strict):
@@ -90,11 +101,11 @@ class Axes(_Strict):
     models: list[ModelSpec] = Field(min_length=1)
     lengths: list[LengthPair] | None = Field(None, min_length=1, description="explicit prefix/suffix")
     prefix_ratio: list[float] | None = Field(None, min_length=1)
-    total_len: list[int] | None = Field(None, min_length=1)
-    n: list[int] = Field(min_length=1)
+    total_len: list[Count] | None = Field(None, min_length=1)
+    n: list[Count] = Field(min_length=1)
     suffix_spread: list[float] = Field(default_factory=lambda: [0.0], min_length=1)
     layout: list[Literal["padded", "packed"]] = Field(default_factory=lambda: ["padded"], min_length=1)
-    microbatch: list[int | None] = Field(default_factory=lambda: [None], min_length=1)
+    microbatch: list[Count | None] = Field(default_factory=lambda: [None], min_length=1)
     dtype: list[Literal["fp32", "bf16", "fp64"]] = Field(default_factory=lambda: ["fp32"], min_length=1)
     compile: list[bool] = Field(default_factory=lambda: [False], min_length=1)
     ac: list[Literal["selective", "full", "none"]] = Field(default_factory=lambda: ["none"], min_length=1)
@@ -102,8 +113,8 @@ class Axes(_Strict):
     parallel: list[Parallel] = Field(default_factory=lambda: [Parallel()], min_length=1)
     # per-block overrides of the spec's settings (a spec may list several axes blocks)
     systems: list[str] | None = Field(None, min_length=1, description="systems of this block only")
-    warmup: int | None = Field(None, ge=0)
-    repeats: int | None = Field(None, ge=1)
+    warmup: int | None = Field(None, ge=0, le=MAX_INT)
+    repeats: int | None = Field(None, ge=1, le=MAX_INT)
 
     @field_validator("prefix_ratio")
     @classmethod
@@ -164,25 +175,27 @@ class Axes(_Strict):
 class ExecutorSettings(_Strict):
     """Where and how cells run; Slurm keys are ignored by the local and debug executors."""
 
-    max_jobs: int = Field(2, ge=1, description="concurrent cells (local) / array parallelism (slurm)")
-    timeout_min: float = Field(10.0, gt=0, description="per-cell wall-clock limit in minutes")
-    partition: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
-    nodes: int = Field(1, ge=1)
-    gpus_per_node: int = Field(0, ge=0)
-    cpus_per_task: int = Field(1, ge=1)
-    mem_gb: float = Field(4.0, gt=0)
+    max_jobs: int = Field(
+        2, ge=1, le=10_000, description="concurrent cells (local) / array parallelism (slurm)"
+    )
+    timeout_min: float = Field(10.0, gt=0, le=TIMEOUT_MAX_MIN, description="per-cell limit in minutes")
+    partition: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    nodes: int = Field(1, ge=1, le=MAX_INT)
+    gpus_per_node: int = Field(0, ge=0, le=MAX_INT)
+    cpus_per_task: int = Field(1, ge=1, le=MAX_INT)
+    mem_gb: float = Field(4.0, gt=0, le=2**40)
 
 
 class FrontierSearch(_Strict):
     """What one capacity-frontier search needs besides the cell (resolved; see harness.frontier)."""
 
-    budget_bytes: int | None = Field(None, ge=1, description="None = the device itself (CUDA only)")
+    budget_bytes: int | None = Field(None, ge=1, le=2**62, description="None = the device itself (CUDA only)")
     mode: Literal["ratio", "prefix"]
     ratio: float | None = Field(None, gt=0.0, lt=1.0, description="prefix ratio (mode ratio)")
-    prefix_len: int | None = Field(None, ge=1, description="fixed prefix (mode prefix)")
-    min_len: int = Field(ge=2, description="searched length: P+S (ratio) or S (prefix)")
-    max_len: int = Field(ge=2)
-    resolution: int = Field(ge=1, description="the search stops when the bracket is this narrow")
+    prefix_len: int | None = Field(None, ge=1, le=MAX_INT, description="fixed prefix (mode prefix)")
+    min_len: int = Field(ge=2, le=MAX_INT, description="searched length: P+S (ratio) or S (prefix)")
+    max_len: int = Field(ge=2, le=MAX_INT)
+    resolution: int = Field(ge=1, le=MAX_INT, description="the search stops when the bracket is this narrow")
 
     @model_validator(mode="after")
     def _consistent(self) -> FrontierSearch:
@@ -202,12 +215,14 @@ class Frontier(FrontierSearch):
         default_factory=lambda: ["baseline", "prefixflow", "prefixflow+offload"], min_length=1
     )
     model: ModelSpec | None = Field(None, description="default: the first model of the first axes block")
-    n: int = Field(ge=1)
+    n: Count
     layout: Literal["padded", "packed"] = "padded"
-    microbatch: int | None = Field(None, ge=1)
+    microbatch: Count | None = None
     dtype: Literal["fp32", "bf16", "fp64"] = "fp32"
     ac: Literal["selective", "full", "none"] = "none"
-    timeout_min: float | None = Field(None, gt=0, description="per search; default: the executor's")
+    timeout_min: float | None = Field(
+        None, gt=0, le=TIMEOUT_MAX_MIN, description="per search; default: the executor's"
+    )
 
     @field_validator("variants")
     @classmethod
@@ -229,9 +244,9 @@ class Spec(_Strict):
     systems: list[str] = Field(default_factory=lambda: ["baseline", "prefixflow"], min_length=1)
     loss: Literal["pg", "grpo"] = "pg"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
-    warmup: int = Field(1, ge=0)
-    repeats: int = Field(3, ge=1)
+    seed: Seed = 0
+    warmup: int = Field(1, ge=0, le=MAX_INT)
+    repeats: int = Field(3, ge=1, le=MAX_INT)
     axes: Axes
     extra_axes: list[Axes] = Field(default_factory=list, description="more blocks; cells are the union")
     frontier: list[Frontier] = Field(default_factory=list, description="capacity-frontier searches")
@@ -267,25 +282,30 @@ class Cell(_Strict):
 
     spec: str
     model: ModelSpec
-    prefix_len: int = Field(ge=1)
-    suffix_len: int = Field(ge=1)
-    n: int = Field(ge=1)
+    prefix_len: int = Field(ge=1, le=MAX_INT)
+    suffix_len: int = Field(ge=1, le=MAX_INT)
+    n: Count
     suffix_spread: float = 0.0
     layout: Literal["padded", "packed"] = "padded"
-    microbatch: int | None = None
+    microbatch: Count | None = None
     dtype: Literal["fp32", "bf16", "fp64"] = "fp32"
     compile: bool = False
     ac: Literal["selective", "full", "none"] = "none"
     offload: bool = False
     parallel: Parallel = Field(default_factory=Parallel)
-    systems: tuple[str, ...] = ("baseline", "prefixflow")
+    systems: tuple[str, ...] = Field(("baseline", "prefixflow"), min_length=1)
     loss: Literal["pg", "grpo"] = "pg"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
-    warmup: int = Field(1, ge=0)
-    repeats: int = Field(3, ge=1)
-    timeout_min: float = Field(10.0, gt=0)
+    seed: Seed = 0
+    warmup: int = Field(1, ge=0, le=MAX_INT)
+    repeats: int = Field(3, ge=1, le=MAX_INT)
+    timeout_min: float = Field(10.0, gt=0, le=TIMEOUT_MAX_MIN)
     frontier: FrontierSearch | None = None  # set: this cell is a capacity-frontier search (harness.frontier)
+
+    @field_validator("systems")
+    @classmethod
+    def _systems(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(_check_systems(list(v)))
 
     @property
     def cell_id(self) -> str:
@@ -313,17 +333,55 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_REPR = reprlib.Repr(maxlevel=2, maxlist=4, maxdict=4, maxstring=60, maxother=60, maxlong=40)
+MAX_LISTED_ERRORS = 10
+
+
+def short(value: Any, limit: int = 100) -> str:
+    """A bounded repr of (possibly huge, untrusted) input for error messages."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _describe(err: ValidationError, source: str) -> str:
+    errors = err.errors()
     lines = [f"{source}: invalid spec"]
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+    for e in errors[:MAX_LISTED_ERRORS]:
+        loc = ".".join(short(p, 40) if isinstance(p, str) else str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key (remove it or check its spelling)"
         elif e["type"] == "literal_error" and e.get("ctx", {}).get("expected"):
             msg = f"not allowed; allowed: {e['ctx']['expected']}"
-        lines.append(f"  {loc}: {msg} (got {e.get('input')!r})")
+        lines.append(f"  {loc}: {msg} (got {short(e.get('input'))})")
+    if len(errors) > MAX_LISTED_ERRORS:
+        lines.append(f"  ... and {len(errors) - MAX_LISTED_ERRORS} more")
     return "\n".join(lines)
+
+
+def _check_registries(spec: Spec, source: str) -> None:
+    """Resolve every model (name + overrides) against the model registry without building it, and every
+    system name against the system registry: a typo fails here, not in each cell."""
+    from harness.systems import available_systems
+    from prefixflow.models import check_model
+
+    known = available_systems()
+    for where, names in [("systems", spec.systems)] + [
+        (f"axes[{i}].systems", b.systems or []) for i, b in enumerate(spec.axes_blocks)
+    ] + [(f"frontier[{i}].variants", [v.removesuffix("+offload") for v in f.variants])
+         for i, f in enumerate(spec.frontier)]:  # fmt: skip
+        for name in names:
+            if name not in known:
+                raise SpecError(f"{source}: {where}: unknown system {name!r}; registered: {', '.join(known)}")
+    models = [
+        (f"axes[{i}].models[{j}]", m) for i, b in enumerate(spec.axes_blocks) for j, m in enumerate(b.models)
+    ]
+    models += [(f"frontier[{i}].model", f.model) for i, f in enumerate(spec.frontier) if f.model is not None]
+    for where, model in models:
+        try:
+            check_model(model.name, model.overrides)
+        except (ValueError, TypeError) as e:
+            raise SpecError(f"{source}: {where} ({model.name}): {e}") from None
 
 
 def parse_spec(raw: Any, source: str = "<spec>", preset: str = "cpu") -> Spec:
@@ -338,13 +396,15 @@ def parse_spec(raw: Any, source: str = "<spec>", preset: str = "cpu") -> Spec:
         base = Spec.model_validate(raw)
     except ValidationError as e:
         raise SpecError(_describe(e, source)) from None
-    resolved = base
+    resolved, checked = base, [(base, source)]
     for name, body in base.presets.items():
         merged = _deep_merge({k: v for k, v in raw.items() if k != "presets"}, body)
+        where = f"{source} (with preset '{name}' applied)"
         try:
             spec = Spec.model_validate(merged)
         except ValidationError as e:
-            raise SpecError(_describe(e, f"{source} (with preset '{name}' applied)")) from None
+            raise SpecError(_describe(e, where)) from None
+        checked.append((spec, where))
         if name == preset:
             resolved = spec
     try:
@@ -352,26 +412,47 @@ def parse_spec(raw: Any, source: str = "<spec>", preset: str = "cpu") -> Spec:
             block.length_pairs()
     except ValueError as e:
         raise SpecError(f"{source}: axes: {e}") from None
+    for spec, where in checked:
+        _check_registries(spec, where)
     return resolved
 
 
 def load_spec(path: str | Path, preset: str = "cpu") -> Spec:
-    """Load a YAML spec safely (yaml.safe_load) and resolve it for ``preset``."""
+    """Load a YAML spec as untrusted input (harness.safe_yaml) and resolve it for ``preset``."""
+    from harness import safe_yaml
+
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = safe_yaml.load(safe_yaml.read_text(path))
     except OSError as e:
         raise SpecError(f"{path}: cannot read spec ({e.strerror})") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise SpecError(f"{path}: not valid YAML: {e}") from None
+    except safe_yaml.YAMLInputError as e:
+        raise SpecError(f"{path}: {e}") from None
     return parse_spec(raw, str(path), preset)
 
 
-def expand(spec: Spec) -> list[Cell]:
+def count_cells(spec: Spec) -> int:
+    """How many cells ``spec`` names (before duplicates are dropped), without building any."""
+    total = sum(len(f.variants) for f in spec.frontier)
+    for ax in spec.axes_blocks:
+        pairs = (
+            len(ax.lengths)
+            if ax.lengths is not None
+            else len(ax.total_len or []) * len(ax.prefix_ratio or [])
+        )
+        total += len(ax.models) * pairs * math.prod(len(getattr(ax, name)) for name in SWEPT)
+    return total
+
+
+def expand(spec: Spec, max_cells: int = DEFAULT_MAX_CELLS) -> list[Cell]:
     """One search cell per frontier block x variant, then the cartesian product of each axes block;
-    duplicates (same id) are dropped, order is stable."""
+    duplicates (same id) are dropped, order is stable. More than ``max_cells`` is a SpecError."""
+    n = count_cells(spec)
+    if n > max_cells:
+        raise SpecError(
+            f"spec '{spec.name}' expands to {n:,} cells, more than the cap of {max_cells:,}; "
+            f"if you mean it, raise the cap with --max-cells {n}"
+        )
     cells: dict[str, Cell] = {}
     for front in spec.frontier:  # first: a search is one long job, the short cells fill the other slots
         for cell in _frontier_cells(spec, front):

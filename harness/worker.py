@@ -55,7 +55,7 @@ def run_job(cell: Cell, record_path: Path) -> str:
             records = run_cell(cell)
     except Exception:
         records = failed_records(cell, "error", traceback.format_exc())
-    write_records(record_path, records)
+    write_records(record_path, records, root=record_path.parent.parent)  # no link below the results folder
     import pandas as pd
 
     return cell_status(pd.DataFrame(records))
