@@ -7,16 +7,18 @@ import math
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import pandas as pd
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
-from harness.spec import Cell, ModelSpec, Parallel, SpecError, load_spec
+from harness.spec import DEFAULT_MAX_CELLS, Cell, ModelSpec, Parallel, SpecError, load_spec
 
 app = typer.Typer(
     help="PrefixFlow benchmark harness: specs -> cells -> records -> figures.",
@@ -57,9 +59,14 @@ class Preset(StrEnum):
     paper = "paper"
 
 
-def _fail(msg: str, code: int = 2) -> None:
-    err_console.print(f"[red]error:[/red] {msg}", highlight=False, markup=True)
+def _fail(msg: str, code: int = 2) -> NoReturn:
+    """Print a user error (its text is data: escaped, never Rich markup) and exit with ``code``."""
+    err_console.print(f"[red]error:[/red] {escape(msg)}", highlight=False)
     raise typer.Exit(code)
+
+
+def _warn(msg: str) -> None:
+    err_console.print(f"[yellow]warning:[/yellow] {escape(msg)}", highlight=False)
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -94,12 +101,22 @@ def _fmt(v: Any) -> str:
 
 
 def _table(df: pd.DataFrame, title: str | None = None) -> Table:
-    table = Table(title=title)
+    """A Rich table of ``df``; every title, header and cell is plain text (records are untrusted data)."""
+    table = Table(title=Text(title) if title is not None else None)
     for col in df.columns:
-        table.add_column(str(col))
+        table.add_column(Text(str(col)))
     for row in df.itertuples(index=False):
-        table.add_row(*(_fmt(v) for v in row))
+        table.add_row(*(Text(_fmt(v)) for v in row))
     return table
+
+
+def _option_errors(err: ValidationError) -> str:
+    """Pydantic errors as '--option: message' (a Cell field is named after the option that sets it)."""
+    parts = []
+    for e in err.errors():
+        loc = ".".join(map(str, e["loc"]))
+        parts.append(f"--{loc.replace('_', '-')}: {e['msg']}")
+    return "; ".join(parts)
 
 
 RUN_COLUMNS = [
@@ -150,7 +167,10 @@ def run(
     """Run one cell in-process and print its records."""
     from harness.records import write_records
     from harness.runner import run_cell
+    from harness.safe_fs import UnsafePathError, check_writable
+    from harness.spec import check_model_spec
     from harness.sweep import spec_folder
+    from harness.systems import available_systems
 
     try:
         cell = Cell(
@@ -173,11 +193,27 @@ def run(
             repeats=repeats,
         )
     except ValidationError as e:
-        _fail("; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()))
+        _fail(_option_errors(e))
+    unknown = [s for s in cell.systems if s not in available_systems()]
+    if unknown:
+        _fail(f"--systems: unknown system {unknown[0]!r}; registered: {', '.join(available_systems())}")
+    try:
+        check_model_spec(cell.model)
+    except (ValueError, TypeError) as e:
+        _fail(f"--model/--override: {e}")
+    folder = None if out is None else spec_folder(out, cell.spec)
+    if folder is not None:  # before the cell runs, not after
+        try:
+            check_writable(folder, out)
+        except (OSError, UnsafePathError) as e:
+            _fail(f"--out {out}: {getattr(e, 'strerror', None) or e}")
     records = run_cell(cell)
-    if out is not None:
-        path = write_records(spec_folder(out, cell.spec) / f"{cell.cell_id}.parquet", records)
-        err_console.print(f"record: {path}")
+    if folder is not None:
+        try:
+            path = write_records(folder / f"{cell.cell_id}.parquet", records, root=out)
+        except (OSError, UnsafePathError) as e:
+            _fail(f"--out {out}: cannot write the record ({getattr(e, 'strerror', None) or e})")
+        err_console.print(Text(f"record: {path}"))
     if as_json:
         for rec in records:
             typer.echo(json.dumps(_json_safe(rec)))
@@ -187,7 +223,9 @@ def run(
         console.print(_table(df[cols], title=f"cell {cell.cell_id}"))
     for rec in records:
         if rec["status"] != "ok":
-            err_console.print(f"[red]{rec['system']}: {rec['status']}[/red]\n{rec['error']}", highlight=False)
+            err_console.print(
+                f"[red]{escape(rec['system'])}: {rec['status']}[/red]\n{escape(str(rec['error']))}"
+            )
     if any(rec["status"] != "ok" for rec in records):
         raise typer.Exit(1)
 
@@ -218,14 +256,23 @@ def sweep(
     max_jobs: Annotated[int | None, typer.Option(min=1, help="concurrent cells (default: spec)")] = None,
     retry_failed: Annotated[bool, typer.Option("--retry-failed", help="rerun cells not ok")] = False,
     preset: Preset = Preset.cpu,
+    max_cells: Annotated[
+        int, typer.Option(min=1, help="refuse a spec that expands to more cells (a guard against typos)")
+    ] = DEFAULT_MAX_CELLS,
 ) -> None:
-    """Run every missing cell of SPEC (resumable: recorded cells are skipped)."""
+    """Run every missing cell of SPEC (resumable: recorded cells are skipped). Exits 1 if a cell failed."""
     from harness.executors import make_executor
-    from harness.sweep import plan, run_sweep
+    from harness.safe_fs import UnsafePathError, check_writable
+    from harness.sweep import plan, run_sweep, spec_folder
 
     s = _load(spec, preset)
     if dry_run:
-        p = plan(s, out, retry_failed)
+        try:
+            p = plan(s, out, retry_failed, max_cells)
+        except SpecError as e:
+            _fail(str(e))
+        for problem in p.invalid:
+            _warn(f"ignoring {problem}; the cell would run again")
         todo = {c.cell_id for c in p.todo}
         rows = [
             {
@@ -250,6 +297,10 @@ def sweep(
         console.print(_table(pd.DataFrame(rows), title=f"{s.name}: {len(p.cells)} cells, {len(todo)} to run"))
         return
     try:
+        check_writable(spec_folder(out, s.name), out)
+    except (OSError, UnsafePathError) as e:
+        _fail(f"--out {out}: {getattr(e, 'strerror', None) or e}")
+    try:
         ex = make_executor(executor.value, s.executor, max_jobs)
     except (RuntimeError, ValueError) as e:
         _fail(str(e))
@@ -260,28 +311,45 @@ def sweep(
         TimeElapsedColumn(),
         console=console,
     ) as progress:
-        task = progress.add_task(s.name, total=None)
+        task = progress.add_task(escape(s.name), total=None)
 
         def on_start(p) -> None:
             progress.update(task, total=len(p.todo))
+            for problem in p.invalid:
+                _warn(f"ignoring {problem}; the cell runs again")
             progress.console.print(
-                f"{s.name}: {len(p.cells)} cells, {len(p.done)} recorded, "
-                f"{len(p.todo)} to run ({executor.value}) -> {p.folder}"
+                Text(
+                    f"{s.name}: {len(p.cells)} cells, {len(p.done)} recorded, "
+                    f"{len(p.todo)} to run ({executor.value}) -> {p.folder}"
+                )
             )
 
         def on_done(cell, status: str) -> None:
             progress.advance(task)
             if status != "ok":
-                progress.console.print(f"[yellow]cell {cell.cell_id}: {status}[/yellow]")
+                progress.console.print(f"[yellow]cell {cell.cell_id}: {escape(status)}[/yellow]")
 
         try:
-            p = run_sweep(s, out, ex, retry_failed=retry_failed, on_start=on_start, on_done=on_done)
-        except RuntimeError as e:
+            p = run_sweep(
+                s, out, ex, retry_failed=retry_failed, on_start=on_start, on_done=on_done, max_cells=max_cells
+            )
+        except (RuntimeError, ValueError, OSError) as e:  # SpecError, UnsafePathError, a lock held, disk
             _fail(str(e))
     counts = pd.Series(list(p.done.values())).value_counts().to_dict()
     console.print(
-        f"{s.name}: {len(p.cells)} cells, ran {len(p.todo)}; statuses {counts}; records in {p.folder}"
+        Text(f"{s.name}: {len(p.cells)} cells, ran {len(p.todo)}; statuses {counts}; records in {p.folder}")
     )
+    failed = p.failed
+    if failed:
+        by_status = pd.Series(list(failed.values())).value_counts().to_dict()
+        err_console.print(
+            Text(
+                f"{s.name}: {len(failed)} of {len(p.cells)} cells failed {by_status}; their records hold the "
+                f"errors (`pf-bench status {out}`); rerun them with --retry-failed",
+                style="red",
+            )
+        )
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -291,17 +359,20 @@ def status(results: Annotated[Path, typer.Argument(help="results folder")] = Pat
 
     if not results.exists():
         _fail(f"{results} does not exist")
-    df = status_table(results)
+    problems: list[str] = []
+    df = status_table(results, problems)
+    for problem in problems:
+        _warn(f"ignoring {problem}")
     if df.empty:
-        console.print(f"no records under {results}")
+        console.print(Text(f"no records under {results}"))
         return
     console.print(_table(df, title=f"records under {results}"))
     for row in df.itertuples(index=False):
         if row.missing == 0:
-            console.print(f"{row.spec}: all {row.expected} cells recorded; a sweep would run nothing")
+            console.print(Text(f"{row.spec}: all {row.expected} cells recorded; a sweep would run nothing"))
         elif row.missing is not None and not pd.isna(row.missing):
             console.print(
-                f"{row.spec}: {row.missing} of {row.expected} cells missing; a sweep would run them"
+                Text(f"{row.spec}: {row.missing} of {row.expected} cells missing; a sweep would run them")
             )
 
 
@@ -310,19 +381,38 @@ def collect(
     results: Annotated[Path, typer.Argument(help="results folder")],
     output: Annotated[Path, typer.Option("-o", "--output", help="collected Parquet file")],
 ) -> None:
-    """Concatenate every record under RESULTS into one Parquet table."""
+    """Concatenate every record under RESULTS into one Parquet table (written outside any results folder)."""
     from harness.records import collect as collect_records
     from harness.records import write_table
+    from harness.safe_fs import is_inside
+    from harness.sweep import results_tree_of
 
-    df = collect_records(results, exclude=[output])
-    write_table(df, output)
-    console.print(f"{len(df)} rows ({df['cell_id'].nunique()} cells) -> {output}")
+    if not results.exists():
+        _fail(f"{results} does not exist")
+    tree = results if is_inside(output, results) else results_tree_of(output)
+    if tree is not None:
+        _fail(
+            f"-o {output}: inside the results folder {tree}, where it could replace a record or be read as one; "
+            "write the collected table elsewhere (e.g. -o all.parquet)"
+        )
+    problems: list[str] = []
+    df = collect_records(results, exclude=[output], problems=problems)
+    for problem in problems:
+        _warn(f"ignoring {problem}")
+    try:
+        write_table(df, output)
+    except OSError as e:
+        _fail(f"-o {output}: {e.strerror or e}")
+    console.print(Text(f"{len(df)} rows ({df['cell_id'].nunique()} cells) -> {output}"))
 
 
 def _render(kind: str, results: Path, out: Path) -> None:
     from harness.records import collect as collect_records
 
-    df = collect_records(results)
+    problems: list[str] = []
+    df = collect_records(results, problems=problems)
+    for problem in problems:
+        _warn(f"ignoring {problem}")
     if df.empty:
         _fail(f"no records under {results}; run `pf-bench sweep SPEC --out {results}` first")
     import harness.figures as figures
@@ -336,8 +426,8 @@ def _render(kind: str, results: Path, out: Path) -> None:
     else:
         made = figures.render_tables(df, out)
     for path in made or []:
-        console.print(str(path))
-    console.print(f"{kind}: {len(made or [])} written to {out}")
+        console.print(Text(str(path)))
+    console.print(Text(f"{kind}: {len(made or [])} written to {out}"))
 
 
 @app.command()
@@ -443,7 +533,7 @@ def align(
         )
     except (ValueError, TypeError) as e:
         _fail(str(e))
-    console.print(format_alignment(rows), highlight=False)
+    console.print(Text(format_alignment(rows)), highlight=False)
     if out is not None:
         import pandas as pd
 
@@ -459,8 +549,7 @@ def align(
         table["git_rev"] = git_rev()
         name = f"{model}-{dtype.value}-{layout.value}-mb{microbatch or 'all'}-{ac.value}"
         path = out / ALIGNMENT_DIR / f"{safe_name(name)}.parquet"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        console.print(f"alignment rows -> {write_table(table, path)}")
+        console.print(Text(f"alignment rows -> {write_table(table, path, root=out)}"))
     failed = False
     if not all(r.passed for r in rows if r.run == CORRECT):
         err_console.print(
@@ -470,7 +559,9 @@ def align(
         failed = True
     blind = sorted({r.run for r in rows if r.run != CORRECT} - {r.run for r in rows if not r.passed})
     if blind:
-        err_console.print(f"[red]negative control(s) {blind} PASSED: the check cannot see these faults[/red]")
+        err_console.print(
+            f"[red]negative control(s) {escape(str(blind))} PASSED: the check cannot see these faults[/red]"
+        )
         failed = True
     if failed:
         raise typer.Exit(1)

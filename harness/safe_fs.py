@@ -138,6 +138,18 @@ def open_lock(path: str | Path, root: str | Path | None = None) -> int:
     return fd
 
 
+def check_writable(folder: str | Path, root: str | Path) -> None:
+    """Create ``folder`` (no links below ``root``) and prove a file can be created in it: a clear error
+    before any work, not after (OSError with strerror, or UnsafePathError)."""
+    folder, root = Path(folder), Path(root)
+    if root.exists() and not root.is_dir():
+        raise UnsafePathError(f"{root} exists and is not a directory")
+    with open_dir(folder, root) as dfd:
+        probe = f".write-probe.{secrets.token_hex(6)}.tmp"
+        os.close(_create(probe, dfd, 0o600))
+        os.unlink(probe, dir_fd=dfd)
+
+
 def is_inside(path: str | Path, folder: str | Path) -> bool:
     """Whether ``path`` (resolved, links followed) lies in ``folder`` (resolved)."""
     return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))

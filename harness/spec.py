@@ -12,11 +12,12 @@ import itertools
 import json
 import math
 import re
-import reprlib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from harness.spec_checks import check_registries, describe_validation_error
 
 PRESETS = ("cpu", "paper")
 SYSTEM_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -333,57 +334,6 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_REPR = reprlib.Repr(maxlevel=2, maxlist=4, maxdict=4, maxstring=60, maxother=60, maxlong=40)
-MAX_LISTED_ERRORS = 10
-
-
-def short(value: Any, limit: int = 100) -> str:
-    """A bounded repr of (possibly huge, untrusted) input for error messages."""
-    text = _REPR.repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _describe(err: ValidationError, source: str) -> str:
-    errors = err.errors()
-    lines = [f"{source}: invalid spec"]
-    for e in errors[:MAX_LISTED_ERRORS]:
-        loc = ".".join(short(p, 40) if isinstance(p, str) else str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key (remove it or check its spelling)"
-        elif e["type"] == "literal_error" and e.get("ctx", {}).get("expected"):
-            msg = f"not allowed; allowed: {e['ctx']['expected']}"
-        lines.append(f"  {loc}: {msg} (got {short(e.get('input'))})")
-    if len(errors) > MAX_LISTED_ERRORS:
-        lines.append(f"  ... and {len(errors) - MAX_LISTED_ERRORS} more")
-    return "\n".join(lines)
-
-
-def _check_registries(spec: Spec, source: str) -> None:
-    """Resolve every model (name + overrides) against the model registry without building it, and every
-    system name against the system registry: a typo fails here, not in each cell."""
-    from harness.systems import available_systems
-    from prefixflow.models import check_model
-
-    known = available_systems()
-    for where, names in [("systems", spec.systems)] + [
-        (f"axes[{i}].systems", b.systems or []) for i, b in enumerate(spec.axes_blocks)
-    ] + [(f"frontier[{i}].variants", [v.removesuffix("+offload") for v in f.variants])
-         for i, f in enumerate(spec.frontier)]:  # fmt: skip
-        for name in names:
-            if name not in known:
-                raise SpecError(f"{source}: {where}: unknown system {name!r}; registered: {', '.join(known)}")
-    models = [
-        (f"axes[{i}].models[{j}]", m) for i, b in enumerate(spec.axes_blocks) for j, m in enumerate(b.models)
-    ]
-    models += [(f"frontier[{i}].model", f.model) for i, f in enumerate(spec.frontier) if f.model is not None]
-    for where, model in models:
-        try:
-            check_model(model.name, model.overrides)
-        except (ValueError, TypeError) as e:
-            raise SpecError(f"{source}: {where} ({model.name}): {e}") from None
-
-
 def parse_spec(raw: Any, source: str = "<spec>", preset: str = "cpu") -> Spec:
     """Validate a spec mapping, check every preset, and return it resolved for ``preset``."""
     if preset not in PRESETS:
@@ -395,7 +345,7 @@ def parse_spec(raw: Any, source: str = "<spec>", preset: str = "cpu") -> Spec:
     try:
         base = Spec.model_validate(raw)
     except ValidationError as e:
-        raise SpecError(_describe(e, source)) from None
+        raise SpecError(describe_validation_error(e, source)) from None
     resolved, checked = base, [(base, source)]
     for name, body in base.presets.items():
         merged = _deep_merge({k: v for k, v in raw.items() if k != "presets"}, body)
@@ -403,7 +353,7 @@ def parse_spec(raw: Any, source: str = "<spec>", preset: str = "cpu") -> Spec:
         try:
             spec = Spec.model_validate(merged)
         except ValidationError as e:
-            raise SpecError(_describe(e, where)) from None
+            raise SpecError(describe_validation_error(e, where)) from None
         checked.append((spec, where))
         if name == preset:
             resolved = spec
@@ -413,7 +363,10 @@ def parse_spec(raw: Any, source: str = "<spec>", preset: str = "cpu") -> Spec:
     except ValueError as e:
         raise SpecError(f"{source}: axes: {e}") from None
     for spec, where in checked:
-        _check_registries(spec, where)
+        try:
+            check_registries(spec, where)
+        except ValueError as e:
+            raise SpecError(str(e)) from None
     return resolved
 
 

@@ -103,6 +103,30 @@ def write_manifest(spec: Spec, p: Plan) -> Path:
     return atomic_write(p.folder / MANIFEST, lambda fh: fh.write(data), root=p.folder.parent)
 
 
+def results_tree_of(path: str | Path) -> Path | None:
+    """The results folder that ``path`` would land in (a folder above it holds a sweep's manifest or lock,
+    or spec folders that do), else None."""
+    real = Path(os.path.realpath(path))
+    for folder in real.parents:
+        if (folder / MANIFEST).exists() or (folder / "_sweep.lock").exists():
+            return folder.parent
+        if any((sub / MANIFEST).exists() for sub in _subdirs(folder)):
+            return folder
+    return None
+
+
+def _subdirs(folder: Path, limit: int = 1000) -> list[Path]:
+    try:
+        with os.scandir(folder) as it:
+            return [
+                Path(e.path)
+                for _, e in zip(range(limit), it, strict=False)
+                if e.is_dir(follow_symlinks=False)
+            ]
+    except OSError:
+        return []
+
+
 def read_manifest(path: Path) -> tuple[str, list[str]]:
     """(spec name, cell ids) of a sweep manifest; ValueError naming the file if it is not one."""
     try:

@@ -8,6 +8,7 @@
 from .adapters import ModelAdapter, TorchTitanAdapter, adapter_for, register_adapter
 from .apply import AC_MODES, PrefixFlowConfig, apply_ac, apply_prefixflow
 from .compile import apply_compile
+from .grad_guard import NonFiniteError
 from .group import RolloutGroup, synthetic_group
 from .hooks import ScheduleHooks, add_hooks, remove_hooks
 from .kv_cache import PrefixKVCache
@@ -27,6 +28,7 @@ __all__ = [
     "LossConfig",
     "ModelAdapter",
     "MoEConfig",
+    "NonFiniteError",
     "OffloadStats",
     "PrefixFlowConfig",
     "PrefixKVCache",

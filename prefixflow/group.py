@@ -11,9 +11,17 @@ from .moe.routing import RoutingMasks, check_routing_masks
 __all__ = ["RolloutGroup", "synthetic_group"]
 
 
+def _check_has_values(field: str, t: torch.Tensor) -> None:
+    if t.device.type == "meta":
+        raise ValueError(
+            f"{field} is on the meta device (a shape without values); pass a materialised tensor"
+        )
+
+
 def _check_tokens(field: str, t) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{field} must be a torch.LongTensor of token ids, got {type(t).__name__}")
+    _check_has_values(field, t)
     if t.dtype in (torch.bool,) or t.dtype.is_floating_point or t.dtype.is_complex:
         raise TypeError(f"{field} must hold integer token ids, got dtype {t.dtype}; use tokens.long()")
     if t.dim() != 1:
@@ -53,7 +61,13 @@ class RolloutGroup:
         n = len(self.responses)
         adv = self.advantages
         if not isinstance(adv, torch.Tensor):
-            adv = torch.as_tensor(adv, dtype=torch.float64)
+            try:
+                adv = torch.as_tensor(adv)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise TypeError(f"advantages must be a real tensor of {n} numbers: {e}") from None
+        _check_has_values("advantages", adv)
+        if adv.dtype.is_complex or adv.dtype == torch.bool:
+            raise TypeError(f"advantages must be real numbers, got dtype {adv.dtype}")
         if not adv.dtype.is_floating_point:
             adv = adv.double()
         if adv.shape != (n,):
@@ -70,7 +84,8 @@ class RolloutGroup:
             checked = []
             for i, (lp, resp) in enumerate(zip(value, self.responses, strict=True)):
                 if not isinstance(lp, torch.Tensor) or not lp.dtype.is_floating_point:
-                    raise TypeError(f"{field}[{i}] must be a floating tensor of per-token log-probs")
+                    raise TypeError(f"{field}[{i}] must be a real floating tensor of per-token log-probs")
+                _check_has_values(f"{field}[{i}]", lp)
                 if lp.shape != resp.shape:
                     raise ValueError(
                         f"{field}[{i}] has shape {tuple(lp.shape)} but responses[{i}] has {tuple(resp.shape)}"
@@ -93,6 +108,21 @@ class RolloutGroup:
     @property
     def response_lens(self) -> list[int]:
         return [int(r.numel()) for r in self.responses]
+
+    def check_representable(self, dtype: torch.dtype) -> None:
+        """Raise ValueError naming the field if a value becomes NaN/inf once cast to ``dtype`` (the loss's
+        compute dtype): advantages of 1e308 are finite in fp64 but overflow fp32."""
+        fields = [("advantages", self.advantages)]
+        for name in ("old_logprobs", "ref_logprobs"):
+            fields += [(f"{name}[{i}]", t) for i, t in enumerate(getattr(self, name) or [])]
+        for field, t in fields:
+            finite = torch.isfinite(t.to(dtype))
+            if not bool(finite.all()):
+                i = int((~finite).flatten().nonzero()[0])
+                raise ValueError(
+                    f"{field} holds {float(t.flatten()[i])!r} (index {i}), which overflows {dtype}, the loss's "
+                    "compute dtype; rescale it"
+                )
 
     def check_fits(self, vocab_size: int, max_seq_len: int) -> None:
         """Raise ValueError if a token id is outside the vocabulary or a sequence exceeds ``max_seq_len``."""

@@ -18,6 +18,7 @@ group's share of a larger batch objective (e.g. a TRL micro-batch holding severa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -68,8 +69,8 @@ def resolve_loss(loss: str, loss_config: dict | LossConfig | None, group: Rollou
         cfg = LossConfig(**given)
     for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
         value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            raise ValueError(f"loss_config.{name} must be a number >= 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"loss_config.{name} must be a finite number >= 0, got {value!r}")
     if cfg.aggregation not in AGGREGATIONS:
         raise ValueError(f"loss_config.aggregation {cfg.aggregation!r} unknown; valid: {AGGREGATIONS}")
     _check_trl_fields(cfg, loss, group)

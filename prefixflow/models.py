@@ -9,7 +9,17 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["build_model", "model_args", "list_models", "rope_buffer", "hidden_dim_of", "head_dim_of"]
+__all__ = [
+    "build_model",
+    "check_model",
+    "model_args",
+    "list_models",
+    "rope_buffer",
+    "hidden_dim_of",
+    "head_dim_of",
+]
+# ModelArgs sizes that must be positive (a zero or negative one fails deep in torch with no field named)
+_SIZES = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "head_dim", "hidden_dim")
 
 
 def _families() -> dict[str, tuple[dict, type]]:
@@ -47,10 +57,12 @@ def _resolve_args(name: str, overrides: dict[str, Any] | None):
         raise ValueError(f"unknown override field(s) {unknown} for {family}; valid fields: {sorted(valid)}")
     for key, value in overrides.items():
         current = valid[key]
-        if (
-            current is not None
-            and not isinstance(value, type(current))
-            and not (isinstance(current, float) and isinstance(value, int))
+        if current is not None and (
+            (
+                not isinstance(value, type(current))
+                and not (isinstance(current, float) and isinstance(value, int))
+            )
+            or isinstance(value, bool) != isinstance(current, bool)
         ):
             raise ValueError(
                 f"override {key}={value!r} has type {type(value).__name__}; "
@@ -61,6 +73,10 @@ def _resolve_args(name: str, overrides: dict[str, Any] | None):
     for key, value in nested.items():
         outer, inner = key.split(".")
         setattr(args, outer, dataclasses.replace(getattr(args, outer), **{inner: value}))
+    for key in _SIZES:
+        value = getattr(args, key, None)
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"{family} {key}={value} must be >= 1")
     if args.n_heads % (args.n_kv_heads or args.n_heads):
         raise ValueError(f"n_heads={args.n_heads} must be a multiple of n_kv_heads={args.n_kv_heads}")
     if family == "llama3" and args.dim % args.n_heads:
@@ -83,6 +99,11 @@ def _fields(args) -> dict[str, Any]:
         else:
             out[f.name] = value
     return out
+
+
+def check_model(name: str, overrides: dict[str, Any] | None = None) -> None:
+    """Raise ValueError naming the field if ``name`` + ``overrides`` cannot build a model (no model built)."""
+    _resolve_args(name, overrides)
 
 
 def build_model(

@@ -20,6 +20,7 @@ from torch import nn
 from .adapters import adapter_for
 from .apply import PrefixFlowRuntime, runtime_of
 from .attention import AttendWithPrefix, CapturePrefix, MaskedAttention, PrefixCaptured
+from .grad_guard import check_finite_loss, keep_grads_on_failure
 from .group import RolloutGroup
 from .hooks import hooks_of
 from .kv_cache import PrefixKVCache
@@ -86,7 +87,9 @@ def _forward_backward(model, mb: Microbatch, group, loss: str, cfg: LossConfig) 
         logits = adapter_for(model).lm_head(model)(hidden[mb.loss_rows, mb.loss_cols])
         value = microbatch_loss(token_logprobs(logits, mb.targets, cfg.temperature), mb, group, loss, cfg)
         extra = hooks.extra_loss()  # e.g. an MoE balance loss; not part of the reported loss
-        (value if extra is None else value + extra).backward()
+        total = value if extra is None else value + extra
+        check_finite_loss(total, f"the microbatch of responses {list(mb.responses)}")
+        total.backward()
     return value.item()
 
 
@@ -221,10 +224,16 @@ def _validate(model, group, system, layout, microbatch) -> None:
         raise ValueError(f"microbatch must be None (all responses) or an int >= 1, got {microbatch!r}")
     adapter = adapter_for(model)
     group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
+    group.check_representable(compute_dtype(model))
     adapter.check(model, group)
     if group.routing is not None and getattr(model, "_prefixflow_moe", None) is None:
         raise ValueError("group.routing replays MoE expert choices, but this model has no MoE layers")
     hooks_of(model).check(model, group, system)
+
+
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the loss is computed in: the parameters' dtype, at least fp32 (see ``token_logprobs``)."""
+    return torch.promote_types(next(model.parameters()).dtype, torch.float32)
 
 
 def check_group(
@@ -260,7 +269,9 @@ def train_group(
     ``system``: ``"prefixflow"`` (three phases) or ``"baseline"`` (full sequences); ``layout``: ``"padded"`` or
     ``"packed"``; ``microbatch``: responses per microbatch (None = all). ``observer``: optional object with
     ``enter(phase)``/``exit(phase)`` called around each phase. All input is validated before any gradient
-    changes. Needs ``apply_prefixflow(model)`` first.
+    changes. Needs ``apply_prefixflow(model)`` first. ``param.grad`` never receives a NaN/inf: a non-finite
+    loss or gradient raises :class:`NonFiniteError` and leaves the gradients as before the call
+    (:mod:`prefixflow.grad_guard`).
     """
     pipeline = getattr(model, "_prefixflow_pipeline", None)
     if pipeline is not None:  # a pipeline stage (prefixflow.parallel.pp): the same phases, run per stage
@@ -284,7 +295,7 @@ def train_group(
     hooks = hooks_of(model)
     suffix_tokens = sum(group.response_lens)
     if system == "baseline":
-        with hooks.group(model, group, system):
+        with keep_grads_on_failure(model), hooks.group(model, group, system):
             with clock("full"), hooks.phase("full"):
                 value = _baseline(model, runtime, group, chunks, layout, loss, cfg)
             value = hooks.reduce_loss(value)
@@ -297,7 +308,7 @@ def train_group(
     config = runtime.config
     offload = PrefixOffload(model, cache, prefetch=config.offload_prefetch) if config.offload else None
     try:
-        with hooks.group(model, group, system):
+        with keep_grads_on_failure(model), hooks.group(model, group, system):
             cache.view = hooks.prefix_view(model, group) or cache.view
             with clock("A"), hooks.phase("A"):
                 prefix_mb = phase_a_prefix_forward(model, runtime, group, cache, offload)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -42,3 +44,18 @@ def tiny_model(family: str, dtype=torch.float64, ac: str = "none", seed: int = 0
     model = pf.build_model(name, dtype=dtype, seed=seed, overrides={**overrides, **extra})
     pf.apply_ac(model, ac)
     return pf.apply_prefixflow(model)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_jobs_dir():
+    """Job files and submitit's pickles go to a private folder of this test session (0700, outside every
+    test's results folder), not to ~/.cache."""
+    previous = os.environ.get("PF_BENCH_JOBS_DIR")
+    folder = tempfile.mkdtemp(prefix="pf-bench-jobs-")
+    os.environ["PF_BENCH_JOBS_DIR"] = folder
+    yield
+    shutil.rmtree(folder, ignore_errors=True)
+    if previous is None:
+        os.environ.pop("PF_BENCH_JOBS_DIR", None)
+    else:
+        os.environ["PF_BENCH_JOBS_DIR"] = previous

@@ -207,7 +207,7 @@ def test_status_counts_a_search_as_one_cell(tmp_path):
     from harness.records import summarize, write_records
 
     rows = run_frontier(_cell(), tmp_path, probe=FakeMemory(per_token=0.1 * MIB))
-    write_records(tmp_path / "search.parquet", rows)
+    write_records(tmp_path / f"{_cell().cell_id}.parquet", rows)  # a record is named by its cell
     s = summarize(collect(tmp_path)).iloc[0]
     assert s["cells"] == 1 and s["ok"] + s["oom"] == len(rows) and s["oom"] >= 1
 

@@ -135,8 +135,8 @@ def test_collect_tolerates_extras_garbage_and_temp_files(tmp_path):
 
 
 def test_duplicates_keep_the_newest(tmp_path):
-    write_records(tmp_path / "x.parquet", [_rec(status="error", timestamp="2026-01-01T00:00:00")])
-    write_records(tmp_path / "y.parquet", [_rec(status="ok", timestamp="2026-01-02T00:00:00")])
+    write_records(tmp_path / "x" / "c1.parquet", [_rec(status="error", timestamp="2026-01-01T00:00:00")])
+    write_records(tmp_path / "y" / "c1.parquet", [_rec(status="ok", timestamp="2026-01-02T00:00:00")])
     df = collect(tmp_path)
     assert df["status"].tolist() == ["ok"]
 

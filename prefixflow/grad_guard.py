@@ -1,0 +1,60 @@
+"""``param.grad`` never receives a non-finite value, and a failing ``train_group`` leaves it as it was.
+
+How: the call accumulates into fresh gradient tensors. The ones from before the call are set aside (a
+pointer swap, no copy) and the call's gradients are added to them only once the call has succeeded and
+every new gradient is finite (one fused check). On any error, or a non-finite gradient, the old tensors are
+put back untouched. Cost: one add per parameter that already had a gradient, and, only then, one extra
+gradient buffer while the call runs (a caller that zeroes with ``set_to_none=True`` pays neither).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["NonFiniteError", "keep_grads_on_failure", "check_finite_loss"]
+
+
+class NonFiniteError(ValueError):
+    """A loss or gradient of a ``train_group`` call is NaN or infinite; ``param.grad`` is as before the call."""
+
+
+def check_finite_loss(value: torch.Tensor, where: str) -> None:
+    """Raise NonFiniteError naming ``where`` if the scalar loss ``value`` is not finite (before its backward)."""
+    if not bool(torch.isfinite(value.detach())):
+        raise NonFiniteError(
+            f"{where} has a non-finite loss ({float(value.detach())}); its backward was not run and param.grad "
+            "is as before this call. Check the advantages, log-probs and loss_config for extreme values."
+        )
+
+
+@contextlib.contextmanager
+def keep_grads_on_failure(model: nn.Module) -> Iterator[None]:
+    """Run the body into fresh ``.grad`` tensors; merge them into the previous ones only if all are finite.
+    On an exception, or a non-finite new gradient (NonFiniteError), the previous gradients are restored."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    before = [p.grad for _, p in named]
+    for _, p in named:
+        p.grad = None
+    try:
+        yield
+        new = [(name, p.grad) for name, p in named if p.grad is not None]
+        if new and not bool(torch.stack([torch.isfinite(g).all() for _, g in new]).all()):
+            bad = next(name for name, g in new if not bool(torch.isfinite(g).all()))
+            raise NonFiniteError(
+                f"the gradient of {bad} is not finite (overflow in the backward); param.grad is as before this "
+                "call. Check the advantages and loss_config for extreme values."
+            )
+    except BaseException:
+        for (_, p), old in zip(named, before, strict=True):
+            p.grad = old
+        raise
+    for (_, p), old in zip(named, before, strict=True):
+        if old is None:
+            continue
+        if p.grad is not None:
+            old.add_(p.grad)
+        p.grad = old
