@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from harness.spec import DEFAULT_MAX_CELLS, Cell, ModelSpec, Parallel, SpecError, load_spec
+from harness.spec import DEFAULT_MAX_CELLS, Cell, ModelSpec, Parallel, SpecError, check_cell_count, load_spec
 
 app = typer.Typer(
     help="PrefixFlow benchmark harness: specs -> cells -> records -> figures.",
@@ -61,12 +61,12 @@ class Preset(StrEnum):
 
 def _fail(msg: str, code: int = 2) -> NoReturn:
     """Print a user error (its text is data: escaped, never Rich markup) and exit with ``code``."""
-    err_console.print(f"[red]error:[/red] {escape(msg)}", highlight=False)
+    err_console.print(f"[red]error:[/red] {escape(msg)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
 def _warn(msg: str) -> None:
-    err_console.print(f"[yellow]warning:[/yellow] {escape(msg)}", highlight=False)
+    err_console.print(f"[yellow]warning:[/yellow] {escape(msg)}", highlight=False, soft_wrap=True)
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -110,13 +110,16 @@ def _table(df: pd.DataFrame, title: str | None = None) -> Table:
     return table
 
 
-def _option_errors(err: ValidationError) -> str:
-    """Pydantic errors as '--option: message' (a Cell field is named after the option that sets it)."""
-    parts = []
+def _option_errors(err: ValidationError, names: dict[str, str] | None = None) -> str:
+    """Pydantic errors as '--option: message': a field is named after the option that sets it (``names``
+    maps the others), and a union's per-type alternatives collapse into one message."""
+    parts: dict[str, str] = {}
     for e in err.errors():
-        loc = ".".join(map(str, e["loc"]))
-        parts.append(f"--{loc.replace('_', '-')}: {e['msg']}")
-    return "; ".join(parts)
+        first = str(e["loc"][0]) if e["loc"] else ""
+        option = (names or {}).get(first) or f"--{first.replace('_', '-')}"
+        rest = [str(p) for p in e["loc"][1:] if p not in ("int", "float", "bool", "str")]
+        parts.setdefault(".".join([option, *rest]), e["msg"])
+    return "; ".join(f"{where}: {msg}" for where, msg in parts.items())
 
 
 RUN_COLUMNS = [
@@ -168,14 +171,18 @@ def run(
     from harness.records import write_records
     from harness.runner import run_cell
     from harness.safe_fs import UnsafePathError, check_writable
-    from harness.spec import check_model_spec
+    from harness.spec_checks import check_model_spec
     from harness.sweep import spec_folder
     from harness.systems import available_systems
 
     try:
+        model_spec = ModelSpec(name=model, overrides=parse_overrides(override))
+    except ValidationError as e:
+        _fail(_option_errors(e, {"name": "--model", "overrides": "--override"}))
+    try:
         cell = Cell(
             spec="adhoc",
-            model=ModelSpec(name=model, overrides=parse_overrides(override)),
+            model=model_spec,
             prefix_len=prefix_len,
             suffix_len=suffix_len,
             n=n,
@@ -262,10 +269,14 @@ def sweep(
 ) -> None:
     """Run every missing cell of SPEC (resumable: recorded cells are skipped). Exits 1 if a cell failed."""
     from harness.executors import make_executor
-    from harness.safe_fs import UnsafePathError, check_writable
+    from harness.safe_fs import UnsafePathError, check_writable, jobs_folder
     from harness.sweep import plan, run_sweep, spec_folder
 
     s = _load(spec, preset)
+    try:
+        check_cell_count(s, max_cells)
+    except SpecError as e:
+        _fail(str(e))
     if dry_run:
         try:
             p = plan(s, out, retry_failed, max_cells)
@@ -300,6 +311,11 @@ def sweep(
         check_writable(spec_folder(out, s.name), out)
     except (OSError, UnsafePathError) as e:
         _fail(f"--out {out}: {getattr(e, 'strerror', None) or e}")
+    if executor is not ExecutorKind.debug:
+        try:  # job files (and submitit's pickles) are only ever read from a private folder
+            jobs_folder(spec_folder(out, s.name))
+        except (OSError, UnsafePathError) as e:
+            _fail(str(e))
     try:
         ex = make_executor(executor.value, s.executor, max_jobs)
     except (RuntimeError, ValueError) as e:

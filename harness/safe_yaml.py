@@ -97,8 +97,9 @@ def read_text(path: str | Path, max_bytes: int = MAX_BYTES) -> str:
 def load(text: str, max_nodes: int = MAX_NODES) -> Any:
     """Parse one YAML document: safe tags only, duplicate keys rejected, at most ``max_nodes`` nodes after
     alias expansion. Raises YAMLInputError with a short reason."""
-    loader = _NoDuplicatesLoader(text)
+    loader = None
     try:
+        loader = _NoDuplicatesLoader(text)  # its reader already rejects control characters
         node = loader.get_single_node()
         if node is None:
             return None
@@ -114,4 +115,5 @@ def load(text: str, max_nodes: int = MAX_NODES) -> Any:
     except RecursionError:
         raise YAMLInputError("nested too deeply") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()

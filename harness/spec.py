@@ -397,15 +397,21 @@ def count_cells(spec: Spec) -> int:
     return total
 
 
-def expand(spec: Spec, max_cells: int = DEFAULT_MAX_CELLS) -> list[Cell]:
-    """One search cell per frontier block x variant, then the cartesian product of each axes block;
-    duplicates (same id) are dropped, order is stable. More than ``max_cells`` is a SpecError."""
+def check_cell_count(spec: Spec, max_cells: int = DEFAULT_MAX_CELLS) -> int:
+    """The number of cells ``spec`` names; more than ``max_cells`` is a SpecError (work is bounded)."""
     n = count_cells(spec)
     if n > max_cells:
         raise SpecError(
             f"spec '{spec.name}' expands to {n:,} cells, more than the cap of {max_cells:,}; "
             f"if you mean it, raise the cap with --max-cells {n}"
         )
+    return n
+
+
+def expand(spec: Spec, max_cells: int = DEFAULT_MAX_CELLS) -> list[Cell]:
+    """One search cell per frontier block x variant, then the cartesian product of each axes block;
+    duplicates (same id) are dropped, order is stable. More than ``max_cells`` is a SpecError."""
+    check_cell_count(spec, max_cells)
     cells: dict[str, Cell] = {}
     for front in spec.frontier:  # first: a search is one long job, the short cells fill the other slots
         for cell in _frontier_cells(spec, front):
