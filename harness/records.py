@@ -69,6 +69,7 @@ SCHEMA = pa.schema(
 COLUMNS = tuple(SCHEMA.names)
 _REQUIRED = ("cell_id", "spec", "system", "status")
 RECORD_MAX_BYTES = 64 * 2**20  # a cell's record is a few kB; anything this big is not one
+RECORD_MAX_ROWS = 100_000  # a capacity search records one row per probe and system
 
 
 class InvalidRecord(ValueError):
@@ -178,11 +179,17 @@ def read_records(path: str | Path) -> pd.DataFrame:
     path = Path(path)
     data = _read_bounded(path)
     try:
+        meta = pq.ParquetFile(pa.BufferReader(data)).metadata
+        size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        if meta.num_rows > RECORD_MAX_ROWS or size > RECORD_MAX_BYTES * 8:
+            raise InvalidRecord(f"{path}: {meta.num_rows} rows, {size} bytes unpacked; not a cell's record")
         table = pq.read_table(pa.BufferReader(data))
+        verify_table(table, path.name.removesuffix(RECORD_SUFFIX), str(path))
+        return table.to_pandas()
+    except InvalidRecord:
+        raise
     except Exception as e:  # pyarrow raises several types for a damaged file
         raise InvalidRecord(f"{path}: not a readable Parquet file ({_short(str(e), 120)})") from None
-    verify_table(table, path.name.removesuffix(RECORD_SUFFIX), str(path))
-    return table.to_pandas()
 
 
 def record_files(root: str | Path, exclude: Iterable[str | Path] = ()) -> list[Path]:

@@ -73,8 +73,8 @@ def trained_model():
         ({}, {"loss": "grpo", "loss_config": {"eps": 0.2}}, r"loss_config has unknown key\(s\) \['eps'\]"),
         ({}, {"loss": "grpo", "loss_config": {"kl_coef": 0.1}}, "needs group.ref_logprobs"),
         ({}, {"loss": "grpo", "loss_config": {"aggregation": "sum"}}, "aggregation 'sum' unknown"),
-        ({}, {"loss": "grpo", "loss_config": {"clip_eps_low": "0.2"}}, "clip_eps_low must be a number"),
-        ({}, {"loss": "grpo", "loss_config": {"kl_coef": float("nan")}}, "kl_coef must be a number"),
+        ({}, {"loss": "grpo", "loss_config": {"clip_eps_low": "0.2"}}, "clip_eps_low must be a finite"),
+        ({}, {"loss": "grpo", "loss_config": {"kl_coef": float("nan")}}, "kl_coef must be a finite number"),
         ({}, {"loss": "grpo", "loss_config": {"clip_eps_high": -0.1}}, "must be >= 0"),
     ],
 )

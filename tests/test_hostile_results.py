@@ -207,6 +207,7 @@ def test_forged_records_are_reported_and_the_cell_runs_again(swept, tmp_path):
         "not a readable Parquet file": lambda: path.write_bytes(b"PAR1 garbage"),
         "not a regular file": lambda: os.mkfifo(path),
         "cannot open": lambda: os.symlink(good, path),  # even a link to a good record
+        "200001 rows": lambda: pd.DataFrame({"status": ["ok"] * 200_001}).to_parquet(path),  # bounded work
     }
     for reason, forge in cases.items():
         path.unlink(missing_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from typer.testing import CliRunner
 
 from harness.cli import app
 from harness.records import collect
+from harness.safe_fs import jobs_folder
 from harness.spec import expand, load_spec
 
 pytestmark = [
@@ -51,8 +53,12 @@ def test_smoke_on_slurm_matches_local(tmp_path):
     assert sorted(map(tuple, on_slurm[key].values)) == sorted(map(tuple, local[key].values))
     assert sorted(on_slurm["cell_id"].unique()) == sorted(c.cell_id for c in cells)
     assert set(on_slurm["status"]) == {"ok"}, on_slurm[["cell_id", "system", "error"]]
-    # the jobs really went through Slurm: submitit wrote its array logs
-    assert list((tmp_path / "slurm" / "smoke" / "_slurm").glob("*_0_log.out"))
+    # the jobs really went through Slurm: submitit wrote its array logs and pickles, all in the private
+    # job folder (0700, outside --out); nothing that is ever unpickled lies in the results folder
+    private = jobs_folder(tmp_path / "slurm" / "smoke")
+    assert list((private / "slurm").glob("*_0_log.out")) and list((private / "slurm").glob("*.pkl"))
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700 and not private.is_relative_to(tmp_path)
+    assert not list((tmp_path / "slurm").rglob("*.pkl"))
     # a rerun on Slurm submits nothing
     assert "ran 0" in _sweep("slurm", tmp_path / "slurm")
 
@@ -70,7 +76,7 @@ def test_cell_past_its_slurm_time_limit_is_recorded_as_timeout(tmp_path):
         ["sweep", str(spec), "--executor", "slurm", "--out", str(tmp_path / "out")],
         catch_exceptions=False,
     )
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1 and "1 of 1 cells failed {'timeout': 1}" in res.output, res.output
     df = collect(tmp_path / "out")
     assert len(df) == 2 and set(df["status"]) == {"timeout"}, df[["system", "status", "error"]]
     assert df["error"].str.contains("timed-out").all()
