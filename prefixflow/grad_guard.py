@@ -31,6 +31,11 @@ def check_finite_loss(value: torch.Tensor, where: str) -> None:
         )
 
 
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's values of a (possibly sharded DTensor) gradient: checking them needs no collective."""
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
 @contextlib.contextmanager
 def keep_grads_on_failure(model: nn.Module) -> Iterator[None]:
     """Run the body into fresh ``.grad`` tensors; merge them into the previous ones only if all are finite.
@@ -41,7 +46,7 @@ def keep_grads_on_failure(model: nn.Module) -> Iterator[None]:
         p.grad = None
     try:
         yield
-        new = [(name, p.grad) for name, p in named if p.grad is not None]
+        new = [(name, _local(p.grad)) for name, p in named if p.grad is not None]
         if new and not bool(torch.stack([torch.isfinite(g).all() for _, g in new]).all()):
             bad = next(name for name, g in new if not bool(torch.isfinite(g).all()))
             raise NonFiniteError(
