@@ -83,7 +83,6 @@ def is_loopback(ip: str) -> bool:
 HIDDEN = (
     "/run",
     "/etc/slurm",
-    "/usr/local/lib",
     "/var/lib/slurm",
     "/var/log/slurm",
     "/var/lib/munge",
@@ -97,11 +96,32 @@ def _sh(*cmd: str, timeout: float = 120) -> dict:
     return {"rc": res.returncode, "out": res.stdout[-3000:], "err": res.stderr[-3000:]}
 
 
+def _mount(*args: str) -> None:
+    subprocess.run(["mount", *args], check=True)
+
+
 def _setup() -> None:
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     subprocess.run(["ip", "addr", "add", f"{OUTER_ADDRESS}/32", "dev", "lo"], check=True)
     for path in HIDDEN:
-        subprocess.run(["mount", "-t", "tmpfs", "tmpfs", path], check=True)
+        _mount("-t", "tmpfs", "tmpfs", path)
+    # /usr/local/lib may hold Python itself: hide only pf-slurm, bind everything else back
+    keep = Path("/run/usr-local-lib")
+    keep.mkdir()
+    _mount("--bind", "/usr/local/lib", str(keep))
+    _mount("-t", "tmpfs", "tmpfs", "/usr/local/lib")
+    for entry in keep.iterdir():
+        if entry.name == "pf-slurm":
+            continue
+        target = Path("/usr/local/lib") / entry.name
+        if entry.is_dir() and not entry.is_symlink():
+            target.mkdir()
+        elif entry.is_symlink():
+            target.symlink_to(os.readlink(entry))
+            continue
+        else:
+            target.touch()
+        _mount("--bind", str(entry), str(target))
     for path, owner in (
         ("/var/lib/slurm", "slurm"),
         ("/var/log/slurm", "slurm"),
