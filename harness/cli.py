@@ -477,17 +477,22 @@ def simulate(
     """Claim 1's simulated records: the paper-scale Figure 6 panels (labelled simulated) and, with --validate,
     the simulator's predictions of measured CP/PP cells (per-layer costs profiled on this machine)."""
     from harness.records import collect as collect_records
-    from harness.records import write_records
+    from harness.records import write_cell_records
     from harness.simulate_claim1 import paper_cp_records, paper_pp_records, validate_records
 
     rows = paper_pp_records() + paper_cp_records()
-    console.print(str(write_records(out / "paper_scale.parquet", rows)))
+    # one file per cell: collect verifies that a file holds the cell it is named after
+    paths = write_cell_records(out / "paper_scale", rows, root=out)
+    console.print(Text(f"{len(rows)} simulated rows in {len(paths)} records under {out / 'paper_scale'}"))
     if validate is not None:
         df = collect_records(validate)
         checked = validate_records(df) if not df.empty else []
         if not checked:
             _fail(f"no measured CP/PP records under {validate} to check the simulator against")
-        console.print(str(write_records(out / "validation.parquet", checked)))
+        paths = write_cell_records(out / "validation", checked, root=out)
+        console.print(
+            Text(f"{len(checked)} validation rows in {len(paths)} records under {out / 'validation'}")
+        )
         worst = max(r["sim_error"] for r in checked)
         console.print(f"simulator checked against {len(checked)} measured points; worst error {worst:.1%}")
 

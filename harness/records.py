@@ -117,6 +117,18 @@ def write_records(path: str | Path, records: list[dict[str, Any]], root: str | P
     return _atomic_write(to_table(records), path, root)
 
 
+def write_cell_records(
+    folder: str | Path, records: list[dict[str, Any]], root: str | Path | None = None
+) -> list[Path]:
+    """Write records one file per cell (``FOLDER/<cell_id>.parquet``), as :func:`read_records` verifies them."""
+    by_cell: dict[str, list[dict[str, Any]]] = {}
+    for rec in records:
+        by_cell.setdefault(str(rec.get("cell_id")), []).append(rec)
+    return [
+        write_records(Path(folder) / f"{cid}{RECORD_SUFFIX}", recs, root) for cid, recs in by_cell.items()
+    ]
+
+
 def _read_bounded(path: Path) -> bytes:
     """The bytes of a regular file no bigger than RECORD_MAX_BYTES (a link, FIFO or device is refused)."""
     try:
