@@ -220,6 +220,7 @@ class _Profiler:
         self.grad_in: dict[tuple, float] = {}
         self.grad_out: dict[tuple, float] = {}
         self.pending: dict[int, tuple] = {}
+        self.wall: dict[tuple, float] = {}  # (phase, mb) -> seconds of the whole operation
         self.c_start = 0.0
         self.head = len(model.layers)
         profiler = self
@@ -228,8 +229,9 @@ class _Profiler:
             @contextlib.contextmanager
             def phase(self, name):
                 profiler.phase = name
+                start = time.perf_counter()
                 if name == "C":
-                    profiler.c_start = time.perf_counter()
+                    profiler.c_start = start
                 try:
                     yield
                 finally:
@@ -237,14 +239,17 @@ class _Profiler:
                     for key, t0 in profiler.pending.values():
                         profiler.fwd[key] = now - t0
                     profiler.pending.clear()
+                    profiler.wall[(name, None)] = now - start
 
             @contextlib.contextmanager
             def microbatch(self, mb):
                 profiler.mb = profiler.count
                 profiler.count += 1
+                start = time.perf_counter()
                 try:
                     yield
                 finally:
+                    profiler.wall[(profiler.phase, profiler.mb)] = time.perf_counter() - start
                     profiler.mb = None
 
         self.hook = Marks()
@@ -274,8 +279,9 @@ class _Profiler:
         return hook
 
     def records(self) -> dict[tuple, float]:
-        """``{(phase, mb, unit, "fwd"|"bwd"): seconds}``."""
-        out = {(*k, "fwd"): v for k, v in self.fwd.items()}
+        """``{(phase, mb, unit, "fwd"|"bwd"): seconds}``, and ``{(phase, mb, "wall"): seconds}`` per operation."""
+        out = {(*k, "wall"): v for k, v in self.wall.items()}
+        out.update({(*k, "fwd"): v for k, v in self.fwd.items()})
         ops = {k[:2] for k in self.grad_in}
         for phase, mb in ops:
             units = sorted((k[2] for k in self.grad_in if k[:2] == (phase, mb)), reverse=True)
@@ -325,7 +331,7 @@ def profile_layers(
     def layer_list(phase, mb, kind):
         return [med.get((phase, mb, i, kind), 0.0) for i in range(n_layers)]
 
-    return LayerCosts(
+    costs = LayerCosts(
         prefix_forward=layer_list("A", None, "fwd") if system == "prefixflow" else [],
         prefix_backward=layer_list("A", None, "bwd") if system == "prefixflow" else [],
         forward=[layer_list(b, m, "fwd") for m in mbs],
@@ -333,6 +339,30 @@ def profile_layers(
         head_forward=[med.get((b, m, n_layers, "fwd"), 0.0) for m in mbs],
         head_backward=[med.get((b, m, n_layers, "bwd"), 0.0) for m in mbs],
     )
+    _fold_overheads(costs, med, b)
+    return costs
+
+
+def _fold_overheads(costs: LayerCosts, med: dict, b: str) -> None:
+    """Work outside the timed blocks (embedding, final norm, loss, schedule bookkeeping) joins the units next to
+    it: a microbatch's goes to its LM head (the last stage), split like the head's own forward/backward;
+    Phase A's to the first layer's forward, Phase C's to the first layer's backward (the first stage)."""
+    for m in range(len(costs.forward)):
+        wall = med.get((b, m, "wall"))
+        if wall is None:
+            continue
+        units = (
+            sum(costs.forward[m]) + sum(costs.backward[m]) + costs.head_forward[m] + costs.head_backward[m]
+        )
+        extra = max(0.0, wall - units)
+        head = costs.head_forward[m] + costs.head_backward[m]
+        share = costs.head_forward[m] / head if head > 0 else 1 / 3
+        costs.head_forward[m] += share * extra
+        costs.head_backward[m] += (1 - share) * extra
+    for phase, per_layer in (("A", costs.prefix_forward), ("C", costs.prefix_backward)):
+        wall = med.get((phase, None, "wall"))
+        if wall is not None and per_layer:
+            per_layer[0] += max(0.0, wall - sum(per_layer))
 
 
 def flop_layer_costs(
