@@ -144,6 +144,15 @@ def test_verify_first_step_passes_and_catches_a_wrong_update(tmp_path, monkeypat
         broken.train()
 
 
+def test_bf16_autocast_first_step_verifies(tmp_path):
+    """TRL's default mixed precision (bf16 autocast over fp32 weights), packed suffixes: within bf16 tolerance."""
+    tr = trainer(tmp_path, bf16=True, loss_type="dapo", prefixflow_layout="packed")
+    tr.verify_first_step = True
+    tr.train()
+    assert tr._prefixflow_verified
+    assert 0 < tr.state.log_history[0]["prefixflow/verify_max_rel_diff"] <= 5e-2
+
+
 def test_unsupported_options_raise_at_construction(tmp_path):
     for options, text in (
         (dict(loss_type="cispo"), "loss_type='cispo'"),

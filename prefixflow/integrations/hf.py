@@ -65,8 +65,22 @@ def _prefixflow_attention(module, query, key, value, attention_mask, dropout=0.0
         )
     if dropout:
         raise RuntimeError("PrefixFlow phases need attention dropout 0 (set config.attention_dropout=0.0)")
+    query, key, value = _sdpa_dtype(query, key, value)
     out = wrapper(query, key, value, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sdpa_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q/k/v in the dtype sdpa computes in: the autocast dtype when autocast is on (Qwen3's qk-norm leaves q/k in
+    fp32 while v is bf16), else their common dtype. The cache then holds what every phase reads."""
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = tensors[0].dtype
+        for t in tensors[1:]:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return tuple(t if t.dtype == dtype else t.to(dtype) for t in tensors)
 
 
 def _causal_sdpa(q, k, v, *, scale=None, enable_gqa=False, is_causal=True):

@@ -275,6 +275,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         with self.compute_loss_context_manager():
             want_loss = self.compute_loss(model, inputs)
         self.accelerator.backward(want_loss)
+        want_loss = float(want_loss.detach())
         want = [p.grad for p in params]
         for p in params:
             p.grad = None
@@ -292,7 +293,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             diff = float((g - w).abs().max()) / (float(w.abs().max()) or 1.0)
             if diff > worst:
                 worst, where = diff, name
-        loss_diff = abs(float(loss) - float(want_loss)) / (abs(float(want_loss)) or 1.0)
+        loss_diff = abs(float(loss) - want_loss) / (abs(want_loss) or 1.0)
         tolerance = (
             self.verify_tolerance if self.verify_tolerance is not None else self._default_tolerance(model)
         )
