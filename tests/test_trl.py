@@ -94,6 +94,11 @@ def test_loss_and_gradients_equal_trl_compute_loss(tmp_path, case):
     assert max_rel_diff(grads(model), want) <= 1e-5
     plans = tr._plan(inputs)
     assert sorted(len(p.rows) for p in plans) != [1] * len(plans)  # prompts really share completions
+    if case.startswith("bnpo"):  # every completion masked: both add zero gradients, no error
+        inputs["completion_mask"][:] = 0
+        model.zero_grad(set_to_none=True)
+        assert float(tr._prefixflow_update(model, inputs)) == 0.0 and tr._plan(inputs) == []
+        assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)

@@ -259,7 +259,11 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         with self.compute_loss_context_manager(), self.accelerator.autocast():
             for plan in plans:
                 total += train_group(unwrapped, plan.group, loss_config=plan.loss_config, **options).loss
-        if plans:
+        if not plans:  # every completion masked: TRL back-propagates a zero loss, i.e. zero gradients
+            for p in unwrapped.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        else:
             metrics = self._metrics["train"]
             metrics["prefixflow/group_size"].append(sum(p.group.n for p in plans) / len(plans))
             shared = sum((p.group.n - 1) * (p.group.prompt_len - 1) for p in plans)
