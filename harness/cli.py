@@ -529,6 +529,9 @@ def align(
     out: Annotated[
         Path | None, typer.Option(help=f"also write the rows to OUT/{ALIGNMENT_DIR}/ (read by `tables`)")
     ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help='print {"passed": ..., "rows": [...]} as JSON instead of the table')
+    ] = False,
 ) -> None:
     """Table 3: gradients (G), loss (L) and weights (W) of PrefixFlow vs the baseline over STEPS steps."""
     import torch
@@ -554,7 +557,8 @@ def align(
         )
     except (ValueError, TypeError) as e:
         _fail(str(e))
-    console.print(Text(format_alignment(rows)), highlight=False)
+    if not as_json:
+        console.print(Text(format_alignment(rows)), highlight=False)
     if out is not None:
         import pandas as pd
 
@@ -570,7 +574,9 @@ def align(
         table["git_rev"] = git_rev()
         name = f"{model}-{dtype.value}-{layout.value}-mb{microbatch or 'all'}-{ac.value}"
         path = out / ALIGNMENT_DIR / f"{safe_name(name)}.parquet"
-        console.print(Text(f"alignment rows -> {write_table(table, path, root=out)}"))
+        (err_console if as_json else console).print(
+            Text(f"alignment rows -> {write_table(table, path, root=out)}")
+        )
     failed = False
     if not all(r.passed for r in rows if r.run == CORRECT):
         err_console.print(
@@ -584,6 +590,8 @@ def align(
             f"[red]negative control(s) {escape(str(blind))} PASSED: the check cannot see these faults[/red]"
         )
         failed = True
+    if as_json:
+        typer.echo(json.dumps({"passed": not failed, "rows": [_json_safe(r.as_dict()) for r in rows]}))
     if failed:
         raise typer.Exit(1)
 

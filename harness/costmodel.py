@@ -100,7 +100,9 @@ def as_shape(args) -> ModelShape:
     if hasattr(args, "hidden_size") and hasattr(args, "num_hidden_layers"):
         return _hf_shape(args)
     if getattr(args, "moe_enabled", False):
-        raise ValueError("MoE models are not covered by the dense cost model")
+        from harness.costmodel_moe import moe_shape  # the MoE terms (active experts per token)
+
+        return moe_shape(args)
     n_heads = int(args.n_heads)
     n_kv = int(getattr(args, "n_kv_heads", None) or n_heads)
     head_dim = getattr(args, "head_dim", None) or args.dim // n_heads

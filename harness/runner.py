@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import json
@@ -135,6 +136,16 @@ def build_cell_model(cell: Cell, device: torch.device) -> torch.nn.Module:
     return build_model(cell.model.name, **kwargs)
 
 
+def with_routing(group, model: torch.nn.Module):
+    """MoE models train under Rollout Routing Replay (the paper's MoE setting): the group carries the routing
+    masks a rollout engine records, here recorded on ``model`` (untimed; the prefix routed once)."""
+    from prefixflow.moe import is_moe, record_routing
+
+    if not is_moe(model):
+        return group
+    return dataclasses.replace(group, routing=record_routing(model, group))
+
+
 def build_for(system_name: str, cell: Cell, device: torch.device):
     """A fresh model (same seed for every system) transformed for ``system_name``."""
     from prefixflow import apply_ac
@@ -171,6 +182,10 @@ def _model_columns(model: torch.nn.Module, cell: Cell, system: str) -> dict[str,
         vocab_size=shape.vocab_size,
         n_params=sum(p.numel() for p in model.parameters()),
     )
+    if hasattr(shape, "num_experts"):  # MoE: the parameters one token runs through, and replayed routing
+        from harness.costmodel_moe import active_params_per_token
+
+        out.update(n_active_params=active_params_per_token(shape), routing="replay")
     cost_name = getattr(get_system(system), "cost_model", system)
     if cell.suffix_spread == 0 and cost_name in costmodel.SYSTEMS:
         out["model_flops"] = float(
@@ -254,7 +269,7 @@ def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]]:
     if models:
         try:
             vocab = extras[next(iter(models))].get("vocab_size") or _vocab(next(iter(models.values())))
-            group = make_group(cell, vocab)
+            group = with_routing(make_group(cell, vocab), next(iter(models.values())))
         except Exception as e:
             for name in models:
                 failures[name] = (classify(e), traceback.format_exc())

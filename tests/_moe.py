@@ -95,7 +95,7 @@ def reference_replay(model, group: pf.RolloutGroup, aux_coef: float = 0.0):
     try:
         for i, response in enumerate(group.responses):
             for layer, plan_rows in zip(layers, seq_masks[i], strict=True):
-                layer.route_plan = RoutePlan(experts=plan_rows)
+                layer.route_plan = RoutePlan(shape=(1, plan_rows.shape[0]), experts=plan_rows.unsqueeze(0))
             logits.clear()
             seq = torch.cat([group.prompt, response]).unsqueeze(0)
             out = model(seq[:, :-1])[0, p - 1 :]

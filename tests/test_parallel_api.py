@@ -27,9 +27,9 @@ def test_dims_use_torchtitan_names_and_reject_others():
 
 
 @pytest.mark.parametrize("dims", [{"ep": 2, "dp_shard": 2}])
-def test_ep_is_rejected_with_a_clear_error_before_anything_changes(dims):
+def test_ep_on_a_dense_model_is_rejected_with_a_clear_error_before_anything_changes(dims):
     model = tiny_model("llama3")
-    with pytest.raises(ValueError, match="not supported yet"):
+    with pytest.raises(ValueError, match="needs an MoE model"):
         parallelize(model, dims)
     assert getattr(model, "prefixflow_parallel", None) is None
 

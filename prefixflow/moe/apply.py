@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..hooks import add_hooks
-from .layers import CountingReorderer, ReplayMoE, ReplayRouter, swap_class
+from .layers import CountingReorderer, PortableExperts, ReplayMoE, ReplayRouter, swap_class
 from .schedule_hooks import MoEScheduleHooks
 
 __all__ = ["MoEConfig", "apply_moe", "moe_hooks_of", "is_moe"]
@@ -76,6 +76,7 @@ def apply_moe(model: nn.Module, config: MoEConfig | None = None) -> nn.Module:
         swap_class(moe, ReplayMoE)
         swap_class(moe.router, ReplayRouter)
         swap_class(moe.reorderer, CountingReorderer)
+        swap_class(moe.experts, PortableExperts)
         moe.capacity_factor = config.capacity_factor
     hooks = getattr(model, "_prefixflow_moe", None)
     if hooks is None:

@@ -43,8 +43,8 @@ def record_routing(model: nn.Module, group, *, microbatch: int | None = None) ->
     device = next(model.parameters()).device
     group = group.to(device)
 
-    def routed(forward) -> list[torch.Tensor]:
-        plans = [RoutePlan(record=[]) for _ in layers]
+    def routed(tokens: torch.Tensor, forward) -> torch.Tensor:
+        plans = [RoutePlan(shape=tuple(tokens.shape), record=[]) for _ in layers]
         for layer, plan in zip(layers, plans, strict=True):
             layer.route_plan = plan
         try:
@@ -64,7 +64,7 @@ def record_routing(model: nn.Module, group, *, microbatch: int | None = None) ->
                 with runtime.state.use(CapturePrefix(cache, None)):
                     forward_hidden(model, prefix, None, final_norm=False)
 
-            prefix_rows = routed(run_prefix)
+            prefix_rows = routed(prefix, run_prefix)
         segments = suffix_segments(group)
         size = group.n if microbatch is None else microbatch
         suffix_rows: list[torch.Tensor] = []
@@ -77,7 +77,7 @@ def record_routing(model: nn.Module, group, *, microbatch: int | None = None) ->
                 with runtime.state.use(AttendWithPrefix(cache, mb.mask, variant)):
                     forward_hidden(model, mb.tokens, mb.positions, final_norm=False)
 
-            rows = routed(run_suffixes)
+            rows = routed(mb.tokens, run_suffixes)
             lens = [int(seg.tokens.numel()) for seg in chunk]
             suffix_rows.extend(rows.split(lens, dim=1))
     finally:

@@ -124,9 +124,11 @@ class MoEScheduleHooks(ScheduleHooks):
             layer.route_plan = None if plans is None else plans[i]
         return plans
 
-    def _plans(self, experts, weight: torch.Tensor | None) -> list[RoutePlan]:
+    def _plans(self, experts, weight: torch.Tensor) -> list[RoutePlan]:
+        """One plan per layer over ``weight``'s ``[b, L]`` tokens; ``experts``: [n_layers, b, L, k] or None."""
         return [
             RoutePlan(
+                shape=tuple(weight.shape),
                 experts=None if experts is None else experts[i],
                 weight=weight,
                 aux_coef=None if self.aux_coef is None else self.aux_coef[i],
@@ -137,8 +139,8 @@ class MoEScheduleHooks(ScheduleHooks):
 
     def _prefix_plan(self) -> list[RoutePlan]:
         group = self.group_
-        experts = None if group.routing is None else group.routing.prefix[:, :-1]
-        weight = torch.full((group.prompt_len - 1,), float(group.n), device=group.prompt.device)
+        experts = None if group.routing is None else group.routing.prefix[:, None, :-1]
+        weight = torch.full((1, group.prompt_len - 1), float(group.n), device=group.prompt.device)
         return self._plans(experts, weight)
 
     def _sequence_masks(self, response: int, full: bool) -> torch.Tensor | None:
@@ -162,15 +164,17 @@ class MoEScheduleHooks(ScheduleHooks):
             weight[start : start + n] = 1.0
             if experts is not None:
                 experts[:, start : start + n] = self._sequence_masks(r, full)
-        return self._plans(experts, weight)
+        if experts is not None:
+            experts = experts.view(len(self.layers), rows, width, -1)
+        return self._plans(experts, weight.view(rows, width))
 
     def _count_skipped(self, plans: list[RoutePlan]) -> None:
         """A layer Phase A stopped before (after the last K/V) counts its replayed prefix routing here."""
         for layer, plan in zip(self.layers, plans, strict=True):
-            if plan.ran or plan.experts is None or plan.weight is None or plan.experts.shape[0] == 0:
+            if plan.ran or plan.experts is None or plan.experts.numel() == 0:
                 continue
             with torch.no_grad():
-                weights = plan.weight.unsqueeze(1).expand_as(plan.experts).reshape(-1)
+                weights = plan.weight.unsqueeze(-1).expand_as(plan.experts).reshape(-1)
                 counts = torch.zeros_like(layer.tokens_per_expert)
                 counts.index_add_(0, plan.experts.reshape(-1), weights.to(counts.dtype))
                 layer.tokens_per_expert.add_(counts)

@@ -11,7 +11,8 @@ One file per parallelism: ``mesh.py`` (degrees, process group, device mesh), ``t
 plans), ``fsdp.py`` (FSDP2 under the three phases), ``dp.py`` (group placement, split groups, gradient
 sync), ``pp.py`` (cuts the model into pipeline stages before everything else; the stage programs switch
 phases stage-locally), ``cp.py`` with ``sequence.py`` (context parallelism, applied right after TP as TorchTitan
-does). Expert parallelism borrows ranks from ``dp_shard x cp x tp``; ``parallelize`` rejects ``ep`` > 1.
+does). ``ep.py``: MoE layers under TP and expert parallelism, which borrows ranks from ``dp_shard x cp x tp``
+(TorchTitan's sparse mesh), applied with the dense TP plans.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..apply import AC_MODES, apply_ac, runtime_of
+from ..moe import is_moe
 from .mesh import MESH_DIMS, ParallelDims, backend_for, build_mesh, init_distributed
 
 __all__ = [
@@ -37,8 +39,8 @@ __all__ = [
     "parallelize",
 ]
 
-# Dimensions parallelize() applies today. ep (MoE) joins this set when its apply_* step lands below.
-SUPPORTED_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+# Dimensions parallelize() applies.
+SUPPORTED_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 
 
 @dataclass
@@ -49,6 +51,7 @@ class ParallelState:
     mesh: DeviceMesh
     device: torch.device
     fsdp: bool
+    expert_mesh: DeviceMesh | None = None  # (efsdp, ep) under expert parallelism
 
     def coordinate(self, name: str) -> int:
         """This rank's index along mesh dimension ``name`` (``batch`` = its data-parallel rank)."""
@@ -98,6 +101,10 @@ def parallelize(
     """
     dims = ParallelDims.of(dims)
     _check_supported(dims)
+    if dims.ep > 1:
+        from .ep import check_ep_degree
+
+        check_ep_degree(model, dims)
     if ac not in AC_MODES:
         raise ValueError(f"ac {ac!r} unknown; valid: {AC_MODES}")
     runtime = runtime_of(model)  # PrefixFlow's SDPA wrappers go in first: TP hooks attach to them
@@ -117,6 +124,13 @@ def parallelize(
         from .tp import apply_tp
 
         apply_tp(model, mesh["tp"])
+    expert_mesh = None
+    if dims.ep > 1 or (dims.tp > 1 and is_moe(model)):
+        from .ep import apply_moe_parallel, build_expert_mesh
+
+        expert_mesh = build_expert_mesh(dims, device) if dims.ep > 1 else None
+        tp_mesh = mesh["tp"] if dims.tp > 1 else None
+        apply_moe_parallel(model, dims, tp_mesh, None if expert_mesh is None else expert_mesh["ep"])
     fsdp_over_cp = dims.cp > 1 and dims.dp_shard > 1
     if dims.cp > 1:
         from .cp import apply_cp
@@ -132,8 +146,9 @@ def parallelize(
 
         shard = "fsdp" if fsdp_over_cp else "dp_shard"  # fsdp = dp_shard x cp
         names = ("dp_replicate", shard) if dims.dp_replicate > 1 else (shard,)
-        apply_fsdp(model, mesh[names], fsdp or FSDPConfig())
+        experts = None if expert_mesh is None else expert_mesh["efsdp"]
+        apply_fsdp(model, mesh[names], fsdp or FSDPConfig(), expert_mesh=experts)
     elif fsdp is not None:
         raise ValueError("an FSDP config needs dp_shard > 1")
-    model.prefixflow_parallel = ParallelState(dims, mesh, device, fsdp=dims.dp_shard > 1)
+    model.prefixflow_parallel = ParallelState(dims, mesh, device, dims.dp_shard > 1, expert_mesh)
     return model

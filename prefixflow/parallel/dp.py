@@ -399,6 +399,12 @@ def train_step(
     me = state.coordinate("batch") if state is not None and n_ranks > 1 else 0
     costs = [group_costs(model, g, system) for g in groups]
     placement = place_groups(costs, n_ranks, split_threshold)
+    if state is not None and state.dims.ep > 1 and not _lockstep(placement, microbatch):
+        raise ValueError(
+            f"ep={state.dims.ep}: the EP ranks run their MoE all-to-alls in lockstep, so every DP rank must "
+            "train the same sequence of microbatches; give each rank groups of the same sizes (or "
+            "split_threshold=None with as many equal groups as ranks)"
+        )
     exchange = PrefixExchange(state.peers("batch") if n_ranks > 1 else [0])
     fsdp_on = state is not None and state.fsdp
     if fsdp_on:

@@ -107,13 +107,31 @@ def _units(model: nn.Module, tied: bool) -> list[tuple[str, nn.Module | list[nn.
     return units
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig | None = None) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    config: FSDPConfig | None = None,
+    *,
+    expert_mesh: DeviceMesh | None = None,
+) -> nn.Module:
     """``fully_shard`` the model over ``mesh`` (1-D: FSDP; 2-D ``(replicate, shard)``: HSDP) and register
-    :class:`FSDPSchedule`. Apply after TP, AC and compile (TorchTitan's order)."""
+    :class:`FSDPSchedule`. Apply after TP, EP, AC and compile (TorchTitan's order). ``expert_mesh``: under
+    expert parallelism, each MoE layer's routed experts (already sharded over ``ep``) form their own unit
+    over this mesh (TorchTitan's ``efsdp``), as TorchTitan's ``apply_fsdp`` does."""
     config = config or FSDPConfig()
     tied = model.output.weight is model.tok_embeddings.weight
     mp = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     counter = _Counter()
+    if expert_mesh is not None:
+        from ..moe import moe_layers
+
+        for moe in moe_layers(model):
+            fully_shard(
+                moe.experts,
+                mesh=expert_mesh,
+                mp_policy=mp,
+                reshard_after_forward=config.reshard_after_forward,
+            )
     for name, unit in _units(model, tied):
         # TorchTitan keeps the LM head gathered after forward: backward needs it right away
         reshard = config.reshard_after_forward and not isinstance(unit, list)
