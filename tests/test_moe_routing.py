@@ -203,6 +203,7 @@ def _masks(group, layers=2, k=2, experts=8, seed=0):
         ),
         (lambda r: setattr(r, "prefix", r.prefix.float()), TypeError, "routing.prefix must hold integer"),
         (lambda r: setattr(r, "prefix", r.prefix[0]), ValueError, "routing.prefix must be 3-D"),
+        (lambda r: setattr(r, "prefix", r.prefix.to("meta")), ValueError, "routing.prefix is on the meta"),
         (
             lambda r: r.suffixes[3].__setitem__((1, 0), torch.tensor([3, 3])),
             ValueError,

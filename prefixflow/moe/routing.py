@@ -59,6 +59,8 @@ def _check_mask(name: str, t, rows: int, layers: int | None, k: int | None) -> t
         raise TypeError(f"{name} must be a LongTensor of expert ids, got {type(t).__name__}")
     if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
         raise TypeError(f"{name} must hold integer expert ids, got dtype {t.dtype}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (a shape without values); pass a materialised tensor")
     if t.dim() != 3:
         raise ValueError(f"{name} must be 3-D [n_moe_layers, tokens, top_k], got shape {tuple(t.shape)}")
     want = (layers if layers is not None else t.shape[0], rows, k if k is not None else t.shape[2])
