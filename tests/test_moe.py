@@ -138,3 +138,17 @@ def test_tokens_are_counted_logically_in_both_systems():
     for c in counts.values():
         assert torch.equal(c, counts[("baseline", "packed", True)])
         assert float(c[0].sum()) == tokens * 2
+
+
+def test_offload_changes_no_number_under_replay():
+    """Offloaded prefix saved tensors (expert ids stay resident as integer tensors) give bitwise gradients."""
+    group = group_for(9)
+    group = with_routing(group, random_routing(group, 2, 8, 2, seed=9))
+    got = []
+    for offload in (False, True):
+        model = tiny_moe()
+        pf.apply_prefixflow(model, pf.PrefixFlowConfig(offload=offload))
+        stats = pf.train_group(model, group, microbatch=1)
+        got.append([g.clone() for g in grads(model)])
+        assert not offload or stats.offload.offloaded_bytes > 0
+    assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))

@@ -398,12 +398,13 @@ def train_step(
     n_ranks = state.dims.batch if state is not None else 1
     me = state.coordinate("batch") if state is not None and n_ranks > 1 else 0
     costs = [group_costs(model, g, system) for g in groups]
-    placement = place_groups(costs, n_ranks, split_threshold)
-    if state is not None and state.dims.ep > 1 and not _lockstep(placement, microbatch):
+    ep = state is not None and state.dims.ep > 1
+    # Under EP groups stay whole: a split group's owner alone runs Phase A and C, out of the EP lockstep.
+    placement = place_groups(costs, n_ranks, None if ep else split_threshold)
+    if ep and not _lockstep(placement, microbatch):
         raise ValueError(
             f"ep={state.dims.ep}: the EP ranks run their MoE all-to-alls in lockstep, so every DP rank must "
-            "train the same sequence of microbatches; give each rank groups of the same sizes (or "
-            "split_threshold=None with as many equal groups as ranks)"
+            "train the same sequence of microbatches; give each rank as many groups, of the same sizes"
         )
     exchange = PrefixExchange(state.peers("batch") if n_ranks > 1 else [0])
     fsdp_on = state is not None and state.fsdp
