@@ -122,6 +122,16 @@ def _option_errors(err: ValidationError, names: dict[str, str] | None = None) ->
     return "; ".join(f"{where}: {msg}" for where, msg in parts.items())
 
 
+# The parallel flags of `run` and `align`: TorchTitan's mesh dimension names.
+DpReplicate = Annotated[
+    int, typer.Option("--dp-replicate", min=1, help="data-parallel replicas (all-reduce)")
+]
+DpShard = Annotated[int, typer.Option("--dp-shard", min=1, help="FSDP2 ranks (parameters sharded)")]
+Cp = Annotated[int, typer.Option("--cp", min=1, help="context parallel degree")]
+Tp = Annotated[int, typer.Option("--tp", min=1, help="tensor parallel degree (TorchTitan's plans)")]
+Pp = Annotated[int, typer.Option("--pp", min=1, help="pipeline parallel degree")]
+Ep = Annotated[int, typer.Option("--ep", min=1, help="expert parallel degree")]
+
 RUN_COLUMNS = [
     "system",
     "status",
@@ -138,6 +148,14 @@ RUN_COLUMNS = [
     "offloaded_bytes",
     "prefetched_bytes",
     "demand_loaded_bytes",
+    "parallel_layout",
+    "step_time_s_spread",
+    "grad_sync",
+    "fsdp_reduce_scatters_per_unit",
+    "split_groups",
+    "split_kv_bytes",
+    "split_grad_kv_bytes",
+    "split_exchange_exact",
 ]
 
 
@@ -166,8 +184,20 @@ def run(
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON record per system")] = False,
     out: Annotated[Path | None, typer.Option(help="also write the Parquet record under OUT/adhoc/")] = None,
+    dp_replicate: DpReplicate = 1,
+    dp_shard: DpShard = 1,
+    cp: Cp = 1,
+    tp: Tp = 1,
+    pp: Pp = 1,
+    ep: Ep = 1,
+    groups: Annotated[
+        int | None, typer.Option(min=1, help="groups per step (default: one per data-parallel rank)")
+    ] = None,
+    split_threshold: Annotated[
+        float, typer.Option(min=0, help="split a group when the busiest DP rank exceeds the mean by this")
+    ] = 0.25,
 ) -> None:
-    """Run one cell in-process and print its records."""
+    """Run one cell and print its records (a layout with several ranks runs under a local torchrun)."""
     from harness.records import write_records
     from harness.runner import run_cell
     from harness.safe_fs import UnsafePathError, check_writable
@@ -192,7 +222,9 @@ def run(
             compile=compile,
             ac=ac.value,
             offload=offload,
-            parallel=Parallel(),
+            parallel=Parallel(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep),
+            groups=groups,
+            split_threshold=split_threshold,
             systems=tuple(s.strip() for s in systems.split(",") if s.strip()),
             seed=seed,
             device=device,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import submitit
 
+from harness.launch import export_slurm_rank_env, torchrun_argv
 from harness.records import InvalidRecord, cell_status, read_records, write_records
 from harness.runner import REPO_ROOT, failed_records
 from harness.safe_fs import jobs_folder, open_new, trusted_dir
@@ -117,24 +118,34 @@ class LocalExecutor:
         self.poll_s = poll_s
         self.threads = max(1, (os.cpu_count() or 1) // self.max_jobs)
 
-    def _env(self) -> dict[str, str]:
+    def _slots(self, cell: Cell) -> int:
+        """Job slots a cell takes: one per rank (a cell wider than ``max_jobs`` runs alone)."""
+        return min(cell.world_size, self.max_jobs)
+
+    def _env(self, cell: Cell) -> dict[str, str]:
         env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(self.threads))
-        env.setdefault("PF_BENCH_THREADS", str(self.threads))
+        threads = max(1, self.threads * self._slots(cell) // cell.world_size)  # per rank
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        env.setdefault("PF_BENCH_THREADS", str(threads))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        if cell.world_size > 1:
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks talk over loopback only
         return env
 
     def _start(self, cell: Cell, folder: Path) -> tuple[subprocess.Popen, float]:
         jpath = write_job(job_path(folder, cell), cell, record_path(folder, cell))
         logs, root = folder / "_logs", folder.parent
+        argv = [*WORKER_ARGV, str(jpath)]
+        if cell.world_size > 1:  # one worker per rank under torchrun; rank 0 writes the record
+            argv = torchrun_argv(cell.world_size, "harness.worker", [str(jpath)])
         with (
             open_new(logs / f"{cell.cell_id}.out", root) as out,
             open_new(logs / f"{cell.cell_id}.err", root) as err,
         ):
             proc = subprocess.Popen(
-                [*WORKER_ARGV, str(jpath)],
+                argv,
                 cwd=REPO_ROOT,
-                env=self._env(),
+                env=self._env(cell),
                 stdout=out,
                 stderr=err,
                 stdin=subprocess.DEVNULL,
@@ -157,7 +168,11 @@ class LocalExecutor:
         limit = None if self.timeout_min is None else self.timeout_min * 60
         try:
             while pending or running:
-                while pending and len(running) < self.max_jobs:
+                while (
+                    pending
+                    and sum(self._slots(c) for c, _, _ in running.values()) + self._slots(pending[0])
+                    <= self.max_jobs
+                ):
                     cell = pending.pop(0)
                     proc, started = self._start(cell, folder)
                     running[cell.cell_id] = (cell, proc, started)
@@ -207,13 +222,18 @@ class CellJob(submitit.helpers.Checkpointable):
                 raise _JobStopped(str(e)) from None
 
         signal.signal(sig, on_signal)
+        if cell.world_size > 1:  # this task is one rank of the cell's multi-task job
+            export_slurm_rank_env()
         try:
             return run_job(cell, rpath)
         except _JobStopped as e:
             status = "timeout" if "timed-out" in str(e) else "error"
-            write_records(
-                rpath, failed_records(cell, status, f"Slurm stopped the job: {e}"), root=rpath.parent.parent
-            )
+            if os.environ.get("RANK", "0") == "0":
+                write_records(
+                    rpath,
+                    failed_records(cell, status, f"Slurm stopped the job: {e}"),
+                    root=rpath.parent.parent,
+                )
             return status
 
 
@@ -247,8 +267,11 @@ class SlurmExecutor:
         if SLURM_SHIM_DIR.is_dir() and str(SLURM_SHIM_DIR) not in path and trusted_dir(SLURM_SHIM_DIR):
             os.environ["PATH"] = os.pathsep.join([str(SLURM_SHIM_DIR), *path])
 
-    def _executor(self, folder: Path, name: str) -> submitit.AutoExecutor:
+    def _executor(self, folder: Path, name: str, ranks: int = 1) -> submitit.AutoExecutor:
+        """A submitit executor for cells of ``ranks`` ranks: one task per rank over ``settings.nodes``."""
         s = self.settings
+        if ranks > 1 and ranks % s.nodes:
+            raise ValueError(f"a cell of {ranks} ranks does not spread evenly over executor.nodes={s.nodes}")
         timeout_min = max(1, math.ceil(s.timeout_min))
         jobs = jobs_folder(folder) / "slurm"  # submitit's pickles: private, never in the results folder
         try:
@@ -262,7 +285,7 @@ class SlurmExecutor:
             name=name,
             timeout_min=timeout_min,
             nodes=s.nodes,
-            tasks_per_node=1,
+            tasks_per_node=max(1, ranks // s.nodes),
             cpus_per_task=s.cpus_per_task,
             mem_gb=s.mem_gb,
             slurm_array_parallelism=self.max_jobs,
@@ -272,15 +295,24 @@ class SlurmExecutor:
             params["gpus_per_node"] = s.gpus_per_node
         if s.partition:
             params["slurm_partition"] = s.partition
+        if s.overcommit and ranks > 1:
+            params["slurm_additional_parameters"] = {"overcommit": True}
         ex.update_parameters(**params)
         return ex
 
     def run(self, cells: list[Cell], folder: Path, on_done: OnDone) -> None:
         if not cells:
             return
-        files = [str(write_job(job_path(folder, c), c, record_path(folder, c))) for c in cells]
-        ex = self._executor(folder, f"pf-{cells[0].spec}")
-        jobs = ex.map_array(CellJob(), files)
+        # One job array per world size: a multi-rank cell is one multi-task job (one task per rank).
+        by_ranks: dict[int, list[Cell]] = {}
+        for cell in cells:
+            by_ranks.setdefault(cell.world_size, []).append(cell)
+        cells, jobs = [], []
+        for ranks, group in sorted(by_ranks.items()):
+            files = [str(write_job(job_path(folder, c), c, record_path(folder, c))) for c in group]
+            ex = self._executor(folder, f"pf-{group[0].spec}", ranks)
+            cells += group
+            jobs += ex.map_array(CellJob(), files)
         waves = math.ceil(len(cells) / self.max_jobs)
         budget = self.wait_timeout_s or waves * max(1, math.ceil(self.settings.timeout_min)) * 60 + 300
         deadline = time.monotonic() + budget
@@ -324,7 +356,7 @@ class SlurmExecutor:
     @staticmethod
     def _from_job(cell: Cell, job: submitit.Job, rpath: Path) -> str:
         try:
-            job.result()
+            job.results()  # one result per task (rank)
         except Exception as e:
             text = str(e)
             state = job.state

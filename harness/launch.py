@@ -1,19 +1,17 @@
-"""Many ranks: ``torchrun`` on this machine, one multi-task job per cell on Slurm, and rank-max merging.
+"""Many ranks: ``torchrun`` on this machine, and the environment of one Slurm task per rank.
 
 - :func:`torchrun_argv` / :func:`run_torchrun`: start ``nproc`` ranks of a Python module on this machine
   (``python -m torch.distributed.run --standalone``: a free local port per launch, so launches never
   collide; gloo's traffic stays on the loopback interface).
-- :func:`slurm_rank_env`: inside a Slurm task (one task per rank, submitit), the environment variables
-  ``torch.distributed`` reads (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
-- :func:`merge_rank_records`: one record per system from every rank's own measurements: timing and memory
-  are the rank-max, the per-rank values are kept (``*_per_rank``, JSON) with their spread
-  (``(max - min) / max``).
+- :func:`run_cell_torchrun`: a multi-rank cell from a single process (``pf-bench run``, the debug executor):
+  torchrun runs ``harness.worker`` on every rank, rank 0 writes the record (``harness.rank_runner`` merges
+  the ranks: rank-max times, per-rank values and their spread).
+- :func:`export_slurm_rank_env`: inside a Slurm task (one task per rank, submitit), the environment
+  ``torch.distributed`` reads.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import subprocess
 import sys
@@ -25,23 +23,10 @@ __all__ = [
     "torchrun_argv",
     "run_torchrun",
     "local_env",
-    "slurm_rank_env",
-    "merge_rank_records",
-    "RANK_MAX_COLUMNS",
+    "export_slurm_rank_env",
+    "rank_threads",
+    "run_cell_torchrun",
 ]
-
-# Columns whose record value is the max over ranks (the paper's rank-max); their per-rank values are kept.
-RANK_MAX_COLUMNS = (
-    "step_time_s",
-    "step_time_min_s",
-    "step_time_max_s",
-    "phase_a_s",
-    "phase_b_s",
-    "phase_c_s",
-    "peak_mem_bytes",
-    "peak_mem_phase_b_bytes",
-    "first_step_s",
-)
 
 
 def torchrun_argv(nproc: int, module: str, args: Sequence[str] = ()) -> list[str]:
@@ -100,50 +85,65 @@ def run_torchrun(
     )
 
 
-def slurm_rank_env() -> dict[str, str]:
-    """``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` of this Slurm task (submitit's
-    view of the job: one task per rank), to be merged into ``os.environ`` before joining the group."""
+def export_slurm_rank_env() -> None:
+    """Inside one task of a Slurm multi-task job (one task per rank, submitit): set ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` for ``torch.distributed``. A one-node
+    job keeps its traffic on the loopback interface."""
     import submitit
 
-    env = submitit.JobEnvironment()
-    nodes = env.hostnames
-    port = 20000 + int(env.job_id.split("_")[0]) % 20000
-    return {
-        "RANK": str(env.global_rank),
-        "WORLD_SIZE": str(env.num_tasks),
-        "LOCAL_RANK": str(env.local_rank),
-        "LOCAL_WORLD_SIZE": str(env.num_tasks // max(1, env.num_nodes)),
-        "MASTER_ADDR": nodes[0],
-        "MASTER_PORT": str(port),
-    }
+    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    if submitit.JobEnvironment().num_nodes == 1:
+        os.environ["MASTER_ADDR"] = _loopback_address()
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
-def _spread(values: list[float]) -> float:
-    finite = [v for v in values if v is not None and not math.isnan(v)]
-    if not finite or max(finite) == 0:
-        return math.nan
-    return (max(finite) - min(finite)) / max(finite)
+def _loopback_address() -> str:
+    """``::1`` where IPv6 loopback works, else ``127.0.0.1``. Rank 0's TCPStore listens on the IPv6 wildcard;
+    on a node that fences every bind to loopback (the local test Slurm) only ``::1`` of it remains."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+        return "::1"
+    except OSError:
+        return "127.0.0.1"
 
 
-def merge_rank_records(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Rank 0's records, with every :data:`RANK_MAX_COLUMNS` value replaced by its max over ranks and the
-    per-rank values kept (``<column>_per_rank`` as JSON, ``<column>_spread``). A system that failed on
-    any rank is failed (that rank's status and error)."""
-    merged = []
-    for i, rec in enumerate(per_rank[0]):
-        out = dict(rec)
-        rows = [ranks[i] for ranks in per_rank]
-        bad = next((r for r in rows if r.get("status") != "ok"), None)
-        if bad is not None and rec.get("status") == "ok":
-            out["status"], out["error"] = bad["status"], bad.get("error")
-        for col in RANK_MAX_COLUMNS:
-            if col not in rec:
-                continue
-            values = [r.get(col) for r in rows]
-            nums = [float(v) if isinstance(v, int | float) and v is not None else math.nan for v in values]
-            finite = [v for v in nums if not math.isnan(v)]
-            out[col] = max(finite) if finite else math.nan
-            out[f"{col}_per_rank"] = json.dumps([None if math.isnan(v) else v for v in nums])
-            out[f"{col}_spread"] = _spread(nums)
-        merged.append(out)
-    return merged
+def rank_threads(world_size: int) -> int:
+    """Threads per rank: ``PF_BENCH_THREADS`` if set, else the CPUs shared out over the ranks."""
+    value = os.environ.get("PF_BENCH_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def run_cell_torchrun(cell, timeout_s: float | None = None) -> list[dict[str, Any]]:
+    """Run a multi-rank ``cell`` under a local torchrun and return its merged records (a failure record
+    with the ranks' stderr when they wrote none)."""
+    import tempfile
+
+    from harness.records import read_records
+    from harness.runner import failed_records
+    from harness.worker import write_job
+
+    with tempfile.TemporaryDirectory(prefix="pf-ranks-") as tmp:
+        record = Path(tmp) / f"{cell.cell_id}.parquet"
+        job = write_job(Path(tmp) / "job.json", cell, record)
+        limit = timeout_s if timeout_s is not None else cell.timeout_min * 60
+        try:
+            proc = run_torchrun(
+                cell.world_size,
+                "harness.worker",
+                [str(job)],
+                timeout_s=limit,
+                threads=rank_threads(cell.world_size),
+            )
+        except subprocess.TimeoutExpired:
+            return failed_records(cell, "timeout", f"{cell.world_size} ranks exceeded {limit:.0f} s")
+        if not record.exists():
+            tail = proc.stderr.decode(errors="replace")[-4000:]
+            return failed_records(
+                cell, "error", f"torchrun exited {proc.returncode} without a record\n{tail}"
+            )
+        return read_records(record).to_dict("records")

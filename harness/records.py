@@ -41,6 +41,8 @@ SCHEMA = pa.schema(
         ("compile", pa.bool_()),
         ("ac", pa.string()),
         ("offload", pa.bool_()),
+        ("dp_replicate", pa.int64()),
+        ("dp_shard", pa.int64()),
         ("tp", pa.int64()),
         ("cp", pa.int64()),
         ("pp", pa.int64()),

@@ -7,6 +7,7 @@ import functools
 import gc
 import json
 import math
+import os
 import socket
 import statistics
 import subprocess
@@ -81,12 +82,16 @@ def base_record(cell: Cell, device: str = "") -> dict[str, Any]:
         "compile": cell.compile,
         "ac": cell.ac,
         "offload": cell.offload,
+        "dp_replicate": par.dp_replicate,
+        "dp_shard": par.dp_shard,
         "tp": par.tp,
         "cp": par.cp,
         "pp": par.pp,
-        "dp": par.dp,
+        "dp": par.batch,  # the data-parallel degree (dp_replicate x dp_shard)
         "ep": par.ep,
         "world_size": cell.world_size,
+        "parallel_layout": par.label,
+        "groups_per_step": cell.groups_per_step,
         "warmup": cell.warmup,
         "repeats": cell.repeats,
         "seed": cell.seed,
@@ -101,12 +106,13 @@ def failed_records(cell: Cell, status: str, error: str, device: str = "") -> lis
     ]
 
 
-def make_group(cell: Cell, vocab_size: int):
+def make_group(cell: Cell, vocab_size: int, index: int = 0):
     """A deterministic synthetic rollout group: prompt of P tokens, N responses of length S (or, with
-    ``suffix_spread`` > 0, uniform in [ceil(S*(1-spread)), S]), advantages ~ N(0, 1)."""
+    ``suffix_spread`` > 0, uniform in [ceil(S*(1-spread)), S]), advantages ~ N(0, 1). ``index``: which
+    group of a multi-group step (each its own draw; index 0 is the single-group cell's group)."""
     from prefixflow import RolloutGroup
 
-    gen = torch.Generator().manual_seed(cell.seed)
+    gen = torch.Generator().manual_seed(cell.seed + 1_000_003 * index)
     prompt = torch.randint(0, vocab_size, (cell.prefix_len,), generator=gen)
     if cell.suffix_spread > 0:
         low = max(1, math.ceil(cell.suffix_len * (1 - cell.suffix_spread)))
@@ -246,7 +252,7 @@ def _offload_columns(cell: Cell, name: str, system: Any, stats: Any) -> dict[str
     return out
 
 
-def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]]:
+def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | None:
     """Run every system of ``cell`` interleaved (A B A B ...); one record per system, never raises for
     a failing system (status error/oom with the traceback). ``memory_only`` (capacity probes): on CPU one
     step per system with the live-bytes meter and no timed steps; on CUDA one step and no warm-up."""
@@ -254,9 +260,14 @@ def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]]:
         device = resolve_device(cell.device)
     except RuntimeError:
         return failed_records(cell, "error", traceback.format_exc())
-    if cell.world_size != 1:
-        msg = f"world size {cell.world_size} (tp*cp*pp*dp*ep) > 1 is not runnable yet; only all-1 layouts run"
-        return failed_records(cell, "error", msg, str(device))
+    if cell.world_size > 1 and os.environ.get("WORLD_SIZE") != str(cell.world_size):
+        from harness.launch import run_cell_torchrun
+
+        return run_cell_torchrun(cell)  # its ranks come back here, under torchrun
+    if cell.world_size != 1 or cell.groups_per_step != 1:
+        from harness.rank_runner import run_cell_ranks
+
+        return run_cell_ranks(cell, memory_only=memory_only)  # None on ranks other than 0
 
     systems, models, failures, extras = {}, {}, {}, {}
     for name in cell.systems:

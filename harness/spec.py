@@ -77,18 +77,50 @@ class ModelSpec(_Strict):
         return self.label or self.name
 
 
-class Parallel(_Strict):
-    """Parallel layout of one cell. Only all-1 runs today; the schema carries the rest."""
+PARALLEL_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")  # TorchTitan's mesh names
 
-    tp: int = Field(1, ge=1)
+
+class Parallel(_Strict):
+    """Parallel layout of one cell, in TorchTitan's mesh names (prefixflow.parallel.ParallelDims)."""
+
+    dp_replicate: int = Field(1, ge=1, description="data-parallel replicas (gradients all-reduced)")
+    dp_shard: int = Field(1, ge=1, description="FSDP2 ranks (parameters sharded, gradients reduce-scattered)")
     cp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
-    dp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "dp" in data:
+            raise ValueError(
+                "'dp' is now two of TorchTitan's dimensions: 'dp_replicate' (replicas, gradients all-reduced) "
+                "or 'dp_shard' (FSDP2); rename it to one of them"
+            )
+        return data
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp * self.ep
+        """Ranks the layout needs (expert parallelism borrows ranks, as in TorchTitan)."""
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def batch(self) -> int:
+        """Data-parallel degree: ranks that train different groups."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def label(self) -> str:
+        parts = [f"{n}{getattr(self, n)}" for n in PARALLEL_DIMS if getattr(self, n) > 1]
+        return "-".join(parts) or "single"
+
+    def identity(self) -> dict[str, int]:
+        """The layout as it enters a cell id: single-device and TP/CP/PP/EP-only layouts keep the form
+        they had before the data-parallel dimensions were split (their recorded cells stay valid)."""
+        if self.batch == 1:
+            return {"cp": self.cp, "dp": 1, "ep": self.ep, "pp": self.pp, "tp": self.tp}
+        return self.model_dump()
 
 
 class LengthPair(_Strict):
@@ -112,6 +144,19 @@ class Axes(_Strict):
     ac: list[Literal["selective", "full", "none"]] = Field(default_factory=lambda: ["none"], min_length=1)
     offload: list[bool] = Field(default_factory=lambda: [False], min_length=1)
     parallel: list[Parallel] = Field(default_factory=lambda: [Parallel()], min_length=1)
+    # or one axis per TorchTitan dimension (their product gives the layouts), e.g. tp: [1, 2]
+    dp_replicate: list[int] | None = Field(None, min_length=1)
+    dp_shard: list[int] | None = Field(None, min_length=1)
+    cp: list[int] | None = Field(None, min_length=1)
+    tp: list[int] | None = Field(None, min_length=1)
+    pp: list[int] | None = Field(None, min_length=1)
+    ep: list[int] | None = Field(None, min_length=1)
+    groups: list[int | None] = Field(
+        default_factory=lambda: [None], min_length=1, description="groups per step (null: one per DP rank)"
+    )
+    split_threshold: float | None = Field(
+        0.25, ge=0, description="split a group when the busiest DP rank exceeds the mean load by this"
+    )
     # per-block overrides of the spec's settings (a spec may list several axes blocks)
     systems: list[str] | None = Field(None, min_length=1, description="systems of this block only")
     warmup: int | None = Field(None, ge=0, le=MAX_INT)
@@ -149,6 +194,40 @@ class Axes(_Strict):
                 raise ValueError(f"suffix_spread {x} must be in [0, 1)")
         return v
 
+    @field_validator(*PARALLEL_DIMS)
+    @classmethod
+    def _degrees(cls, v: list[int] | None) -> list[int] | None:
+        for x in v or []:
+            if x < 1:
+                raise ValueError(f"parallel degree {x} must be >= 1")
+        return v
+
+    @field_validator("groups")
+    @classmethod
+    def _groups(cls, v: list[int | None]) -> list[int | None]:
+        for x in v:
+            if x is not None and x < 1:
+                raise ValueError(f"groups {x} must be >= 1 or null (one per data-parallel rank)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_parallel_form(self) -> Axes:
+        per_dim = [d for d in PARALLEL_DIMS if getattr(self, d) is not None]
+        if per_dim and "parallel" in self.model_fields_set:
+            raise ValueError(
+                f"give either 'parallel' (a list of layouts) or per-dimension axes {per_dim}, not both"
+            )
+        return self
+
+    def layouts(self) -> list[Parallel]:
+        """The parallel layouts of this block: the explicit list, or the product of the per-dimension axes."""
+        if all(getattr(self, d) is None for d in PARALLEL_DIMS):
+            return list(self.parallel)
+        axes = [getattr(self, d) or [1] for d in PARALLEL_DIMS]
+        return [
+            Parallel(**dict(zip(PARALLEL_DIMS, combo, strict=True))) for combo in itertools.product(*axes)
+        ]
+
     @model_validator(mode="after")
     def _one_length_form(self) -> Axes:
         ratio_form = self.prefix_ratio is not None or self.total_len is not None
@@ -185,6 +264,9 @@ class ExecutorSettings(_Strict):
     gpus_per_node: int = Field(0, ge=0, le=MAX_INT)
     cpus_per_task: int = Field(1, ge=1, le=MAX_INT)
     mem_gb: float = Field(4.0, gt=0, le=2**40)
+    overcommit: bool = Field(
+        False, description="Slurm --overcommit for multi-rank cells: more ranks than CPUs (small CPU nodes)"
+    )
 
 
 class FrontierSearch(_Strict):
@@ -294,6 +376,8 @@ class Cell(_Strict):
     ac: Literal["selective", "full", "none"] = "none"
     offload: bool = False
     parallel: Parallel = Field(default_factory=Parallel)
+    groups: int | None = Field(None, ge=1, description="groups per step; None: one per data-parallel rank")
+    split_threshold: float | None = Field(0.25, ge=0)
     systems: tuple[str, ...] = Field(("baseline", "prefixflow"), min_length=1)
     loss: Literal["pg", "grpo"] = "pg"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -312,12 +396,21 @@ class Cell(_Strict):
     def cell_id(self) -> str:
         skip = set(NOT_IDENTITY) | ({"frontier"} if self.frontier is None else set())
         ident = self.model_dump(mode="json", exclude=skip)
+        # Layout fields enter the id only where they matter, so cells recorded before they existed keep it.
+        ident["parallel"] = self.parallel.identity()
+        if self.parallel.batch == 1 and self.groups is None:
+            ident.pop("groups")
+            ident.pop("split_threshold")
         blob = json.dumps(ident, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     @property
     def world_size(self) -> int:
         return self.parallel.world_size
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.groups or self.parallel.batch
 
     @property
     def prefix_ratio(self) -> float:
@@ -426,7 +519,22 @@ def _common(spec: Spec) -> dict[str, Any]:
     return {"spec": spec.name, "loss": spec.loss, "device": spec.device, "seed": spec.seed}
 
 
-SWEPT = ("n", "suffix_spread", "layout", "microbatch", "dtype", "compile", "ac", "offload", "parallel")
+SWEPT = (
+    "n",
+    "suffix_spread",
+    "layout",
+    "microbatch",
+    "dtype",
+    "compile",
+    "ac",
+    "offload",
+    "parallel",
+    "groups",
+)
+
+
+def _swept_values(ax: Axes, name: str) -> list:
+    return ax.layouts() if name == "parallel" else getattr(ax, name)
 
 
 def _expand_block(spec: Spec, ax: Axes) -> list[Cell]:
@@ -436,11 +544,12 @@ def _expand_block(spec: Spec, ax: Axes) -> list[Cell]:
         "warmup": spec.warmup if ax.warmup is None else ax.warmup,
         "repeats": spec.repeats if ax.repeats is None else ax.repeats,
         "timeout_min": spec.executor.timeout_min,
+        "split_threshold": ax.split_threshold,
     }
     return [
         Cell(**fixed, model=model, prefix_len=p, suffix_len=s, **dict(zip(SWEPT, values, strict=True)))
         for model, (p, s), *values in itertools.product(
-            ax.models, ax.length_pairs(), *(getattr(ax, name) for name in SWEPT)
+            ax.models, ax.length_pairs(), *(_swept_values(ax, name) for name in SWEPT)
         )
     ]
 

@@ -55,6 +55,8 @@ def run_job(cell: Cell, record_path: Path) -> str:
             records = run_cell(cell)
     except Exception:
         records = failed_records(cell, "error", traceback.format_exc())
+    if records is None:  # a rank other than 0 of a multi-rank cell: rank 0 writes the record
+        return "ok"
     write_records(record_path, records, root=record_path.parent.parent)  # no link below the results folder
     import pandas as pd
 
