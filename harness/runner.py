@@ -260,6 +260,13 @@ def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | No
         device = resolve_device(cell.device)
     except RuntimeError:
         return failed_records(cell, "error", traceback.format_exc())
+    if cell.parallel != type(cell.parallel)():
+        from prefixflow.parallel import ParallelDims, check_supported
+
+        try:
+            check_supported(ParallelDims.of(cell.parallel.model_dump()))
+        except ValueError as e:
+            return failed_records(cell, "error", str(e), str(device))
     if cell.world_size > 1 and os.environ.get("WORLD_SIZE") != str(cell.world_size):
         from harness.launch import run_cell_torchrun
 

@@ -76,10 +76,11 @@ def test_local_hard_crash_without_record(tmp_path, monkeypatch):
     assert "code 3" in err and "segfault-ish" in err
 
 
-def test_world_size_above_one_is_an_error_record(tmp_path):
-    cell = _cell(parallel={"tp": 2})
+def test_a_parallel_dimension_not_supported_yet_is_an_error_record(tmp_path):
+    cell = _cell(parallel={"cp": 2})
     assert _collect_done(tmp_path, [cell], DebugExecutor()) == {cell.cell_id: "error"}
-    assert read_records(record_path(tmp_path, cell))["error"].str.contains("world size 2").all()
+    errors = read_records(record_path(tmp_path, cell))["error"]
+    assert errors.str.contains("cp=2 is not supported yet").all(), errors.tolist()
 
 
 def test_make_executor_rejects_unknown_kind():

@@ -9,7 +9,8 @@ import pytest
 from conftest import tiny_model
 
 import prefixflow as pf
-from harness.launch import merge_rank_records, torchrun_argv
+from harness.launch import torchrun_argv
+from harness.rank_runner import merge_rank_samples
 from prefixflow.parallel import ParallelDims, parallelize
 from prefixflow.parallel.dp import group_costs, place_groups, train_step
 
@@ -88,19 +89,84 @@ def test_train_step_on_one_process_equals_train_group_per_group():
         assert (p.grad - q.grad).abs().max() <= 1e-12 * q.grad.abs().max()
 
 
-def test_rank_records_merge_to_the_rank_max_with_per_rank_values_and_spread():
-    rank0 = [{"system": "prefixflow", "status": "ok", "step_time_s": 1.0, "peak_mem_bytes": 10.0}]
-    rank1 = [{"system": "prefixflow", "status": "ok", "step_time_s": 2.0, "peak_mem_bytes": 30.0}]
-    (rec,) = merge_rank_records([rank0, rank1])
-    assert rec["step_time_s"] == 2.0 and rec["peak_mem_bytes"] == 30.0
-    assert json.loads(rec["step_time_s_per_rank"]) == [1.0, 2.0]
-    assert rec["step_time_s_spread"] == pytest.approx(0.5)
-    failed = [{"system": "prefixflow", "status": "error", "error": "boom", "step_time_s": math.nan}]
-    (rec,) = merge_rank_records([rank0, failed])
-    assert rec["status"] == "error" and rec["error"] == "boom"
+def _rank(times: list[float], peak: float, status: str = "ok") -> list[dict]:
+    samples = [{"step_time_s": t, "phase_a_s": t / 4, "phase_b_s": t / 2, "phase_c_s": t / 4} for t in times]
+    return [
+        {
+            "system": "prefixflow",
+            "status": status,
+            "error": None if status == "ok" else "boom",
+            "samples": samples,
+            "peak_mem_bytes": peak,
+            "peak_mem_phase_b_bytes": peak,
+            "rank": 0,
+        }
+    ]
+
+
+def test_rank_samples_merge_to_the_median_of_per_step_rank_max_with_per_rank_values_and_spread():
+    (rec,) = merge_rank_samples([_rank([1.0, 3.0, 2.0], 10.0), _rank([2.0, 1.0, 2.5], 30.0)])
+    assert rec["step_time_s"] == 2.5  # per step max: 2, 3, 2.5 -> median 2.5
+    assert (rec["step_time_min_s"], rec["step_time_max_s"]) == (2.0, 3.0)
+    assert json.loads(rec["step_time_s_per_rank"]) == [2.0, 2.0]
+    assert rec["step_time_s_spread"] == 0.0
+    assert rec["peak_mem_bytes"] == 30.0 and rec["peak_mem_bytes_spread"] == pytest.approx(2 / 3)
+    assert "samples" not in rec and "rank" not in rec
+    (rec,) = merge_rank_samples([_rank([1.0], 1.0), _rank([1.0], 1.0, status="error")])
+    assert rec["status"] == "error" and rec["error"] == "boom" and "step_time_s" not in rec
 
 
 def test_torchrun_argv_is_standalone_and_runs_a_module():
     argv = torchrun_argv(2, "harness.rank_worker", ["job.json"])
     assert argv[1:4] == ["-m", "torch.distributed.run", "--standalone"]
     assert "--nproc-per-node=2" in argv and argv[-3:] == ["-m", "harness.rank_worker", "job.json"]
+
+
+def _spec(axes_extra: dict) -> dict:
+    return {
+        "name": "p",
+        "axes": {
+            "models": [{"name": "llama3:debugmodel"}],
+            "lengths": [{"prefix": 8, "suffix": 4}],
+            "n": [2],
+            **axes_extra,
+        },
+    }
+
+
+def test_spec_axes_take_torchtitan_names_and_old_dp_is_rejected_naming_the_new_ones():
+    from harness.spec import SpecError, expand, parse_spec
+
+    cells = expand(parse_spec(_spec({"tp": [1, 2], "dp_shard": [1, 2]})))
+    assert sorted(c.parallel.label for c in cells) == ["dp_shard2", "dp_shard2-tp2", "single", "tp2"]
+    assert {c.world_size for c in cells} == {1, 2, 4}
+    cells = expand(parse_spec(_spec({"parallel": [{"dp_replicate": 2}], "groups": [3]})))
+    assert cells[0].groups_per_step == 3 and cells[0].parallel.batch == 2
+    with pytest.raises(SpecError, match="dp_replicate.*dp_shard"):
+        parse_spec(_spec({"parallel": [{"dp": 2}]}))
+    with pytest.raises(SpecError, match="either 'parallel'"):
+        parse_spec(_spec({"parallel": [{"tp": 2}], "tp": [2]}))
+
+
+def test_cells_recorded_before_the_data_parallel_split_keep_their_ids():
+    from harness.spec import Cell, ModelSpec
+
+    plain = Cell(
+        spec="s",
+        model=ModelSpec(name="llama3:debugmodel", overrides={"dim": 64}),
+        prefix_len=96,
+        suffix_len=32,
+        n=4,
+    )
+    assert plain.cell_id == "23d39525bfde"  # the id this cell had before (recorded results stay valid)
+    tp_cp = Cell(
+        spec="s",
+        model=ModelSpec(name="llama3:debugmodel"),
+        prefix_len=96,
+        suffix_len=32,
+        n=4,
+        parallel={"tp": 2, "cp": 4},
+    )
+    assert tp_cp.cell_id == "f195e628a3b6"
+    dp = Cell.model_validate({**plain.model_dump(), "parallel": {"dp_shard": 2}})
+    assert dp.cell_id != plain.cell_id

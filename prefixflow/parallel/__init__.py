@@ -34,6 +34,7 @@ __all__ = [
     "ParallelState",
     "backend_for",
     "build_mesh",
+    "check_supported",
     "init_distributed",
     "parallel_state",
     "parallelize",
@@ -67,7 +68,8 @@ def parallel_state(model: nn.Module) -> ParallelState | None:
     return getattr(model, "prefixflow_parallel", None)
 
 
-def _check_supported(dims: ParallelDims) -> None:
+def check_supported(dims: ParallelDims) -> None:
+    """Raise ``ValueError`` for a dimension ``parallelize`` cannot apply yet."""
     for name in MESH_DIMS:
         if getattr(dims, name) > 1 and name not in SUPPORTED_DIMS:
             raise ValueError(
@@ -100,7 +102,7 @@ def parallelize(
     ``pp_switching``: ``"stage_local"`` or ``"barrier"`` (global A | B | C barriers).
     """
     dims = ParallelDims.of(dims)
-    _check_supported(dims)
+    check_supported(dims)
     if dims.ep > 1:
         from .ep import check_ep_degree
 
