@@ -31,6 +31,11 @@ console = Console(width=_WIDTH)
 err_console = Console(stderr=True, width=_WIDTH)
 
 
+class LossName(StrEnum):
+    pg = "pg"
+    grpo = "grpo"
+
+
 class Layout(StrEnum):
     padded = "padded"
     packed = "packed"
@@ -271,6 +276,8 @@ def run(
 
 def _search_label(cell: Cell) -> str:
     """A capacity-frontier search cell in a few words ('-' for a measurement cell)."""
+    if cell.alignment is not None:
+        return f"alignment (Table 3), {cell.alignment.steps} steps"
     f = cell.frontier
     if f is None:
         return "-"
@@ -330,7 +337,9 @@ def sweep(
                 "compile": c.compile,
                 "ac": c.ac,
                 "offload": c.offload,
+                "parallel": c.parallel.label,
                 "world": c.world_size,
+                "groups": c.groups_per_step,
                 "systems": ",".join(c.systems),
                 "search": _search_label(c),
                 "state": "run" if c.cell_id in todo else f"done ({p.done[c.cell_id]})",
@@ -464,13 +473,21 @@ def _render(kind: str, results: Path, out: Path) -> None:
     if df.empty:
         _fail(f"no records under {results}; run `pf-bench sweep SPEC --out {results}` first")
     import harness.figures as figures
+    from harness.figures.tables import load_alignment
+    from harness.rank_runner import alignment_rows
 
     out.mkdir(parents=True, exist_ok=True)
-    alignment = results / ALIGNMENT_DIR
+    df, table3 = alignment_rows(df)  # alignment cells' rows (Table 3) apart from the measurements
+    folder = results / ALIGNMENT_DIR
+    if folder.is_dir():  # rows written by `pf-bench align --out`
+        written = load_alignment(folder)
+        if not written.empty and "parallel" not in written.columns:
+            written["parallel"] = "single"
+        table3 = pd.concat([written, table3], ignore_index=True)
     if kind == "figures":
         made = figures.render_all(df, out)
-    elif alignment.is_dir():
-        made = figures.render_tables(df, out, alignment=alignment)
+    elif not table3.empty:
+        made = figures.render_tables(df, out, alignment=table3)
     else:
         made = figures.render_tables(df, out)
     for path in made or []:
@@ -550,7 +567,17 @@ def align(
         int | None, typer.Option(min=1, help="responses per microbatch (default: all; controls need < n)")
     ] = None,
     ac: AC = AC.none,
+    loss: Annotated[LossName, typer.Option(help="pg, or grpo (PPO-clip)")] = LossName.pg,
     seed: int = 0,
+    dp_replicate: DpReplicate = 1,
+    dp_shard: DpShard = 1,
+    cp: Cp = 1,
+    tp: Tp = 1,
+    pp: Pp = 1,
+    ep: Ep = 1,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print one JSON object per row (the table goes to stderr)")
+    ] = False,
     controls: Annotated[
         bool,
         typer.Option(
@@ -561,35 +588,50 @@ def align(
     out: Annotated[
         Path | None, typer.Option(help=f"also write the rows to OUT/{ALIGNMENT_DIR}/ (read by `tables`)")
     ] = None,
-    as_json: Annotated[
-        bool, typer.Option("--json", help='print {"passed": ..., "rows": [...]} as JSON instead of the table')
-    ] = False,
 ) -> None:
     """Table 3: gradients (G), loss (L) and weights (W) of PrefixFlow vs the baseline over STEPS steps."""
     import torch
 
-    from prefixflow.alignment import CONTROLS, CORRECT, format_alignment, run_alignment
+    from prefixflow.alignment import CONTROLS, CORRECT, AlignmentRow, format_alignment, run_alignment
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
     try:
-        rows = run_alignment(
-            model,
-            overrides=parse_overrides(override),
-            steps=steps,
-            dtype=dtypes[dtype.value],
-            report_steps=report_steps_for(steps),
-            prefix_len=prefix_len,
-            suffix_len=suffix_len,
-            n=n,
-            layout=layout.value,
-            microbatch=microbatch,
-            ac=ac.value,
-            seed=seed,
-            controls=CONTROLS if controls else (),
-        )
+        par = Parallel(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep)
+    except ValidationError as e:
+        _fail("; ".join(x["msg"] for x in e.errors()))
+    settings = dict(
+        model=model,
+        overrides=parse_overrides(override),
+        steps=steps,
+        report_steps=report_steps_for(steps),
+        prefix_len=prefix_len,
+        suffix_len=suffix_len,
+        n=n,
+        layout=layout.value,
+        microbatch=microbatch,
+        loss=loss.value,
+        ac=ac.value,
+        seed=seed,
+    )
+    try:
+        if par != Parallel():
+            from harness.launch import run_alignment_ranks
+            from prefixflow.parallel import ParallelDims, check_supported
+
+            check_supported(ParallelDims.of(par.model_dump()))
+            if controls:
+                raise ValueError("--controls runs on one process; drop the parallel flags to run them")
+            rows = [AlignmentRow(**r) for r in run_alignment_ranks(par, {**settings, "dtype": dtype.value})]
+        else:
+            rows = run_alignment(**settings, dtype=dtypes[dtype.value], controls=CONTROLS if controls else ())
     except (ValueError, TypeError) as e:
         _fail(str(e))
-    if not as_json:
+    layout_cols = {**par.model_dump(), "parallel": par.label}
+    if as_json:
+        for r in rows:
+            typer.echo(json.dumps(_json_safe({**r.as_dict(), **layout_cols})))
+        err_console.print(Text(format_alignment(rows)), highlight=False)
+    else:
         console.print(Text(format_alignment(rows)), highlight=False)
     if out is not None:
         import pandas as pd
@@ -603,8 +645,12 @@ def align(
         table.insert(1, "layout", layout.value)
         table.insert(2, "microbatch", "all" if microbatch is None else str(microbatch))
         table.insert(3, "ac", ac.value)
+        if par != Parallel():  # Table 3 rows carry their parallel layout
+            table.insert(4, "parallel", par.label)
         table["git_rev"] = git_rev()
         name = f"{model}-{dtype.value}-{layout.value}-mb{microbatch or 'all'}-{ac.value}"
+        if par != Parallel():
+            name += f"-{par.label}"
         path = out / ALIGNMENT_DIR / f"{safe_name(name)}.parquet"
         (err_console if as_json else console).print(
             Text(f"alignment rows -> {write_table(table, path, root=out)}")
@@ -622,8 +668,6 @@ def align(
             f"[red]negative control(s) {escape(str(blind))} PASSED: the check cannot see these faults[/red]"
         )
         failed = True
-    if as_json:
-        typer.echo(json.dumps({"passed": not failed, "rows": [_json_safe(r.as_dict()) for r in rows]}))
     if failed:
         raise typer.Exit(1)
 

@@ -26,6 +26,7 @@ __all__ = [
     "export_slurm_rank_env",
     "rank_threads",
     "run_cell_torchrun",
+    "run_alignment_ranks",
 ]
 
 
@@ -147,3 +148,66 @@ def run_cell_torchrun(cell, timeout_s: float | None = None) -> list[dict[str, An
                 cell, "error", f"torchrun exited {proc.returncode} without a record\n{tail}"
             )
         return read_records(record).to_dict("records")
+
+
+def run_alignment_ranks(parallel, kwargs: dict[str, Any], timeout_s: float = 3600) -> list[dict[str, Any]]:
+    """``prefixflow.parallel.align.run_parallel_alignment(**kwargs)`` on ``parallel.world_size`` local ranks;
+    the rows (as dicts). Raises ``ValueError`` with the ranks' message when they fail."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="pf-align-") as tmp:
+        job, out = Path(tmp) / "align.json", Path(tmp) / "rows.json"
+        job.write_text(json.dumps({"dims": parallel.model_dump(), **kwargs}))
+        try:
+            proc = run_torchrun(
+                parallel.world_size,
+                "harness.launch",
+                ["align", str(job), str(out)],
+                timeout_s=timeout_s,
+                threads=rank_threads(parallel.world_size),
+            )
+        except subprocess.TimeoutExpired:
+            raise ValueError(f"alignment on {parallel.world_size} ranks exceeded {timeout_s:.0f} s") from None
+        result = json.loads(out.read_text()) if out.exists() else None
+        if result is None or "error" in result:
+            detail = result["error"] if result else proc.stderr.decode(errors="replace")[-4000:]
+            raise ValueError(f"alignment on {parallel.world_size} ranks failed: {detail}")
+        return result["rows"]
+
+
+def _align_main(job_path: str, out_path: str) -> int:
+    """One rank of :func:`run_alignment_ranks`; rank 0 writes ``{"rows": [...]}`` or ``{"error": ...}``."""
+    import json
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    from prefixflow.parallel import init_distributed
+    from prefixflow.parallel.align import run_parallel_alignment
+
+    spec = json.loads(Path(job_path).read_text())
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+    spec["dtype"] = dtypes[spec["dtype"]]
+    threads = os.environ.get("PF_BENCH_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    init_distributed("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        result = {"rows": [r.as_dict() for r in run_parallel_alignment(**spec)]}
+    except (ValueError, TypeError) as e:
+        result = {"error": str(e)}
+    except Exception:
+        result = {"error": traceback.format_exc()}
+    if dist.get_rank() == 0:
+        Path(out_path).write_text(json.dumps(result, default=float))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] != "align":
+        print("usage: python -m harness.launch align JOB.json OUT.json", file=sys.stderr)
+        raise SystemExit(2)
+    raise SystemExit(_align_main(sys.argv[2], sys.argv[3]))

@@ -319,6 +319,33 @@ class Frontier(FrontierSearch):
         return FrontierSearch.model_validate(self.model_dump(include=set(FrontierSearch.model_fields)))
 
 
+class AlignmentSettings(_Strict):
+    """What an alignment cell (Table 3) needs besides the cell: AdamW steps and learning rate."""
+
+    steps: int = Field(20, ge=1, description="AdamW steps; rows at steps 1, 10, 20 within them and the last")
+    lr: float = Field(1e-5, gt=0)
+
+
+class Alignment(AlignmentSettings):
+    """An ``alignment:`` block: Table 3 (G/L/W of PrefixFlow vs the baseline) for each dtype x layout x
+    microbatch x AC x parallel layout; both systems run in the same layout."""
+
+    model: ModelSpec | None = Field(None, description="default: the first model of the first axes block")
+    dtype: list[Literal["fp32", "bf16", "fp64"]] = Field(default_factory=lambda: ["bf16"], min_length=1)
+    prefix_len: int = Field(96, ge=1)
+    suffix_len: int = Field(32, ge=1)
+    n: int = Field(4, ge=1)
+    layout: list[Literal["padded", "packed"]] = Field(default_factory=lambda: ["padded"], min_length=1)
+    microbatch: list[int | None] = Field(default_factory=lambda: [None], min_length=1)
+    ac: list[Literal["selective", "full", "none"]] = Field(default_factory=lambda: ["none"], min_length=1)
+    parallel: list[Parallel] = Field(default_factory=lambda: [Parallel()], min_length=1)
+    groups: int | None = Field(None, ge=1, description="groups per step (null: one per data-parallel rank)")
+    timeout_min: float | None = Field(None, gt=0, description="per cell; default: the executor's")
+
+    def settings(self) -> AlignmentSettings:
+        return AlignmentSettings(steps=self.steps, lr=self.lr)
+
+
 class Spec(_Strict):
     """A sweep: axes x systems, with measurement and executor settings."""
 
@@ -333,6 +360,7 @@ class Spec(_Strict):
     axes: Axes
     extra_axes: list[Axes] = Field(default_factory=list, description="more blocks; cells are the union")
     frontier: list[Frontier] = Field(default_factory=list, description="capacity-frontier searches")
+    alignment: list[Alignment] = Field(default_factory=list, description="Table 3 runs (alignment cells)")
     executor: ExecutorSettings = Field(default_factory=ExecutorSettings)
     presets: dict[Literal["cpu", "paper"], dict[str, Any]] = Field(default_factory=dict)
 
@@ -386,6 +414,7 @@ class Cell(_Strict):
     repeats: int = Field(3, ge=1, le=MAX_INT)
     timeout_min: float = Field(10.0, gt=0, le=TIMEOUT_MAX_MIN)
     frontier: FrontierSearch | None = None  # set: this cell is a capacity-frontier search (harness.frontier)
+    alignment: AlignmentSettings | None = None  # set: this cell is a Table 3 run (harness.rank_runner)
 
     @field_validator("systems")
     @classmethod
@@ -395,6 +424,7 @@ class Cell(_Strict):
     @property
     def cell_id(self) -> str:
         skip = set(NOT_IDENTITY) | ({"frontier"} if self.frontier is None else set())
+        skip |= {"alignment"} if self.alignment is None else set()
         ident = self.model_dump(mode="json", exclude=skip)
         # Layout fields enter the id only where they matter, so cells recorded before they existed keep it.
         ident["parallel"] = self.parallel.identity()
@@ -512,6 +542,9 @@ def expand(spec: Spec, max_cells: int = DEFAULT_MAX_CELLS) -> list[Cell]:
     for ax in spec.axes_blocks:
         for cell in _expand_block(spec, ax):
             cells.setdefault(cell.cell_id, cell)
+    for block in spec.alignment:
+        for cell in _alignment_cells(spec, block):
+            cells.setdefault(cell.cell_id, cell)
     return list(cells.values())
 
 
@@ -550,6 +583,33 @@ def _expand_block(spec: Spec, ax: Axes) -> list[Cell]:
         Cell(**fixed, model=model, prefix_len=p, suffix_len=s, **dict(zip(SWEPT, values, strict=True)))
         for model, (p, s), *values in itertools.product(
             ax.models, ax.length_pairs(), *(_swept_values(ax, name) for name in SWEPT)
+        )
+    ]
+
+
+def _alignment_cells(spec: Spec, block: Alignment) -> list[Cell]:
+    """One Table 3 run per dtype x layout x microbatch x AC x parallel layout (baseline and PrefixFlow)."""
+    return [
+        Cell(
+            **_common(spec),
+            model=block.model or spec.axes_blocks[0].models[0],
+            prefix_len=block.prefix_len,
+            suffix_len=block.suffix_len,
+            n=block.n,
+            layout=layout,
+            microbatch=microbatch,
+            dtype=dtype,
+            ac=ac,
+            parallel=parallel,
+            groups=block.groups,
+            systems=("baseline", "prefixflow"),
+            warmup=0,
+            repeats=1,
+            timeout_min=block.timeout_min or spec.executor.timeout_min,
+            alignment=block.settings(),
+        )
+        for dtype, layout, microbatch, ac, parallel in itertools.product(
+            block.dtype, block.layout, block.microbatch, block.ac, block.parallel
         )
     ]
 

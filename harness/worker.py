@@ -51,6 +51,10 @@ def run_job(cell: Cell, record_path: Path) -> str:
             from harness.frontier import run_frontier
 
             records = run_frontier(cell, record_path.parent)
+        elif cell.alignment is not None:
+            from harness.rank_runner import run_alignment_cell
+
+            records = run_alignment_cell(cell)
         else:
             records = run_cell(cell)
     except Exception:
