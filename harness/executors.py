@@ -285,7 +285,6 @@ class SlurmExecutor:
             name=name,
             timeout_min=timeout_min,
             nodes=s.nodes,
-            tasks_per_node=max(1, ranks // s.nodes),
             cpus_per_task=s.cpus_per_task,
             mem_gb=s.mem_gb,
             slurm_array_parallelism=self.max_jobs,
@@ -295,8 +294,13 @@ class SlurmExecutor:
             params["gpus_per_node"] = s.gpus_per_node
         if s.partition:
             params["slurm_partition"] = s.partition
-        if s.overcommit and ranks > 1:
-            params["slurm_additional_parameters"] = {"overcommit": True}
+        if ranks == 1:
+            params["tasks_per_node"] = 1
+        else:  # --ntasks, not --ntasks-per-node: Slurm checks the latter against the node's CPUs
+            params["slurm_additional_parameters"] = {
+                "ntasks": ranks,
+                **({"overcommit": True} if s.overcommit else {}),
+            }
         ex.update_parameters(**params)
         return ex
 
@@ -308,11 +312,16 @@ class SlurmExecutor:
         for cell in cells:
             by_ranks.setdefault(cell.world_size, []).append(cell)
         cells, jobs = [], []
-        for ranks, group in sorted(by_ranks.items()):
-            files = [str(write_job(job_path(folder, c), c, record_path(folder, c))) for c in group]
-            ex = self._executor(folder, f"pf-{group[0].spec}", ranks)
-            cells += group
-            jobs += ex.map_array(CellJob(), files)
+        try:
+            for ranks, group in sorted(by_ranks.items()):
+                files = [str(write_job(job_path(folder, c), c, record_path(folder, c))) for c in group]
+                ex = self._executor(folder, f"pf-{group[0].spec}", ranks)
+                jobs += ex.map_array(CellJob(), files)
+                cells += group
+        except Exception:
+            for job in jobs:  # a later array failed to submit: leave nothing running
+                job.cancel(check=False)
+            raise
         waves = math.ceil(len(cells) / self.max_jobs)
         budget = self.wait_timeout_s or waves * max(1, math.ceil(self.settings.timeout_min)) * 60 + 300
         deadline = time.monotonic() + budget

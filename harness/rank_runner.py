@@ -326,6 +326,7 @@ def alignment_rows(records) -> tuple[Any, Any]:
     if rows.empty:
         return records[~is_row], pd.DataFrame()
     rows["parallel"] = rows["parallel_layout"].fillna("single") if "parallel_layout" in rows else "single"
+    rows["step"] = rows["step"].astype(int)
     rows["microbatch"] = rows["microbatch"].map(lambda m: "all" if m is None or m != m else str(int(m)))
     keep = [
         *ALIGNMENT_KEYS,

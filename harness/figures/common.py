@@ -21,6 +21,7 @@ MIB = 1024**2
 CONFIG_COLUMNS = (
     "spec", "model", "model_overrides", "dtype", "device", "prefix_len", "suffix_len", "n",
     "suffix_spread", "layout", "microbatch", "compile", "ac", "tp", "cp", "pp", "dp", "ep", "world_size",
+    "dp_replicate", "dp_shard", "groups_per_step", "parallel_layout",
 )  # fmt: skip
 
 

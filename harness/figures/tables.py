@@ -63,17 +63,23 @@ def speedup_frame(df: pd.DataFrame) -> pd.DataFrame:
     if sp.empty:
         return sp
     sp = sp.assign(compile=flag(sp, "compile"), offload=flag(sp, "offload"))
+    if "parallel_layout" in sp.columns:  # records from before parallel layouts ran on one process
+        sp["parallel_layout"] = sp["parallel_layout"].fillna("single")
     cols = {
-        "model": "model", "system": "system", "compile": "compiled", "offload": "offload",
+        "model": "model", "parallel_layout": "parallel", "groups_per_step": "groups",
+        "system": "system", "compile": "compiled", "offload": "offload",
         "prefix_len": "P", "suffix_len": "S", "prefix_ratio": "r", "n": "N",
         "baseline_s": "baseline s", "system_s": "system s", "speedup": "speedup", "ideal_speedup": "ideal",
     }  # fmt: skip
-    sp = sp.sort_values([c for c in ("model", "system", "compile", "offload", "prefix_len", "n") if c in sp])
+    order = ("model", "system", "compile", "offload", "prefix_len", "n", "world_size", "parallel_layout")
+    sp = sp.sort_values([c for c in order if c in sp])
     table = sp[[c for c in cols if c in sp.columns]].rename(columns=cols)
     if "ideal" in table.columns:
         table["of ideal"] = table["speedup"] / table["ideal"]
     for c in ("P", "S", "N"):
         table[c] = table[c].astype(int)
+    if "groups" in table.columns:
+        table["groups"] = table["groups"].map(lambda g: "-" if g != g else str(int(g)))
     return table.reset_index(drop=True)
 
 
