@@ -60,8 +60,9 @@ def _build(name: str, cell: Cell, device: torch.device, dims, mesh):
     system, library = _library_system(name)
     model = build_cell_model(cell, device)
     model = system.prepare(model, cell)
-    if dims.world_size > 1:
-        parallelize(model, dims, ac=cell.ac, compile=cell.compile, mesh=mesh)
+    if dims.world_size > 1:  # a system may turn a knob of the parallel schedule (e.g. CP prefetch off)
+        options = getattr(system, "parallel_options", {})
+        model = parallelize(model, dims, ac=cell.ac, compile=cell.compile, mesh=mesh, **options)
     else:
         from prefixflow import apply_ac
 
