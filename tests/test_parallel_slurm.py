@@ -9,6 +9,7 @@ import pytest
 
 from harness.executors import SlurmExecutor
 from harness.records import read_records
+from harness.safe_fs import jobs_folder
 from harness.spec import ExecutorSettings, expand, parse_spec
 
 pytestmark = [
@@ -45,5 +46,5 @@ def test_a_two_rank_cell_runs_as_one_two_task_job(tmp_path):
     assert set(df["parallel_layout"]) == {"tp2"}
     assert all(len(json.loads(v)) == 2 for v in df["step_time_s_per_rank"])
     # one job, two tasks: submitit wrote a log per task
-    logs = sorted(p.name for p in (tmp_path / "_slurm").glob("*_log.out"))
+    logs = sorted(p.name for p in (jobs_folder(tmp_path) / "slurm").glob("*_log.out"))
     assert len(logs) == 2 and {n.split("_")[-2] for n in logs} == {"0", "1"}, logs
