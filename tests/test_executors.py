@@ -76,11 +76,12 @@ def test_local_hard_crash_without_record(tmp_path, monkeypatch):
     assert "code 3" in err and "segfault-ish" in err
 
 
-def test_a_parallel_dimension_not_supported_yet_is_an_error_record(tmp_path):
-    cell = _cell(parallel={"ep": 2, "tp": 2})
+def test_an_impossible_parallel_layout_is_an_error_record_before_any_launch(tmp_path):
+    # expert parallelism borrows ranks: ep must divide dp_shard*cp*tp
+    cell = _cell(parallel={"ep": 4, "tp": 2})
     assert _collect_done(tmp_path, [cell], DebugExecutor()) == {cell.cell_id: "error"}
     errors = read_records(record_path(tmp_path, cell))["error"]
-    assert errors.str.contains("ep=2 is not supported yet").all(), errors.tolist()
+    assert errors.str.contains("ep=4 must divide").all(), errors.tolist()
 
 
 def test_make_executor_rejects_unknown_kind():
