@@ -473,14 +473,15 @@ def _render(kind: str, results: Path, out: Path) -> None:
     if df.empty:
         _fail(f"no records under {results}; run `pf-bench sweep SPEC --out {results}` first")
     import harness.figures as figures
-    from harness.figures.tables import load_alignment
     from harness.rank_runner import alignment_rows
 
     out.mkdir(parents=True, exist_ok=True)
     df, table3 = alignment_rows(df)  # alignment cells' rows (Table 3) apart from the measurements
-    folder = results / ALIGNMENT_DIR
-    if folder.is_dir():  # rows written by `pf-bench align --out`
-        written = load_alignment(folder)
+    alignment = results / ALIGNMENT_DIR  # rows written by `pf-bench align --out`
+    if not table3.empty and alignment.is_dir():
+        from harness.figures.tables import load_alignment
+
+        written = load_alignment(alignment)
         if not written.empty and "parallel" not in written.columns:
             written["parallel"] = "single"
         table3 = pd.concat([written, table3], ignore_index=True)
@@ -488,6 +489,8 @@ def _render(kind: str, results: Path, out: Path) -> None:
         made = figures.render_all(df, out)
     elif not table3.empty:
         made = figures.render_tables(df, out, alignment=table3)
+    elif alignment.is_dir():
+        made = figures.render_tables(df, out, alignment=alignment)
     else:
         made = figures.render_tables(df, out)
     for path in made or []:
