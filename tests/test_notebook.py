@@ -6,9 +6,10 @@ import sys
 from pathlib import Path
 
 import nbformat
-import pandas as pd
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from nbclient import NotebookClient
+
+from harness.records import write_records
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "capacity_frontier.ipynb"
 MIB = 1024**2
@@ -50,8 +51,9 @@ def _write_results(root: Path, budget: float) -> None:
                 "system": system, "offload": off, "prefix_len": P, "suffix_len": total - P, "n": 8,
                 "status": "ok" if peak <= budget else "oom", "peak_mem_bytes": peak,
                 "budget_bytes": budget, "probe": i, "mem_meter": "cpu-live-bytes",
+                "search_id": f"frontier-{system}-{off}",
             })  # fmt: skip
-        pd.DataFrame(rows).to_parquet(root / f"frontier-{system}-{off}.parquet")
+        write_records(root / f"frontier-{system}-{off}.parquet", rows)
     speed = {
         "cell_id": "x",
         "spec": "claim3",
@@ -64,7 +66,7 @@ def _write_results(root: Path, budget: float) -> None:
         "status": "ok",
         "step_time_s": 1.0,
     }
-    pd.DataFrame([speed]).to_parquet(root / "speed.parquet")
+    write_records(root / "x.parquet", [speed])
 
 
 def _run(tmp_path: Path, monkeypatch, params: str) -> nbformat.NotebookNode:
