@@ -86,7 +86,8 @@ def resolve_loss(loss: str, loss_config: dict | LossConfig | None, group: Rollou
 
 
 def _number(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and value == value
+    """A finite int or float (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _check_trl_fields(cfg: LossConfig, loss: str, group: RolloutGroup) -> None:
@@ -97,11 +98,11 @@ def _check_trl_fields(cfg: LossConfig, loss: str, group: RolloutGroup) -> None:
     if not isinstance(cfg.kl_ratio_correction, bool):
         raise ValueError(f"loss_config.kl_ratio_correction must be a bool, got {cfg.kl_ratio_correction!r}")
     if not _number(cfg.temperature) or cfg.temperature <= 0:
-        raise ValueError(f"loss_config.temperature must be a number > 0, got {cfg.temperature!r}")
-    if not _number(cfg.group_weight) or cfg.group_weight < 0 or cfg.group_weight == float("inf"):
+        raise ValueError(f"loss_config.temperature must be a finite number > 0, got {cfg.temperature!r}")
+    if not _number(cfg.group_weight) or cfg.group_weight < 0:
         raise ValueError(f"loss_config.group_weight must be a finite number >= 0, got {cfg.group_weight!r}")
     if cfg.ratio_cap is not None and (not _number(cfg.ratio_cap) or cfg.ratio_cap <= 0):
-        raise ValueError(f"loss_config.ratio_cap must be None or a number > 0, got {cfg.ratio_cap!r}")
+        raise ValueError(f"loss_config.ratio_cap must be None or a finite number > 0, got {cfg.ratio_cap!r}")
     if cfg.aggregation == "seq-mean-token-sum-norm":
         if isinstance(cfg.norm_len, bool) or not isinstance(cfg.norm_len, int) or cfg.norm_len < 1:
             raise ValueError(

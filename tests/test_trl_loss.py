@@ -66,9 +66,10 @@ def test_group_weight_scales_and_temperature_changes_the_objective():
         ({"aggregation": "seq-mean-token-sum-norm"}, "needs norm_len"),
         ({"norm_len": 8}, "only used by aggregation"),
         ({"importance_sampling": "tokens"}, "importance_sampling 'tokens' unknown"),
-        ({"temperature": 0.0}, "temperature must be a number > 0"),
+        ({"temperature": 0.0}, "temperature must be a finite number > 0"),
+        ({"temperature": float("inf")}, "temperature must be a finite number > 0"),
         ({"group_weight": float("nan")}, "group_weight must be a finite number"),
-        ({"ratio_cap": -1.0}, "ratio_cap must be None or a number > 0"),
+        ({"ratio_cap": -1.0}, "ratio_cap must be None or a finite number > 0"),
         ({"kl_ratio_correction": 1}, "kl_ratio_correction must be a bool"),
     ],
 )
