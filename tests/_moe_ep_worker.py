@@ -150,19 +150,24 @@ for _label in ("tp2", "ep2xtp2", "ep2"):
     )
 
 
-@case("ep2-record-routing")
-def _record() -> dict:
-    """Recording under EP (all-to-all) gives the single process's masks."""
-    model = parallel_model(LAYOUTS["ep2"])
+def _record(label: str) -> dict:
+    """Recording under EP (all-to-all; under TP also padded sequences) gives the single process's masks."""
+    model = parallel_model(LAYOUTS[label])
     groups = [dataclasses.replace(g, routing=None) for g in groups_for(2)]
-    mine = record_routing(model, groups[dist.get_rank()], microbatch=2)
-    want = record_routing(tiny(), groups[dist.get_rank()], microbatch=2)
+    state = parallel_state(model)
+    group = groups[state.coordinate("batch") if state.dims.batch > 1 else 0]  # TP ranks share their data
+    mine = record_routing(model, group, microbatch=2)
+    want = record_routing(tiny(), group, microbatch=2)
     same = torch.equal(mine.prefix, want.prefix) and all(
         torch.equal(a, b) for a, b in zip(mine.suffixes, want.suffixes, strict=True)
     )
     flags = torch.tensor([int(same)])
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     return {"same": bool(flags.item())}
+
+
+for _label in ("ep2", "ep2xtp2"):
+    case(f"{_label}-record-routing")(lambda la=_label: _record(la))
 
 
 @case("ep2-lockstep-mismatch")

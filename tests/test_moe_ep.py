@@ -18,7 +18,8 @@ from _moe_ep_worker import CASES
 from harness.launch import run_torchrun
 
 TOL = 1e-9
-CHECKS = ("ep2-record-routing", "ep2-lockstep-mismatch", "control-ep2-wrong-prefix-mask-in-phase-c")
+RECORDS = ("ep2-record-routing", "ep2xtp2-record-routing")
+CHECKS = (*RECORDS, "ep2-lockstep-mismatch", "control-ep2-wrong-prefix-mask-in-phase-c")
 GRADIENT_CASES = [name for name, _ in CASES if name not in CHECKS]
 
 
@@ -45,8 +46,9 @@ def test_matches_one_process(results, name):
     assert r["experts_local"] == (8 if name.startswith("tp2") else 4)  # EP shards the 8 experts
 
 
-def test_recording_under_ep_matches_one_process(results):
-    r = results["ep2-record-routing"]
+@pytest.mark.parametrize("name", RECORDS)
+def test_recording_under_ep_matches_one_process(results, name):
+    r = results[name]
     assert "error" not in r and r["same"], r
 
 
