@@ -198,6 +198,7 @@ def test_duplicate_keys_are_an_error(tmp_path):
         (["--override", "dim=nan"], ["--override.dim: Input should be a finite number"]),
         (["--microbatch", "0"], ["--microbatch", "greater than or equal to 1"]),
         (["--seed", "100000000000000000000000"], ["--seed", "less than or equal to 4294967295"]),
+        (["--seed", "1e23"], ["Invalid value for '--seed'"]),
         (["--systems", ""], ["--systems", "at least 1 item"]),
         (["--systems", ",,"], ["--systems", "at least 1 item"]),
         (["--systems", "baseline,nope"], ["--systems: unknown system 'nope'"]),
