@@ -311,3 +311,20 @@ def test_figure9_split_variant_and_claim3_preference(tmp_path):
 
     sp = _speedups(df, compiled=False, system="prefixflow")
     assert set(sp["spec"]) == {"claim3"}
+
+
+def test_speedup_table_compares_each_parallel_layout_with_the_single_process_speedup():
+    layouts = {"single": (1, 1, 1), "tp2": (2, 2, 1), "dp_shard2": (2, 1, 2)}
+    times = {"single": (4.0, 1.0), "tp2": (3.0, 1.0), "dp_shard2": (2.0, 1.0)}  # speedups 4, 3, 2
+    rows = []
+    for name, (world, tp, shard) in layouts.items():
+        for system, t in zip(("baseline", "prefixflow"), times[name], strict=True):
+            par = {"parallel_layout": name, "world_size": world, "tp": tp, "dp_shard": shard}
+            rows.append(_rec(system, 1280, 256, 16, step_time_s=t, **par))
+    rows.append(_rec("baseline", 1280, 256, 8, step_time_s=2.0, parallel_layout="tp2", world_size=2, tp=2))
+    rows.append(_rec("prefixflow", 1280, 256, 8, step_time_s=1.0, parallel_layout="tp2", world_size=2, tp=2))
+    table = speedup_frame(pd.DataFrame(rows)).set_index(["parallel", "N"])
+    assert table.loc[("single", 16), "vs single"] == pytest.approx(1.0)
+    assert table.loc[("tp2", 16), "vs single"] == pytest.approx(0.75)
+    assert table.loc[("dp_shard2", 16), "vs single"] == pytest.approx(0.5)
+    assert table["vs single"].isna().sum() == 1  # N=8 has no single-process cell to compare with

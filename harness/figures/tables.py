@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .common import SkipFigure, flag, pair_speedups
+from .common import CONFIG_COLUMNS, SkipFigure, as_key, flag, pair_speedups
 
 ALIGN_QUANTITIES = ("G", "L", "W")
 
@@ -76,11 +76,31 @@ def speedup_frame(df: pd.DataFrame) -> pd.DataFrame:
     table = sp[[c for c in cols if c in sp.columns]].rename(columns=cols)
     if "ideal" in table.columns:
         table["of ideal"] = table["speedup"] / table["ideal"]
+    if "parallel" in table.columns:
+        table["vs single"] = _vs_single(sp).to_numpy()
     for c in ("P", "S", "N"):
         table[c] = table[c].astype(int)
     if "groups" in table.columns:
         table["groups"] = table["groups"].map(lambda g: "-" if g != g else str(int(g)))
     return table.reset_index(drop=True)
+
+
+PARALLEL_COLUMNS = (
+    "tp", "cp", "pp", "dp", "ep", "world_size", "dp_replicate", "dp_shard", "groups_per_step", "parallel_layout",
+)  # fmt: skip
+
+
+def _vs_single(sp: pd.DataFrame) -> pd.Series:
+    """Each row's speedup over the single-process speedup of the same configuration (same model, lengths,
+    system, ...; only the parallel layout differs): the scale-out target is >= 0.9. NaN without that row."""
+    keys = [c for c in sp.columns if c in CONFIG_COLUMNS and c not in PARALLEL_COLUMNS]
+    keys += ["system", "offload"]
+    skeys = {f"_k_{c}": as_key(sp[c]) for c in keys}
+    frame = sp.assign(**skeys).reset_index(drop=True)
+    single = frame[frame["parallel_layout"] == "single"].groupby(list(skeys), dropna=False)["speedup"]
+    single = single.median()
+    ref = frame[list(skeys)].merge(single.rename("_single").reset_index(), on=list(skeys), how="left")
+    return (frame["speedup"] / ref["_single"]).reset_index(drop=True)
 
 
 def speedup_table(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
