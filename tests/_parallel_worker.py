@@ -193,6 +193,30 @@ case("two_ranks", "fsdp2-unbalanced-3-groups-qwen3-prefixflow")(
 )
 
 
+def _residue_after_each_group() -> dict:
+    """Both ranks train the same groups one ``train_group`` at a time (each group reduces its gradients),
+    then inside ``accumulate_groups`` (one reduction at the end): after every group (Phase A stopped inside
+    the last block each time) FSDP is idle and resharded; the only thing a deferred reduction leaves is the
+    unreduced gradients, and nothing is left once the block exits. SUM over 2 ranks = 2x one process."""
+    model = parallel_model("llama3", {"dp_shard": 2})
+    groups = groups_for(3, ns=(3, 4))
+    per_group, deferred = [], []
+    for g in groups:
+        pf.train_group(model, g, system="prefixflow", microbatch=1)
+        per_group.append(fsdp_mod.fsdp_residue(model))
+    with fsdp_mod.accumulate_groups(model):
+        for g in groups:
+            pf.train_group(model, g, system="prefixflow", microbatch=1)
+            deferred.append([r for r in fsdp_mod.fsdp_residue(model) if not r.endswith("unreduced gradient")])
+    loss, grads = reference("llama3", groups, "padded", 1)
+    out = compare(model, 4 * loss, (4 * loss, {k: 4 * v for k, v in grads.items()}))
+    out.update(per_group=per_group, deferred=deferred, residue=fsdp_mod.fsdp_residue(model))
+    return out
+
+
+case("two_ranks", "fsdp2-residue-after-each-group")(_residue_after_each_group)
+
+
 class _FailIn(pf.ScheduleHooks):
     def __init__(self, phase: str) -> None:
         self.at = phase
