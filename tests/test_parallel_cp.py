@@ -193,3 +193,51 @@ if __name__ == "__main__":
     run_worker(
         {name: (lambda spec=spec: _run_case(spec)) for name, spec in CASES.items()}, sys.argv[1], sys.argv[2:]
     )
+
+
+def test_a_lazy_prefix_view_is_read_per_layer_and_keeps_the_gradients_exact():
+    from conftest import tiny_model
+
+    import prefixflow as pf
+    from prefixflow.kv_cache import PrefixView
+
+    class CountingView(PrefixView):
+        lazy = True
+
+        def __init__(self):
+            self.reads, self.begins, self.ends = [], 0, 0
+
+        def begin(self, cache):
+            self.begins += 1
+
+        def read(self, cache, layer, dtype):
+            self.reads.append(layer)
+            return super().read(cache, layer, dtype)
+
+        def end(self):
+            self.ends += 1
+
+    class Supplies(pf.ScheduleHooks):
+        def __init__(self):
+            self.view = CountingView()
+
+        def prefix_view(self, model, group):
+            return self.view
+
+        def reduce_loss(self, value):
+            return 2 * value
+
+    group = pf.synthetic_group(97, 14, LENS, seed=3)
+    ref = tiny_model("llama3")
+    want = pf.train_group(ref, group, microbatch=1)
+    model = tiny_model("llama3")
+    hook = pf.add_hooks(model, Supplies())
+    got = pf.train_group(model, group, microbatch=1)
+    assert hook.view.reads == [0, 1] * len(LENS)  # each layer reads its view as its attention runs
+    assert hook.view.begins == hook.view.ends == len(LENS)
+    assert got.loss == pytest.approx(2 * want.loss, rel=1e-12)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    pf.add_hooks(model, Supplies())
+    with pytest.raises(ValueError, match="several hooks supply the prefix K/V view"):
+        pf.train_group(model, group, microbatch=1)
