@@ -97,6 +97,31 @@ def _step_columns(stats) -> dict[str, Any]:
     return out
 
 
+_HOOK_MAX = ("pp_stage", "pp_span_s", "pp_bubble_s", "pp_bubble_mean_s", "pp_bubble_max_s",
+             "cp_phase_b_rank_max_s", "cp_phase_b_spread_s")  # fmt: skip
+
+
+def _hook_columns(stats, model) -> dict[str, Any]:
+    """The schedule hooks' counters of the step (``GroupStats.hooks``: CP gathers, bytes and communication
+    times, PP bubbles; summed over the step's groups, maxima where a sum means nothing) and, for a pipeline,
+    every stage's timeline of the last group (JSON)."""
+    out: dict[str, Any] = {}
+    for group in stats.groups:
+        for key, value in group.hooks.items():
+            if not isinstance(value, int | float):
+                continue
+            if key in _HOOK_MAX:
+                out[key] = max(out.get(key, value), value)
+            elif key.endswith("_rank_min_s"):
+                out[key] = min(out.get(key, value), value)
+            else:
+                out[key] = out.get(key, 0) + value
+    pipeline = getattr(model, "_prefixflow_pipeline", None)
+    if pipeline is not None and pipeline.timelines:
+        out["pp_timelines"] = json.dumps(pipeline.timelines)
+    return out
+
+
 def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
     """This rank's record per system, with its raw per-step samples (merged on rank 0)."""
     from prefixflow.parallel import ParallelDims, build_mesh
@@ -171,6 +196,7 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
         else:
             st = last[name]
             rec.update(status="ok", error=None, loss=float(st.loss), **_step_columns(st))
+            rec.update(_hook_columns(st, models[name]))
             rec["samples"] = samples[name]
             mem = memory.get(name) or samples[name][0]
             for col in MEMORY:

@@ -7,6 +7,7 @@ name, and the loss with the single-process baseline (bound 1e-9 relative).
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -95,6 +96,15 @@ def test_stage_timelines_follow_the_program(results, name):
     # Stage-local switching lets these overlap (stage 0's F0 with stage 1's A, stage 1's C with stage 0's last
     # B); by how much is a timing, measured in the records (Figure 6b), not asserted here.
     assert res["pp_bubble_max_s"] >= res["pp_bubble_mean_s"] >= 0
+
+
+def test_pp2_alignment_rows_cover_every_stage_and_agree_on_every_rank(results):
+    res = _get(results, "alignment")
+    assert res["same_on_every_rank"]  # each stage compared only its own parameters before the merge
+    rows = res["rows"]
+    assert [(r["step"], r["quantity"]) for r in rows] == [(1, "G"), (1, "L"), (1, "W")]
+    assert all(r["passed"] and r["dtype"] == "fp64" for r in rows), rows
+    assert rows[0]["norm_rel_diff"] < BOUND
 
 
 def test_stage_program_is_1f1b_inside_the_prefix_phases():
@@ -197,9 +207,30 @@ def run_pp_case(spec: dict, lens=LENS, pp: int = 2, cp: int = 1, tp: int = 1) ->
     }
 
 
+def run_alignment_case() -> dict:
+    """``run_parallel_alignment`` under PP2 (fp64, one step, microbatch 1): the rows, and whether every rank
+    returned the same ones (each stage compares only its own parameters until the rows are merged)."""
+    import torch.distributed as dist
+    from conftest import TINY
+
+    from prefixflow.parallel.align import run_parallel_alignment
+
+    name, overrides = TINY["llama3"]
+    rows = run_parallel_alignment(
+        name, dims={"pp": 2}, overrides=overrides, dtype=torch.float64, steps=1, report_steps=(1,),
+        prefix_len=14, suffix_len=8, microbatch=1,
+    )  # fmt: skip
+    rows = [r.as_dict() for r in rows]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, json.dumps(rows))  # as JSON: NaN fields (margin) compare equal
+    return {"rows": rows, "same_on_every_rank": len(set(every)) == 1}
+
+
 if __name__ == "__main__":
+    cases = {name: (lambda spec=spec: run_pp_case(spec)) for name, spec in CASES.items()}
+    cases["alignment"] = run_alignment_case
     run_worker(
-        {name: (lambda spec=spec: run_pp_case(spec)) for name, spec in CASES.items()},
+        cases,
         sys.argv[1],
         sys.argv[2:],
     )

@@ -85,8 +85,7 @@ def run_parallel_alignment(
         m = build_model(
             model, dtype=torch.float32 if autocast else dtype, seed=seed, overrides=overrides, device=device
         )
-        apply_prefixflow(m)
-        parallelize(m, dims, ac=ac, mesh=mesh)
+        m = parallelize(apply_prefixflow(m), dims, ac=ac, mesh=mesh)  # with pp > 1: this rank's stage
         start = [_full(p.detach()).clone() for p in m.parameters()]
         copies[run] = (m, torch.optim.AdamW(m.parameters(), lr=lr), start)
     names = [_name(n) for n, _ in copies["baseline"][0].named_parameters()]
@@ -130,4 +129,24 @@ def run_parallel_alignment(
             state[run] = (grads, torch.tensor(stats.loss, dtype=torch.float64), weights, start)
         if step in report:
             rows += _step_rows(step, state, names, tau, _dtype_name(dtype))
-    return rows
+    return _merge_stages(rows) if dims.pp > 1 else rows
+
+
+def _merge_stages(rows: list[AlignmentRow]) -> list[AlignmentRow]:
+    """Every pipeline stage compared its own parameters: one row per (step, quantity) over all stages (the
+    largest differences, the worst tensor's name, and a pass only if every stage passed)."""
+    import torch.distributed as dist
+
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [r.as_dict() for r in rows])
+    merged = []
+    for i, row in enumerate(rows):
+        parts = [AlignmentRow(**ranks[i]) for ranks in every]
+        worst = max(parts, key=lambda r: r.norm_rel_diff if r.norm_rel_diff == r.norm_rel_diff else -1.0)
+        row.max_abs_diff = max(r.max_abs_diff for r in parts)
+        row.max_abs_value = max(r.max_abs_value for r in parts)
+        row.passed = all(r.passed for r in parts)
+        row.paper_pass = all(r.paper_pass for r in parts)
+        row.norm_rel_diff, row.worst_tensor = worst.norm_rel_diff, worst.worst_tensor
+        merged.append(row)
+    return merged
