@@ -519,7 +519,7 @@ def tables(
 @app.command()
 def simulate(
     out: Annotated[Path, typer.Option(help="folder for the simulated records")] = Path(
-        "results/claim1/simulated"
+        "results/claim1_cp_pp/simulated"
     ),
     validate: Annotated[
         Path | None,

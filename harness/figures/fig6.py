@@ -1,7 +1,7 @@
 """Figure 6: (a) CP Phase-B decomposition, on demand vs prefetch; (b) PP barrier minus stage-local step time.
 
-Measured panels come from the CP/PP cells of ``experiments/claim1.yaml`` (systems ``prefixflow`` = prefetch /
-stage-local, ``prefixflow_cp_demand`` and ``prefixflow_pp_barrier``); simulated panels from the records that
+Measured panels come from the cells of ``experiments/claim1_cp_pp.yaml`` (systems ``prefixflow`` = prefetch
+/ stage-local, ``prefixflow_cp_demand`` and ``prefixflow_pp_barrier``); simulated panels from the records that
 ``pf-bench simulate`` writes (``source == "simulated"``, paper-scale shapes), each titled as simulated. A third
 figure compares the simulator's predictions with the measured points it was checked against.
 """
