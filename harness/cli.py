@@ -675,5 +675,13 @@ def align(
         raise typer.Exit(1)
 
 
+def _register_subcommands() -> None:
+    from harness.rl_cli import register as register_rl  # Claim 2: `rl` and `replay`
+
+    register_rl(app)
+
+
+_register_subcommands()
+
 if __name__ == "__main__":
     app()

@@ -59,12 +59,16 @@ def frontier_mask(df: pd.DataFrame) -> pd.Series:
 
 
 def measured(df: pd.DataFrame) -> pd.DataFrame:
-    """Successful non-frontier records that were measured (not ``pf-bench simulate``'s)."""
+    """Successful sweep-cell records that were measured: no capacity-frontier probes, no ``pf-bench simulate``
+    rows, no rows of another kind (``record_kind`` set: e.g. Claim 2's closed-loop steps, which their own
+    figures read)."""
     if df.empty or "status" not in df.columns:
         return df.iloc[0:0]
     ok = (df["status"] == "ok") & ~frontier_mask(df)
     if "source" in df.columns:
         ok &= ~df["source"].isin(["simulated", "simulator-validation"])
+    if "record_kind" in df.columns:
+        ok &= df["record_kind"].isna()
     return df[ok]
 
 

@@ -1,0 +1,120 @@
+"""Figure 7: mean per-step time of the closed GRPO loop by phase, baseline vs PrefixFlow, with the Amdahl
+bound from the baseline's own time split (Claim 2.1). Also the Claim-2 record selection shared by Figure 8."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+
+from .common import SkipFigure, save, theme
+
+PHASES = ("generation", "reward", "evaluation", "update", "sync")
+PRESET_ORDER = ("paper", "cpu", "smoke", "default")
+WARMUP_STEPS = 1  # the first step of a run pays one-time allocation costs; left out of the time means
+
+
+def _choice(df: pd.DataFrame) -> tuple[str, str] | None:
+    """The (preset, identity) whose Claim-2 records to draw: the preferred preset present (paper > cpu >
+    smoke), and within it the spec configuration with the newest record."""
+    if df.empty or not {"record_kind", "preset", "identity"} <= set(df.columns):
+        return None
+    c2 = df[df["record_kind"].astype(str).str.startswith("rl_") & (df["status"] == "ok")]
+    c2 = c2[c2["preset"].notna() & c2["identity"].notna()]
+    if c2.empty:
+        return None
+    present = set(c2["preset"])
+    preset = next((p for p in PRESET_ORDER if p in present), sorted(present)[0])
+    newest = c2[c2["preset"] == preset].sort_values("timestamp")["identity"].iloc[-1]
+    return preset, newest
+
+
+def claim2_rows(df: pd.DataFrame, kind: str) -> pd.DataFrame:
+    """Rows of one Claim-2 record kind (``rl_step``, ``rl_divergence``, ``rl_replay``, ``rl_claim3_ref``,
+    ``rl_warmstart``) from one preset and spec configuration (see :func:`_choice`)."""
+    choice = _choice(df)
+    if choice is None:
+        return df.iloc[0:0]
+    preset, identity = choice
+    keep = (df["record_kind"] == kind) & (df["status"] == "ok") & (df["preset"] == preset)
+    return df[keep & (df["identity"] == identity)]
+
+
+def step_table(df: pd.DataFrame, roles=("compare",)) -> pd.DataFrame:
+    """Per-step rows of the chosen runs, sorted."""
+    rows = claim2_rows(df, "rl_step")
+    if rows.empty:
+        return rows
+    rows = rows[rows["role"].isin(roles)]
+    return rows.sort_values(["run", "step"]).reset_index(drop=True)
+
+
+def time_split(steps: pd.DataFrame) -> pd.DataFrame:
+    """Mean seconds per phase and per step for each system (warm-up steps left out)."""
+    warm = steps[steps["step"] > WARMUP_STEPS]
+    if warm.empty:
+        warm = steps
+    cols = [f"{p}_s" for p in PHASES] + ["step_s"]
+    return warm.groupby("system")[cols].mean()
+
+
+def speedups(df: pd.DataFrame) -> dict[str, float]:
+    """End-to-end and actor-update speedups, the Amdahl bound and the Claim-3 reference speedup."""
+    split = time_split(step_table(df))
+    if not {"baseline", "prefixflow"} <= set(split.index):
+        return {}
+    b, p = split.loc["baseline"], split.loc["prefixflow"]
+    share = b["update_s"] / b["step_s"]
+    out = {
+        "update_share": share,
+        "amdahl_bound": 1.0 / (1.0 - share),
+        "e2e_speedup": b["step_s"] / p["step_s"],
+        "update_speedup": b["update_s"] / p["update_s"],
+    }
+    out["e2e_over_bound"] = out["e2e_speedup"] / out["amdahl_bound"]
+    ref = claim2_rows(df, "rl_claim3_ref")
+    if not ref.empty and "step" in ref.columns:
+        t = ref.pivot_table(index="step", columns="system", values="step_time_s", aggfunc="median")
+        others = [s for s in t.columns if s != "baseline"]
+        if "baseline" in t.columns and others:
+            out["claim3_speedup"] = float((t["baseline"] / t[others[0]]).median())  # median over checkpoints
+    return out
+
+
+def figure7(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    steps = step_table(df)
+    if steps.empty or not {"baseline", "prefixflow"} <= set(steps["system"]):
+        raise SkipFigure("no Claim-2 closed-loop records with both trainers")
+    split = time_split(steps).loc[["baseline", "prefixflow"]]
+    sp = speedups(df)
+    theme()
+    colors = dict(zip(PHASES, sns.color_palette("Set2", len(PHASES)), strict=True))
+    fig, ax = plt.subplots(figsize=(7.5, 3.0))
+    y = np.arange(len(split))
+    left = np.zeros(len(split))
+    for phase in PHASES:
+        width = split[f"{phase}_s"].to_numpy()
+        ax.barh(y, width, left=left, color=colors[phase], label=phase)
+        for yi, (lft, w) in enumerate(zip(left, width, strict=True)):
+            if w > 0.06 * split["step_s"].max():
+                ax.text(lft + w / 2, yi, f"{w:.2f}", ha="center", va="center", fontsize=7)
+        left += width
+    bound = split.loc["baseline", "step_s"] / sp["amdahl_bound"]
+    ax.axvline(bound, color="k", ls="--", lw=1)
+    ax.text(bound, -0.55, f" Amdahl bound {sp['amdahl_bound']:.2f}x", fontsize=7, va="bottom")
+    ax.set_yticks(y, ["baseline", "PrefixFlow"])
+    ax.invert_yaxis()
+    ax.set_xlabel("mean time per GRPO step (s)")
+    n_steps = int(steps["step"].max())
+    extra = f"; Claim-3 ref {sp['claim3_speedup']:.2f}x" if "claim3_speedup" in sp else ""
+    ax.set_title(
+        f"Figure 7: step {sp['e2e_speedup']:.2f}x, actor update {sp['update_speedup']:.2f}x{extra} "
+        f"(update = {100 * sp['update_share']:.0f}% of the baseline step; {n_steps} steps, "
+        f"{steps['model'].iloc[0]}, r={steps['prefix_ratio'].iloc[0]:.2f}, N={int(steps['n'].iloc[0])})",
+        fontsize=8,
+    )
+    ax.legend(fontsize=7, ncol=len(PHASES), loc="upper center", bbox_to_anchor=(0.5, -0.28), frameon=False)
+    return [save(fig, out_dir, "fig7_step_breakdown")]

@@ -1,0 +1,229 @@
+"""Figure 8: (a) training reward and actor loss of the closed loop per trainer, and the cross-system weight
+RMSE over each run's own drift (two baseline seeds give the seed-change reference); (b) frozen-trace replay:
+max / RMSE / mean-abs parameter differences per replayed step. Also the Claim-2 summary table."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from .common import SkipFigure, save, theme
+from .fig7 import claim2_rows, speedups, step_table
+
+TARGET_RISE = 0.2
+TARGET_RATIO = (1.2, 1.6)
+TARGET_E2E_OVER_BOUND = 0.9
+TARGET_FP32_REL = 1e-5
+
+
+def smooth(values: pd.Series, window: int) -> pd.Series:
+    """Trailing moving average over ``window`` steps (shorter at the start)."""
+    return values.rolling(window, min_periods=1).mean()
+
+
+def _window(n_steps: int) -> int:
+    return max(1, n_steps // 10)
+
+
+def warm_start_level(df: pd.DataFrame) -> float | None:
+    ws = claim2_rows(df, "rl_warmstart")
+    return float(ws["reward_mean"].iloc[-1]) if not ws.empty else None
+
+
+def reward_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per run: warm-start reward, mean reward over the last 20% of steps, and the rise."""
+    steps = step_table(df, roles=("compare", "reference"))
+    if steps.empty:
+        return pd.DataFrame()
+    level = warm_start_level(df)
+    rows = []
+    for run, g in steps.groupby("run", sort=False):
+        last = g[g["step"] > 0.8 * g["step"].max()]
+        rows.append(
+            {
+                "run": run,
+                "system": g["system"].iloc[0],
+                "role": g["role"].iloc[0],
+                "steps": int(g["step"].max()),
+                "first_step_reward": float(g["reward_mean"].iloc[0]),
+                "last20_reward": float(last["reward_mean"].mean()),
+                "warm_start_reward": level,
+                "rise": float(last["reward_mean"].mean()) - level if level is not None else math.nan,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def divergence_table(df: pd.DataFrame) -> pd.DataFrame:
+    div = claim2_rows(df, "rl_divergence")
+    return div.sort_values(["pair", "step"]).reset_index(drop=True) if not div.empty else div
+
+
+def figure8a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    steps = step_table(df, roles=("compare", "reference"))
+    if steps.empty or not {"baseline", "prefixflow"} <= set(steps["system"]):
+        raise SkipFigure("no Claim-2 closed-loop records with both trainers")
+    div = divergence_table(df)
+    theme()
+    fig, axes = plt.subplots(1, 3, figsize=(13.0, 3.4))
+    window = _window(int(steps["step"].max()))
+    styles = {"compare": "-", "reference": ":"}
+    for _, g in steps.groupby("run", sort=False):
+        role = g["role"].iloc[0]
+        label = f"{g['system'].iloc[0]} (seed {int(g['seed'].iloc[0])})"
+        for ax, col in zip(axes[:2], ("reward_mean", "loss"), strict=True):
+            line = ax.plot(g["step"], smooth(g[col], window), styles[role], lw=1.5, label=label)[0]
+            ax.plot(g["step"], g[col], styles[role], lw=0.5, alpha=0.25, color=line.get_color())
+    level = warm_start_level(df)
+    if level is not None:
+        axes[0].axhline(level, color="grey", lw=0.8, ls="--", label=f"warm start {level:.2f}")
+    axes[0].set_ylabel(
+        f"reward (mean of {int(steps['n'].iloc[0] * steps['prompts_per_step'].iloc[0])}; "
+        f"{window}-step average)"
+    )
+    axes[1].set_ylabel("actor loss")
+    for ax in axes[:2]:
+        ax.set_xlabel("GRPO step")
+        ax.legend(fontsize=7)
+    ax = axes[2]
+    if not div.empty:
+        for pair, g in div.groupby("pair"):
+            ax.plot(
+                g["step"], g["rmse_over_drift_a"], "o-", ms=3, label=f"{pair} / drift of {g['run_a'].iloc[0]}"
+            )
+            ax.plot(
+                g["step"],
+                g["rmse_over_drift_b"],
+                "s--",
+                ms=3,
+                label=f"{pair} / drift of {g['run_b'].iloc[0]}",
+            )
+        ax.axhline(math.sqrt(2), color="k", lw=0.8, ls=":", label="sqrt 2 (independent runs)")
+        ax.axhspan(*TARGET_RATIO, color="green", alpha=0.08)
+    ax.set_xlabel("GRPO step (checkpoints)")
+    ax.set_ylabel("weight RMSE between runs / RMS drift from warm start")
+    ax.legend(fontsize=6)
+    fig.suptitle(
+        f"Figure 8a: closed-loop GRPO, baseline vs PrefixFlow ({steps['model'].iloc[0]}, "
+        f"{steps['dtype'].iloc[0]})",
+        fontsize=9,
+    )
+    return [save(fig, out_dir, "fig8a_training_quality")]
+
+
+def figure8b(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    rep = claim2_rows(df, "rl_replay")
+    if rep.empty and "record_kind" in df.columns:  # a standalone `pf-bench replay` output
+        rep = df[(df["record_kind"] == "rl_replay") & (df["status"] == "ok")]
+    if rep.empty:
+        raise SkipFigure("no frozen-trace replay records")
+    theme()
+    keys = sorted(rep.groupby(["trace", "system"]).groups)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
+    for ax, (trace, system) in zip(axes[0], keys, strict=True):
+        g = rep[(rep["trace"] == trace) & (rep["system"] == system)].sort_values("step")
+        for col, label in (("max_abs", "max |dW|"), ("rmse", "RMSE"), ("mean_abs", "mean |dW|")):
+            values = g[col].to_numpy(dtype=float)
+            if (values > 0).any():
+                ax.plot(g["step"], np.where(values > 0, values, np.nan), "o-", ms=3, label=label)
+            else:
+                ax.plot([], [], label=f"{label} = 0 (bitwise)")
+        if (g[["max_abs", "rmse", "mean_abs"]].to_numpy(dtype=float) > 0).any():
+            ax.set_yscale("log")
+        last = g.iloc[-1]
+        verdict = "tau rule PASS" if bool(g["tau_pass"].all()) else "tau rule FAIL"
+        ax.set_title(
+            f"{last['dtype']}, lr {last['lr']:g}: {g['source_system'].iloc[0]} trace replayed by {system}\n"
+            f"step {int(last['step'])}: max rel {last['max_rel']:.1e}; {verdict}",
+            fontsize=8,
+        )
+        ax.set_xlabel("replayed step")
+        ax.set_ylabel("parameter difference")
+        ax.legend(fontsize=7)
+    fig.suptitle("Figure 8b: frozen-trace replay against the source run's weights", fontsize=9)
+    return [save(fig, out_dir, "fig8b_trace_replay")]
+
+
+def claim2_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """The Claim-2 numbers beside their targets: one row per check (a pure function of the records)."""
+    rows = []
+
+    def add(check, value, target, ok):
+        rows.append({"check": check, "value": value, "target": target, "pass": ok})
+
+    rewards = reward_table(df)
+    for r in rewards.itertuples():
+        if r.role == "compare":
+            add(
+                f"reward rise, {r.run} (last 20% {r.last20_reward:.3f})",
+                r.rise,
+                f">= {TARGET_RISE}",
+                bool(r.rise >= TARGET_RISE) if not math.isnan(r.rise) else None,
+            )
+    sp = speedups(df)
+    if sp:
+        add("actor-update share of the baseline step", sp["update_share"], "-", None)
+        add("end-to-end speedup", sp["e2e_speedup"], f"~ Amdahl bound {sp['amdahl_bound']:.2f}", None)
+        add(
+            "end-to-end / Amdahl bound",
+            sp["e2e_over_bound"],
+            f">= {TARGET_E2E_OVER_BOUND}",
+            bool(sp["e2e_over_bound"] >= TARGET_E2E_OVER_BOUND),
+        )
+        ref = sp.get("claim3_speedup")
+        add(
+            "actor-update speedup",
+            sp["update_speedup"],
+            f">= Claim-3 ref {ref:.2f}" if ref else "-",
+            bool(sp["update_speedup"] >= ref) if ref else None,
+        )
+    div = divergence_table(df)
+    for pair, g in div.groupby("pair") if not div.empty else []:
+        last = g.iloc[-1]
+        lo, hi = TARGET_RATIO
+        values = (last["rmse_over_drift_a"], last["rmse_over_drift_b"])
+        ok = all(lo <= v <= hi for v in values) if pair == "cross-system" else None
+        add(
+            f"{pair} RMSE / own drift at step {int(last['step'])}",
+            f"{values[0]:.3f}-{values[1]:.3f}",
+            f"{lo}-{hi}" if pair == "cross-system" else "sqrt 2 = 1.414",
+            ok,
+        )
+    rep = claim2_rows(df, "rl_replay")
+    for (_, system), g in rep.groupby(["trace", "system"]) if not rep.empty else []:
+        g = g.sort_values("step")
+        last = g.iloc[-1]
+        what = f"replay {last['dtype']} lr {last['lr']:g} by {system}"
+        if last["dtype"] == "fp32":
+            add(
+                f"{what}: max |dW| / max |W| after {int(last['step'])} steps",
+                last["max_rel"],
+                f"<= {TARGET_FP32_REL:g}",
+                bool(last["max_rel"] <= TARGET_FP32_REL),
+            )
+        else:
+            add(
+                f"{what}: tau rule, all steps (max |dW| {last['max_abs']:.1e})",
+                float(g["tau_worst"].max()),
+                "<= 1 (pass)",
+                bool(g["tau_pass"].all()),
+            )
+    return pd.DataFrame(rows, columns=["check", "value", "target", "pass"])
+
+
+def claim2_table(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    """The summary as markdown (``claim2_summary.md``), for the README and docs/claim2.md."""
+    from .tables import to_markdown
+
+    summary = claim2_summary(df)
+    if summary.empty:
+        raise SkipFigure("no Claim-2 records")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "claim2_summary.md"
+    path.write_text("**Claim 2: closed loop and frozen-trace replay**\n\n" + to_markdown(summary))
+    return [path]

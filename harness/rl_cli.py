@@ -1,0 +1,85 @@
+"""``pf-bench rl`` and ``pf-bench replay`` (Claim 2), registered on the main Typer app by :func:`register`."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+__all__ = ["register"]
+
+
+class RLPreset(StrEnum):
+    smoke = "smoke"
+    cpu = "cpu"
+    paper = "paper"
+
+
+class ReplaySystem(StrEnum):
+    baseline = "baseline"
+    prefixflow = "prefixflow"
+
+
+def register(app: typer.Typer) -> None:
+    from harness.cli import _fail, _table, console, err_console
+
+    def log(msg: str) -> None:
+        console.print(escape(msg), highlight=False)
+
+    @app.command()
+    def rl(
+        spec: Annotated[Path, typer.Argument(help="Claim-2 spec (YAML), e.g. experiments/claim2.yaml")],
+        out: Annotated[Path, typer.Option(help="results folder; records go to OUT/<spec>/<preset>/")],
+        preset: Annotated[
+            RLPreset | None, typer.Option(help="smoke | cpu | paper (default: the top level)")
+        ] = None,
+    ) -> None:
+        """Closed-loop GRPO with every trainer of SPEC (resumable), trace export and replay (Claim 2)."""
+        from harness.figures.fig8 import claim2_summary
+        from harness.rl_io import TraceError
+        from harness.rl_run import RLRunError, collected, run_claim2
+        from harness.rl_spec import load_rl_spec
+        from harness.spec import SpecError
+
+        try:
+            s = load_rl_spec(spec, preset.value if preset else None)
+            folder = run_claim2(s, preset.value if preset else None, out, log=log)
+        except (SpecError, RLRunError, TraceError) as e:
+            _fail(escape(str(e)))
+        summary = claim2_summary(collected(folder))
+        if not summary.empty:
+            console.print(_table(summary, title=f"Claim 2: {escape(str(folder))}"))
+        console.print(f"records: {escape(str(folder))}")
+
+    @app.command()
+    def replay(
+        trace_dir: Annotated[Path, typer.Argument(help="an exported trace folder (holds manifest.json)")],
+        out: Annotated[Path, typer.Option(help="folder for replay-<trace>-<system>.parquet")],
+        system: ReplaySystem = ReplaySystem.prefixflow,
+        device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+    ) -> None:
+        """Replay a frozen trace with SYSTEM; per-step weight differences to the trace's own run (Fig. 8b)."""
+        import pandas as pd
+
+        from harness.records import write_records
+        from harness.rl_analysis import replay_records
+        from harness.rl_io import TraceError
+        from harness.runner import resolve_device
+        from harness.spec import safe_name
+
+        try:
+            dev = resolve_device(device)
+            rows = replay_records(trace_dir, system.value, dev, log=log)
+        except (TraceError, RuntimeError) as e:
+            _fail(escape(str(e)))
+        path = Path(out) / f"replay-{safe_name(trace_dir.name)}-{system.value}.parquet"
+        write_records(path, rows)
+        cols = ["step", "max_abs", "max_rel", "rmse", "mean_abs", "tau_pass", "loss", "source_loss"]
+        console.print(_table(pd.DataFrame(rows)[cols].tail(5), title=f"replay of {escape(trace_dir.name)}"))
+        console.print(f"records: {escape(str(path))}")
+        if not all(r["tau_pass"] for r in rows):
+            err_console.print("[red]replay exceeds the tau rule |x-y| <= 1e-3 + 1e-2*max(|x|,|y|)[/red]")
+            raise typer.Exit(1)

@@ -1,0 +1,192 @@
+"""Checkpoints and trace files: safetensors + JSON only, written atomically, verified on read.
+
+Everything read back here is untrusted data: no pickle, a file is refused with a one-line
+:class:`TraceError` naming it when it is unreadable, truncated, not what its manifest's SHA-256 says, or
+holds tensors of the wrong name, dtype or shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from prefixflow.rl import named_parameters
+
+__all__ = [
+    "TraceError",
+    "atomic_write_bytes",
+    "save_tensors",
+    "load_tensors",
+    "sha256_of",
+    "state_tensors",
+    "load_weights",
+    "optimizer_tensors",
+    "load_optimizer",
+    "read_json",
+    "write_json",
+]
+
+MAX_JSON_BYTES = 16 * 2**20
+
+
+class TraceError(ValueError):
+    """A trace or checkpoint file is missing, damaged or inconsistent; the message names the file."""
+
+
+def _tmp_in(path: Path) -> tuple[int, str]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    path = Path(path)
+    fd, tmp = _tmp_in(path)
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    return atomic_write_bytes(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
+
+
+def read_json(path: str | Path) -> Any:
+    path = Path(path)
+    try:
+        if path.is_symlink() or not path.is_file():
+            raise TraceError(f"{path}: missing (or not a regular file)")
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise TraceError(f"{path}: larger than {MAX_JSON_BYTES} bytes; not a manifest")
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TraceError(f"{path}: unreadable JSON ({type(e).__name__}: {e})") from None
+
+
+def save_tensors(
+    path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> Path:
+    """Write ``tensors`` (contiguous CPU copies) to a safetensors file atomically."""
+    path = Path(path)
+    fd, tmp = _tmp_in(path)
+    os.close(fd)
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.chmod(tmp, 0o644)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def sha256_of(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_tensors(
+    path: str | Path, sha256: str | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read a safetensors file (and check its SHA-256 when given); returns (tensors, metadata)."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_file():
+        raise TraceError(f"{path}: missing (or not a regular file)")
+    if sha256 is not None and sha256_of(path) != sha256:
+        raise TraceError(f"{path}: SHA-256 does not match the manifest (corrupted or replaced file)")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            metadata = dict(fh.metadata() or {})
+            tensors = {name: fh.get_tensor(name) for name in fh.keys()}
+    except Exception as e:  # safetensors raises its own error types for bad headers / truncation
+        raise TraceError(f"{path}: not a valid safetensors file ({type(e).__name__}: {e})") from None
+    return tensors, metadata
+
+
+def state_tensors(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The model's parameters by clean name (fp32 master weights as they are)."""
+    return {prefix + name: p.detach() for name, p in named_parameters(model).items()}
+
+
+@torch.no_grad()
+def load_weights(
+    model: nn.Module, tensors: dict[str, torch.Tensor], source: str | Path, prefix: str = ""
+) -> None:
+    """Copy ``prefix + name`` tensors into the model's parameters; every name, shape and dtype must match."""
+    params = named_parameters(model)
+    for name, p in params.items():
+        t = tensors.get(prefix + name)
+        if t is None:
+            raise TraceError(f"{source}: lacks parameter {prefix + name!r}")
+        if t.shape != p.shape or t.dtype != p.dtype:
+            raise TraceError(
+                f"{source}: {prefix + name} is {t.dtype} {tuple(t.shape)}, the model wants {p.dtype} {tuple(p.shape)}"
+            )
+        if not torch.isfinite(t).all():
+            raise TraceError(f"{source}: {prefix + name} holds NaN or inf")
+        p.copy_(t)
+
+
+_ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
+def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """AdamW state as ``opt.<key>.<param name>`` tensors (empty before the first step)."""
+    out = {}
+    for name, p in named_parameters(model).items():
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        for key in _ADAM_KEYS:
+            value = state[key]
+            out[f"opt.{key}.{name}"] = (
+                value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            )
+    return out
+
+
+@torch.no_grad()
+def load_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], source: str | Path
+) -> None:
+    """Restore AdamW state written by :func:`optimizer_tensors` (all parameters or none)."""
+    params = named_parameters(model)
+    present = [name for name in params if f"opt.step.{name}" in tensors]
+    if not present:
+        return
+    if len(present) != len(params):
+        raise TraceError(f"{source}: optimizer state covers {len(present)} of {len(params)} parameters")
+    for name, p in params.items():
+        state = {}
+        for key in _ADAM_KEYS:
+            t = tensors.get(f"opt.{key}.{name}")
+            if t is None:
+                raise TraceError(f"{source}: lacks optimizer tensor opt.{key}.{name}")
+            want = () if key == "step" else tuple(p.shape)
+            if tuple(t.shape) != want or not torch.isfinite(t).all():
+                raise TraceError(
+                    f"{source}: opt.{key}.{name} has shape {tuple(t.shape)} (want {want}) or non-finite values"
+                )
+            state[key] = t.to(torch.float32 if key == "step" else p.dtype).clone()
+        optimizer.state[p] = state

@@ -1,0 +1,378 @@
+"""``pf-bench rl``: warm start, the closed-loop runs in lockstep, weight divergence, trace replays, and the
+Claim-3 reference measurement, all resumable, into ``OUT/<spec>/<preset>/``::
+
+    records/<run>.parquet            one row per step of each run (record_kind rl_step)
+    divergence.parquet               cross-run weight RMSE and each run's drift per checkpoint (rl_divergence)
+    replay-<trace>-<system>.parquet  frozen-trace replay, one row per step (rl_replay)
+    claim3-reference.parquet         train_group alone at the loop's P, S, N (rl_claim3_ref)
+    _state/                          warm start, checkpoints, resume states, traces (safetensors + JSON)
+
+Runs step in lockstep (step t of every run before step t+1 of any), so every trainer is timed under the same
+machine load. A killed run resumes from its last checkpoint and reproduces the same numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from harness.records import read_records, write_records
+from harness.rl_analysis import claim3_reference_records, divergence_records, replay_records
+from harness.rl_io import TraceError, load_tensors, save_tensors, state_tensors, write_json
+from harness.rl_loop import DTYPES, ClosedLoop, RunPlan, build_model_for, model_overrides, task_of
+from harness.rl_spec import RLSpec
+from harness.rl_task import mean_reward, warm_start
+from harness.rl_trace import TraceWriter
+from harness.runner import git_rev, resolve_device
+from harness.spec import safe_name
+from prefixflow.rl import sync_weights
+
+__all__ = ["RLRunError", "preflight", "run_claim2", "plans_of", "folder_of", "collected"]
+
+Log = Callable[[str], None]
+
+
+class RLRunError(RuntimeError):
+    """The spec cannot run here; the message says what is missing."""
+
+
+def preflight(spec: RLSpec, preset: str | None) -> torch.device:
+    """Refuse, before any work, what this build cannot run; returns the device."""
+    par = spec.parallel
+    if par.world_size > 1:
+        have = importlib.util.find_spec("prefixflow.parallel") is not None
+        layout = ", ".join(f"{k}={v}" for k, v in par.model_dump().items() if v > 1)
+        raise RLRunError(
+            f"preset {preset or '-'} needs a multi-rank closed loop ({layout}, world size {par.world_size}); "
+            f"missing: {'' if have else 'prefixflow.parallel (TP/FSDP issue 8, CP/PP issue 9), '}"
+            "a torchrun launch of harness.rl_run with sharded rollout, evaluation and actor update. "
+            "This build runs the loop on one device: use --preset cpu or --preset smoke"
+        )
+    try:
+        return resolve_device(spec.device)
+    except RuntimeError as e:
+        raise RLRunError(f"device: {e}") from None
+
+
+def folder_of(out: str | Path, spec: RLSpec, preset: str | None) -> Path:
+    return Path(out) / safe_name(spec.name) / safe_name(preset or "default")
+
+
+def trace_name(dtype: str, lr: float | None, seed: int) -> str:
+    return f"baseline-{dtype}-s{seed}" if lr is None else f"baseline-{dtype}-lr{lr:g}-s{seed}"
+
+
+def plans_of(spec: RLSpec) -> list[RunPlan]:
+    """The compared trainers at ``seed``, the baseline at ``reference_seed``, and short trace runs."""
+    loop, trace = spec.loop, spec.trace
+    traces = trace.runs if trace is not None else []
+    main = next((r for r in traces if spec.is_main_trace(r)), None)
+    plans = []
+    for t in spec.trainers:
+        exports = main is not None and t == "baseline"
+        plans.append(
+            RunPlan(
+                f"{t}-s{spec.seed}",
+                t,
+                spec.seed,
+                loop.dtype,
+                loop.steps,
+                "compare",
+                trace.steps if exports else 0,
+                None,
+                trace_name(loop.dtype, None, spec.seed) if exports else None,
+            )
+        )
+    if spec.reference_seed is not None:
+        s = spec.reference_seed
+        plans.append(RunPlan(f"baseline-s{s}", "baseline", s, loop.dtype, loop.steps, "reference"))
+    for r in traces:
+        if r is not main:
+            name = trace_name(r.dtype, r.lr, spec.seed)
+            plans.append(
+                RunPlan(
+                    name.replace("baseline-", "trace-"),
+                    "baseline",
+                    spec.seed,
+                    r.dtype,
+                    trace.steps,
+                    "trace",
+                    trace.steps,
+                    r.lr,
+                    name,
+                )
+            )
+    return plans
+
+
+def _base(spec: RLSpec, preset: str | None, device: torch.device) -> dict[str, Any]:
+    task = task_of(spec)
+    loop = spec.loop
+    return {
+        "spec": spec.name,
+        "preset": preset or "default",
+        "identity": spec.identity(),
+        "git_rev": git_rev(),
+        "host": socket.gethostname(),
+        "device": device.type,
+        "model": spec.model.display,
+        "model_overrides": json.dumps(model_overrides(spec, task), sort_keys=True),
+        "prefix_len": task.prompt_len,
+        "suffix_len": task.response_len,
+        "prefix_ratio": task.prefix_ratio,
+        "n": loop.n,
+        "prompts_per_step": loop.prompts_per_step,
+        "layout": loop.layout,
+        "microbatch": loop.microbatch,
+        "compile": False,
+        "ac": "none",
+        "offload": False,
+        **spec.parallel.model_dump(),
+        "world_size": spec.parallel.world_size,
+        "status": "ok",
+    }
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+def warm_start_state(
+    spec: RLSpec, state: Path, device: torch.device, base: dict[str, Any], log: Log
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The shared initial weights (the warm-started model, cached under ``state``) and the record of its
+    reward on the RL task (the level every run starts from)."""
+    path = state / "warmstart.safetensors"
+    identity = spec.warm_start_identity()
+    task = task_of(spec)
+    tensors = None
+    if path.exists():
+        tensors, meta = load_tensors(path)
+        if meta.get("identity") != identity:
+            log(f"warm start at {path} is from another configuration; recomputing")
+            tensors = None
+    ws, loop = spec.warm_start, spec.loop
+    if tensors is None:
+        model = build_model_for(spec, task, torch.float32, device)
+        log(
+            f"warm start: {ws.steps} steps x {ws.batch} prompts of {ws.passages} passages (the RL prompts "
+            f"have {task.n_passages}: P={task.prompt_len}, S={task.response_len}, r={task.prefix_ratio:.3f})"
+        )
+        losses = warm_start(
+            model,
+            task,
+            steps=ws.steps,
+            batch=ws.batch,
+            lr=ws.lr,
+            seed=spec.data_seed + 1,
+            passages=ws.passages,
+        )
+        tensors = state_tensors(model, "w.")
+        rollout = build_model_for(spec, task, DTYPES[loop.dtype], device)
+        sync_weights(model, rollout)
+        reward, exact = mean_reward(
+            rollout,
+            task,
+            prompts=ws.eval_prompts,
+            n=loop.n,
+            max_new_tokens=loop.max_new_tokens,
+            temperature=loop.temperature,
+            seed=spec.data_seed + 2,
+        )
+        meta = {
+            "identity": identity,
+            "final_loss": repr(losses[-1] if losses else float("nan")),
+            "reward": repr(reward),
+            "exact_match": repr(exact),
+        }
+        save_tensors(path, tensors, meta)
+    record = {
+        **base,
+        "record_kind": "rl_warmstart",
+        "system": "baseline",
+        "dtype": loop.dtype,
+        "run": "warmstart",
+        "step": 0,
+        "reward_mean": float(meta["reward"]),
+        "exact_match": float(meta["exact_match"]),
+        "loss": float(meta["final_loss"]),
+        "warm_start_steps": ws.steps,
+        "warm_start_passages": ws.passages,
+        "cell_id": f"{spec.identity()}.warmstart",
+        "timestamp": _now(),
+    }
+    log(
+        f"warm start: reward {record['reward_mean']:.3f} (exact {record['exact_match']:.3f}) on "
+        f"{ws.eval_prompts} RL prompts x {loop.n} samples"
+    )
+    return {k.removeprefix("w."): v for k, v in tensors.items()}, record
+
+
+def _trace_header(spec: RLSpec, plan: RunPlan) -> dict[str, Any]:
+    loop, task = spec.loop, task_of(spec)
+    return {
+        "model": spec.model.name,
+        "overrides": model_overrides(spec, task),
+        "dtype": plan.dtype,
+        "system": plan.system,
+        "seed": spec.seed,
+        "run": plan.name,
+        "git_rev": git_rev(),
+        "loss_config": loop.loss_config(),
+        "layout": loop.layout,
+        "microbatch": loop.microbatch,
+        "attention": loop.attention,
+        "optimizer": {
+            "type": "AdamW",
+            "betas": list(loop.betas),
+            "eps": loop.eps,
+            "weight_decay": loop.weight_decay,
+            "max_grad_norm": loop.max_grad_norm,
+        },
+    }
+
+
+class _Run:
+    """One plan's loop, its record rows and files."""
+
+    def __init__(self, spec, task, plan, folder, init, device, base, log) -> None:
+        self.spec, self.plan, self.log = spec, plan, log
+        self.dir = folder / "_state" / "runs" / plan.name
+        self.records = folder / "records" / f"{plan.name}.parquet"
+        self.identity = spec.identity(run=plan.name, dtype=plan.dtype, steps=plan.steps, lr=plan.lr)
+        self.loop = ClosedLoop(spec, task, plan, init, device)
+        self.base = {
+            **base,
+            "system": plan.system,
+            "seed": plan.seed,
+            "dtype": plan.dtype,
+            "run": plan.name,
+            "role": plan.role,
+            "record_kind": "rl_step",
+        }
+        self.rows: list[dict[str, Any]] = []
+        self.trace = None
+        if plan.trace_steps:
+            self.trace_dir = folder / "_state" / "traces" / plan.trace_name
+            self.trace = TraceWriter(self.trace_dir, _trace_header(spec, plan))
+        resume = self.dir / "resume.safetensors"
+        if resume.exists():
+            self.loop.load_resume(resume, self.identity)
+            if self.records.exists():
+                old = read_records(self.records)
+                self.rows = [r for r in old.to_dict("records") if r["step"] <= self.loop.step_done]
+            if len(self.rows) != self.loop.step_done:
+                raise TraceError(
+                    f"{self.records}: holds {len(self.rows)} rows for {self.loop.step_done} resumed steps"
+                )
+            log(f"{plan.name}: resumed at step {self.loop.step_done}")
+        elif self.trace is not None:
+            self.trace.write_initial(self.loop.actor, self.loop.optimizer)
+
+    @property
+    def done(self) -> bool:
+        return self.loop.step_done >= self.plan.steps
+
+    def step(self) -> dict[str, Any]:
+        record, trace = self.loop.step()
+        step = record["step"]
+        row = {**self.base, **record, "cell_id": f"{self.identity}.{step:05d}", "timestamp": _now()}
+        self.rows.append(row)
+        if self.trace is not None and step <= self.plan.trace_steps:
+            self.trace.write_step(step, trace, record["loss"])
+            if step == self.plan.trace_steps:
+                self.trace.finish(step)
+        if step % self.spec.checkpoint_every == 0 or step == self.plan.steps:
+            save_tensors(
+                self.dir / "checkpoints" / f"step_{step:05d}.safetensors",
+                trace["weights"],
+                {"step": str(step), "run": self.plan.name},
+            )
+            self.loop.save_resume(self.dir / "resume.safetensors", self.identity)
+        write_records(self.records, self.rows)
+        return row
+
+
+def run_claim2(spec: RLSpec, preset: str | None, out: str | Path, log: Log = print) -> Path:
+    """Everything Claim 2 records, resumably; returns the records folder."""
+    device = preflight(spec, preset)
+    folder = folder_of(out, spec, preset)
+    folder.mkdir(parents=True, exist_ok=True)
+    task = task_of(spec)
+    base = _base(spec, preset, device)
+    write_json(folder / "_state" / "spec.json", spec.model_dump(mode="json"))
+    init, ws_record = warm_start_state(spec, folder / "_state", device, base, log)
+    write_records(folder / "warmstart.parquet", [ws_record])
+    plans = plans_of(spec)
+    runs = [_Run(spec, task, p, folder, init, device, base, log) for p in plans]
+    reference = _Claim3Reference(spec, folder, device, base, log)
+    reference.resume(min(r.loop.step_done for r in runs if r.plan.role == "compare"))
+    while not all(r.done for r in runs):
+        for run in runs:
+            if not run.done:
+                row = run.step()
+                if row["step"] % spec.checkpoint_every == 0 or run.done:
+                    log(
+                        f"{run.plan.name}: step {row['step']}/{run.plan.steps} reward {row['reward_mean']:.3f} "
+                        f"loss {row['loss']:+.4f} step {row['step_s']:.2f}s (update {row['update_s']:.2f}s)"
+                    )
+        reference.after(min(r.loop.step_done for r in runs if r.plan.role == "compare"))
+    for run in runs:  # a run resumed past its trace steps may have been killed before writing the manifest
+        if run.trace is not None and not (run.trace_dir / "manifest.json").exists():
+            run.trace.finish(run.plan.trace_steps)
+    div = divergence_records(spec, folder, plans, init, base)
+    if div:
+        write_records(folder / "divergence.parquet", div)
+    for run in runs:
+        if run.trace is None:
+            continue
+        for system in spec.trace.systems:
+            path = folder / f"replay-{run.trace_dir.name}-{system}.parquet"
+            if path.exists() and read_records(path)["identity"].eq(base["identity"]).all():
+                continue
+            rows = replay_records(run.trace_dir, system, device, base, log)
+            write_records(path, [{**r, "preset": base["preset"], "identity": base["identity"]} for r in rows])
+    reference.after(spec.loop.steps)
+    return folder
+
+
+class _Claim3Reference:
+    """Claim 3's measurement of ``train_group`` alone at the loop's P, S, N, taken at every checkpoint step
+    between loop steps (so under the same machine load as the loop), kept in ``claim3-reference.parquet``."""
+
+    def __init__(self, spec: RLSpec, folder: Path, device, base: dict[str, Any], log: Log) -> None:
+        self.spec, self.device, self.base, self.log = spec, device, base, log
+        self.path = folder / "claim3-reference.parquet"
+        self.rows: list[dict[str, Any]] = []
+
+    def resume(self, step: int) -> None:
+        if self.path.exists():
+            old = read_records(self.path)
+            old = old[(old["identity"] == self.base["identity"]) & (old["step"] <= step)]
+            self.rows = old.to_dict("records")
+
+    def after(self, step: int) -> None:
+        spec = self.spec
+        due = step % spec.checkpoint_every == 0 or step == spec.loop.steps
+        if not spec.claim3_reference.enabled or not due or any(r["step"] == step for r in self.rows):
+            return
+        self.rows += claim3_reference_records(spec, self.device, self.base, step)
+        write_records(self.path, self.rows)
+        t = {r["system"]: r["step_time_s"] for r in self.rows[-2:]}
+        ratio = t.get("baseline", float("nan")) / min(v for k, v in t.items() if k != "baseline")
+        self.log(f"claim-3 reference at step {step}: train_group alone {ratio:.2f}x")
+
+
+def collected(folder: Path) -> pd.DataFrame:
+    """Every record under ``folder`` (for the summary printed after a run)."""
+    from harness.records import collect
+
+    return collect(folder)

@@ -1,0 +1,164 @@
+"""The trainer-side pieces of a GRPO step: advantages, policy evaluation, the actor update, weight sync.
+
+A synchronous colocated step is ``sample_responses`` (rollout model) -> reward -> ``group_advantages`` ->
+``response_logprobs`` (old policy, and reference) -> ``actor_update`` (``train_group`` with ``loss="grpo"``
+per group, one optimizer step) -> ``sync_weights`` (actor -> rollout model). Only ``actor_update`` differs
+between the full-sequence baseline and PrefixFlow (its ``system``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..group import RolloutGroup
+from ..layouts import build_microbatch, full_sequence_segments
+from ..loss import LossConfig, token_logprobs
+from ..schedule import forward_hidden, train_group
+
+_AC_PREFIX = "_checkpoint_wrapped_module."
+
+__all__ = [
+    "UpdateStats",
+    "named_parameters",
+    "group_advantages",
+    "response_logprobs",
+    "actor_update",
+    "sync_weights",
+    "autocast_for",
+]
+
+
+def autocast_for(device: torch.device, compute_dtype: torch.dtype | None):
+    """``torch.autocast`` for mixed precision (fp32 master weights, bf16/fp16 compute), else a no-op."""
+    if compute_dtype in (torch.bfloat16, torch.float16):
+        return torch.autocast(device.type, dtype=compute_dtype)
+    return contextlib.nullcontext()
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
+    """GRPO's group-normalised advantages ``(r - mean(r)) / (std(r) + eps)`` (std unbiased, as in verl);
+    ``scale=False`` keeps ``r - mean(r)``. A group of one response, or of equal rewards, gets zeros."""
+    r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
+    if r.numel() == 0 or not torch.isfinite(r).all():
+        raise ValueError("rewards must be a non-empty tensor of finite numbers")
+    centred = r - r.mean()
+    if not scale or r.numel() == 1:
+        return centred if r.numel() > 1 else torch.zeros_like(r)
+    return centred / (r.std() + eps)
+
+
+@torch.no_grad()
+def response_logprobs(
+    model: nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], *, microbatch: int | None = None
+) -> list[torch.Tensor]:
+    """Per-token ``log pi(s_it | P, s_<t)`` of each response under ``model``: full sequences, forward only,
+    LM head at response positions only (policy evaluation; the same for every trainer)."""
+    probe = RolloutGroup(prompt, list(responses), torch.zeros(len(responses)))
+    device = next(model.parameters()).device
+    probe = probe.to(device)
+    segments = full_sequence_segments(probe)
+    size = probe.n if microbatch is None else microbatch
+    flat = []
+    for start in range(0, probe.n, size):
+        mb = build_microbatch(
+            probe, segments[start : start + size], "padded", cached_prefix_len=None, device=device
+        )
+        hidden = forward_hidden(model, mb.tokens, mb.positions)
+        flat.append(token_logprobs(model.output(hidden[mb.loss_rows, mb.loss_cols]), mb.targets))
+    out = torch.cat(flat).float()
+    return [t.clone() for t in torch.split(out, probe.response_lens)]
+
+
+@dataclass
+class UpdateStats:
+    """One optimizer step over several rollout groups."""
+
+    loss: float  # mean of the groups' losses
+    grad_norm: float  # total gradient norm before clipping
+    suffix_tokens: int
+    trunk_tokens: int
+    phase_times: dict[str, float] = field(default_factory=dict)  # summed over groups
+
+
+def actor_update(
+    model: nn.Module,
+    groups: list[RolloutGroup],
+    optimizer: torch.optim.Optimizer,
+    *,
+    system: str,
+    lr: float | None = None,
+    layout: str = "padded",
+    microbatch: int | None = None,
+    loss_config: dict | LossConfig | None = None,
+    max_grad_norm: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> UpdateStats:
+    """One actor update: ``train_group(loss="grpo")`` per group, gradients averaged over the groups (verl's
+    ``seq-mean-token-mean`` over the batch), optional norm clipping, one ``optimizer.step()``.
+
+    ``lr`` (if given) is set on every parameter group first; ``compute_dtype`` bf16/fp16 runs the groups
+    under autocast (mixed precision over fp32 master weights).
+    """
+    if not groups:
+        raise ValueError("actor_update needs at least one rollout group")
+    if lr is not None:
+        for pg in optimizer.param_groups:
+            pg["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    device = next(model.parameters()).device
+    losses, times = [], {}
+    suffix = trunk = 0
+    with autocast_for(device, compute_dtype):
+        for group in groups:
+            stats = train_group(
+                model,
+                group,
+                system=system,
+                layout=layout,
+                microbatch=microbatch,
+                loss="grpo",
+                loss_config=loss_config,
+            )
+            losses.append(stats.loss)
+            suffix += stats.suffix_tokens
+            trunk += stats.trunk_tokens
+            for phase, t in stats.phase_times.items():
+                times[phase] = times.get(phase, 0.0) + t
+    params = [p for p in model.parameters() if p.grad is not None]
+    if len(groups) > 1:
+        for p in params:
+            p.grad.div_(len(groups))
+    if max_grad_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    optimizer.step()
+    return UpdateStats(sum(losses) / len(losses), float(norm), suffix, trunk, times)
+
+
+def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameters by their name in the unwrapped model (activation-checkpoint wrappers left out), so a
+    checkpointed actor and a plain rollout model (or a checkpoint file) agree on names."""
+    return {name.replace(_AC_PREFIX, ""): p for name, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def sync_weights(source: nn.Module, target: nn.Module) -> int:
+    """Copy ``source``'s parameters into ``target``'s (cast to its dtype); returns the bytes written.
+    The colocated weight sync: actor (training copy) -> rollout model (generation copy)."""
+    src, dst = named_parameters(source), named_parameters(target)
+    if src.keys() != dst.keys():
+        missing = sorted(src.keys() ^ dst.keys())[:3]
+        raise ValueError(f"sync_weights: models differ in parameters (e.g. {missing})")
+    written = 0
+    for name, p in src.items():
+        q = dst[name]
+        if p.shape != q.shape:
+            raise ValueError(f"sync_weights: {name} has shape {tuple(p.shape)} vs {tuple(q.shape)}")
+        q.copy_(p)
+        written += q.numel() * q.element_size()
+    return written

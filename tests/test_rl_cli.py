@@ -1,0 +1,79 @@
+"""`pf-bench rl` / `replay` end to end: the smoke preset, its records and figures, resume, refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from harness.cli import app
+from harness.records import collect, read_records
+from harness.rl_spec import RL_PRESETS, load_rl_spec
+
+REPO = Path(__file__).resolve().parent.parent
+CLAIM2 = REPO / "experiments" / "claim2.yaml"
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("preset", RL_PRESETS)
+def test_claim2_presets_are_valid(preset):
+    spec = load_rl_spec(CLAIM2, preset)
+    assert spec.trainers == ["baseline", "prefixflow"] and spec.reference_seed is not None
+
+
+def test_paper_preset_is_refused_naming_what_is_missing(tmp_path):
+    res = invoke("rl", CLAIM2, "--preset", "paper", "--out", tmp_path / "out")
+    assert res.exit_code == 2
+    assert "tp=2, cp=4" in res.output and "multi-rank" in res.output and "--preset cpu" in res.output
+    assert "Traceback" not in res.output and not (tmp_path / "out").exists()
+
+
+def test_bad_spec_names_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(CLAIM2.read_text().replace("  temperature: 1.0", "  temprature: 1.0"))
+    res = invoke("rl", bad, "--out", tmp_path / "out")
+    assert res.exit_code == 2 and "loop.temprature" in res.output and "unknown key" in res.output
+
+
+@pytest.mark.slow
+def test_smoke_preset_records_figures_and_resume(tmp_path):
+    out = tmp_path / "results"
+    res = invoke("rl", CLAIM2, "--preset", "smoke", "--out", out)
+    assert res.exit_code == 0, res.output
+    folder = out / "claim2" / "smoke"
+    steps = {p.stem: read_records(p) for p in (folder / "records").glob("*.parquet")}
+    assert sorted(steps) == ["baseline-s0", "baseline-s1", "prefixflow-s0", "trace-bf16-s0"]
+    assert list(steps["prefixflow-s0"]["step"]) == [1, 2, 3, 4]
+    for col in (
+        "generation_s",
+        "evaluation_s",
+        "update_s",
+        "sync_s",
+        "reward_mean",
+        "loss",
+        "response_tokens",
+    ):
+        assert steps["baseline-s0"][col].notna().all()
+    replays = sorted(p.name for p in folder.glob("replay-*.parquet"))
+    assert replays == [
+        f"replay-baseline-{d}-s0-{s}.parquet" for d in ("bf16", "fp32") for s in ("baseline", "prefixflow")
+    ]
+    assert (read_records(folder / "replay-baseline-fp32-s0-baseline.parquet")["max_abs"] == 0).all()
+    assert len(list((folder / "_state" / "runs" / "baseline-s0" / "checkpoints").glob("*.safetensors"))) == 2
+    # every figure comes from the records alone; other sweeps' figures ignore these rows
+    res = invoke("figures", "--results", out, "--out", out / "figures")
+    assert res.exit_code == 0, res.output
+    made = {p.name for p in (out / "figures").iterdir()}
+    assert {"fig7_step_breakdown.png", "fig8a_training_quality.png", "fig8b_trace_replay.png"} <= made
+    assert "claim2_summary.md" in made and "smoke_overview.png" not in made
+    before = collect(out)
+    res = invoke("rl", CLAIM2, "--preset", "smoke", "--out", out)  # resumable: nothing left to run
+    assert res.exit_code == 0 and "step 2/" not in res.output and "warm start: 20 steps" not in res.output
+    after = collect(out)
+    kept = after[after["record_kind"] == "rl_step"]["timestamp"].sort_values().tolist()
+    assert kept == before[before["record_kind"] == "rl_step"]["timestamp"].sort_values().tolist()
