@@ -69,7 +69,6 @@ def divergence_records(spec, folder, plans, init, base) -> list[dict[str, Any]]:
                     "rmse_over_drift_a": rmse / drift_a if drift_a else None,
                     "rmse_over_drift_b": rmse / drift_b if drift_b else None,
                     "dtype": spec.loop.dtype,
-                    "cell_id": f"{spec.identity()}.div.{b}.{step:05d}",
                     "timestamp": _now(),
                 }
             )
@@ -89,7 +88,6 @@ def replay_records(
     base = dict(
         base or {"spec": "replay", "status": "ok", "git_rev": git_rev(), "host": socket.gethostname()}
     )
-    ident = f"{m.run}.{m.initial.sha256[:12]}"
 
     rows = replay_trace(trace, system, device)
     last = rows[-1]
@@ -108,7 +106,6 @@ def replay_records(
             "model": m.model,
             "seed": m.seed,
             "device": torch.device(device).type,
-            "cell_id": f"{ident}.replay.{system}.{r['step']:05d}",
             "timestamp": _now(),
             **r,
         }
@@ -151,7 +148,6 @@ def claim3_reference_records(
             **{k: base[k] for k in keep},
             "record_kind": "rl_claim3_ref",
             "step": step,
-            "cell_id": f"{spec.identity()}.claim3ref.{step:05d}",
             "timestamp": _now(),
         }
         for r in rows

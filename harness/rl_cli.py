@@ -64,10 +64,10 @@ def register(app: typer.Typer) -> None:
         """Replay a frozen trace with SYSTEM; per-step weight differences to the trace's own run (Fig. 8b)."""
         import pandas as pd
 
-        from harness.records import write_records
         from harness.rl_analysis import replay_records
-        from harness.rl_io import TraceError
+        from harness.rl_io import TraceError, write_rl_records
         from harness.runner import resolve_device
+        from harness.safe_fs import UnsafePathError
         from harness.spec import safe_name
 
         try:
@@ -76,7 +76,10 @@ def register(app: typer.Typer) -> None:
         except (TraceError, RuntimeError) as e:
             _fail(escape(str(e)))
         path = Path(out) / f"replay-{safe_name(trace_dir.name)}-{system.value}.parquet"
-        write_records(path, rows)
+        try:
+            write_rl_records(path, rows, out)
+        except (OSError, UnsafePathError) as e:
+            _fail(escape(f"--out: cannot write {path}: {getattr(e, 'strerror', None) or e}"))
         cols = ["step", "max_abs", "max_rel", "rmse", "mean_abs", "tau_pass", "loss", "source_loss"]
         console.print(_table(pd.DataFrame(rows)[cols].tail(5), title=f"replay of {escape(trace_dir.name)}"))
         console.print(f"records: {escape(str(path))}")

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from torch import nn
 
+from harness.records import RECORD_SUFFIX, write_records
+from harness.safe_fs import atomic_write
 from prefixflow.rl import named_parameters
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "load_optimizer",
     "read_json",
     "write_json",
+    "write_rl_records",
 ]
 
 MAX_JSON_BYTES = 16 * 2**20
@@ -42,29 +43,14 @@ class TraceError(ValueError):
     """A trace or checkpoint file is missing, damaged or inconsistent; the message names the file."""
 
 
-def _tmp_in(path: Path) -> tuple[int, str]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def atomic_write_bytes(path: str | Path, data: bytes, root: str | Path | None = None) -> Path:
+    """Write ``data`` atomically (harness.safe_fs: a fresh temp file, fsync, rename; no link below ``root``
+    is followed)."""
+    return atomic_write(path, lambda fh: fh.write(data), root=root)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    path = Path(path)
-    fd, tmp = _tmp_in(path)
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def write_json(path: str | Path, data: Any) -> Path:
-    return atomic_write_bytes(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
+def write_json(path: str | Path, data: Any, root: str | Path | None = None) -> Path:
+    return atomic_write_bytes(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), root)
 
 
 def read_json(path: str | Path) -> Any:
@@ -80,22 +66,23 @@ def read_json(path: str | Path) -> Any:
 
 
 def save_tensors(
-    path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+    path: str | Path,
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str] | None = None,
+    root: str | Path | None = None,
 ) -> Path:
-    """Write ``tensors`` (contiguous CPU copies) to a safetensors file atomically."""
+    """Write ``tensors`` (contiguous CPU copies) to a safetensors file atomically (see
+    :func:`atomic_write_bytes`)."""
+    data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata=metadata)
+    return atomic_write_bytes(path, data, root)
+
+
+def write_rl_records(path: str | Path, rows: list[dict[str, Any]], root: str | Path | None = None) -> Path:
+    """Write Claim-2 rows as one pf-bench record file: its cell id is the file name (as
+    :func:`harness.records.read_records` verifies), rows told apart by ``step``/``system``."""
     path = Path(path)
-    fd, tmp = _tmp_in(path)
-    os.close(fd)
-    try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.chmod(tmp, 0o644)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    cell = path.name.removesuffix(RECORD_SUFFIX)
+    return write_records(path, [{**r, "cell_id": cell} for r in rows], root)
 
 
 def sha256_of(path: str | Path) -> str:

@@ -239,9 +239,9 @@ class ClosedLoop:
         return record, trace
 
     # ---- state ----------------------------------------------------------------------------------------
-    def save_resume(self, path: Path, identity: str) -> None:
+    def save_resume(self, path: Path, identity: str, root: Path | None = None) -> None:
         tensors = {**state_tensors(self.actor, "w."), **optimizer_tensors(self.actor, self.optimizer)}
-        save_tensors(path, tensors, {"step": str(self.step_done), "identity": identity})
+        save_tensors(path, tensors, {"step": str(self.step_done), "identity": identity}, root)
 
     def load_resume(self, path: Path, identity: str) -> None:
         tensors, meta = load_tensors(path)

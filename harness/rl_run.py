@@ -24,14 +24,22 @@ from typing import Any
 import pandas as pd
 import torch
 
-from harness.records import read_records, write_records
+from harness.records import read_records
 from harness.rl_analysis import claim3_reference_records, divergence_records, replay_records
-from harness.rl_io import TraceError, load_tensors, save_tensors, state_tensors, write_json
+from harness.rl_io import (
+    TraceError,
+    load_tensors,
+    save_tensors,
+    state_tensors,
+    write_json,
+    write_rl_records,
+)
 from harness.rl_loop import DTYPES, ClosedLoop, RunPlan, build_model_for, model_overrides, task_of
 from harness.rl_spec import RLSpec
 from harness.rl_task import mean_reward, warm_start
 from harness.rl_trace import TraceWriter
 from harness.runner import git_rev, resolve_device
+from harness.safe_fs import UnsafePathError, check_writable
 from harness.spec import safe_name
 from prefixflow.rl import sync_weights
 
@@ -193,7 +201,7 @@ def warm_start_state(
             "reward": repr(reward),
             "exact_match": repr(exact),
         }
-        save_tensors(path, tensors, meta)
+        save_tensors(path, tensors, meta, root=state.parent)
     record = {
         **base,
         "record_kind": "rl_warmstart",
@@ -206,7 +214,6 @@ def warm_start_state(
         "loss": float(meta["final_loss"]),
         "warm_start_steps": ws.steps,
         "warm_start_passages": ws.passages,
-        "cell_id": f"{spec.identity()}.warmstart",
         "timestamp": _now(),
     }
     log(
@@ -244,7 +251,7 @@ class _Run:
     """One plan's loop, its record rows and files."""
 
     def __init__(self, spec, task, plan, folder, init, device, base, log) -> None:
-        self.spec, self.plan, self.log = spec, plan, log
+        self.spec, self.plan, self.log, self.root = spec, plan, log, folder
         self.dir = folder / "_state" / "runs" / plan.name
         self.records = folder / "records" / f"{plan.name}.parquet"
         self.identity = spec.identity(run=plan.name, dtype=plan.dtype, steps=plan.steps, lr=plan.lr)
@@ -262,7 +269,7 @@ class _Run:
         self.trace = None
         if plan.trace_steps:
             self.trace_dir = folder / "_state" / "traces" / plan.trace_name
-            self.trace = TraceWriter(self.trace_dir, _trace_header(spec, plan))
+            self.trace = TraceWriter(self.trace_dir, _trace_header(spec, plan), root=folder)
         resume = self.dir / "resume.safetensors"
         if resume.exists():
             self.loop.load_resume(resume, self.identity)
@@ -284,7 +291,7 @@ class _Run:
     def step(self) -> dict[str, Any]:
         record, trace = self.loop.step()
         step = record["step"]
-        row = {**self.base, **record, "cell_id": f"{self.identity}.{step:05d}", "timestamp": _now()}
+        row = {**self.base, **record, "timestamp": _now()}
         self.rows.append(row)
         if self.trace is not None and step <= self.plan.trace_steps:
             self.trace.write_step(step, trace, record["loss"])
@@ -295,9 +302,10 @@ class _Run:
                 self.dir / "checkpoints" / f"step_{step:05d}.safetensors",
                 trace["weights"],
                 {"step": str(step), "run": self.plan.name},
+                root=self.root,
             )
-            self.loop.save_resume(self.dir / "resume.safetensors", self.identity)
-        write_records(self.records, self.rows)
+            self.loop.save_resume(self.dir / "resume.safetensors", self.identity, root=self.root)
+        write_rl_records(self.records, self.rows, self.root)
         return row
 
 
@@ -305,12 +313,15 @@ def run_claim2(spec: RLSpec, preset: str | None, out: str | Path, log: Log = pri
     """Everything Claim 2 records, resumably; returns the records folder."""
     device = preflight(spec, preset)
     folder = folder_of(out, spec, preset)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:  # no link between OUT and the records folder; a clear error before any work
+        check_writable(folder / "_state", out)
+    except (OSError, UnsafePathError) as e:
+        raise RLRunError(f"--out: cannot write under {folder}: {getattr(e, 'strerror', None) or e}") from None
     task = task_of(spec)
     base = _base(spec, preset, device)
-    write_json(folder / "_state" / "spec.json", spec.model_dump(mode="json"))
+    write_json(folder / "_state" / "spec.json", spec.model_dump(mode="json"), root=folder)
     init, ws_record = warm_start_state(spec, folder / "_state", device, base, log)
-    write_records(folder / "warmstart.parquet", [ws_record])
+    write_rl_records(folder / "warmstart.parquet", [ws_record], folder)
     plans = plans_of(spec)
     runs = [_Run(spec, task, p, folder, init, device, base, log) for p in plans]
     reference = _Claim3Reference(spec, folder, device, base, log)
@@ -330,7 +341,7 @@ def run_claim2(spec: RLSpec, preset: str | None, out: str | Path, log: Log = pri
             run.trace.finish(run.plan.trace_steps)
     div = divergence_records(spec, folder, plans, init, base)
     if div:
-        write_records(folder / "divergence.parquet", div)
+        write_rl_records(folder / "divergence.parquet", div, folder)
     for run in runs:
         if run.trace is None:
             continue
@@ -339,7 +350,8 @@ def run_claim2(spec: RLSpec, preset: str | None, out: str | Path, log: Log = pri
             if path.exists() and read_records(path)["identity"].eq(base["identity"]).all():
                 continue
             rows = replay_records(run.trace_dir, system, device, base, log)
-            write_records(path, [{**r, "preset": base["preset"], "identity": base["identity"]} for r in rows])
+            rows = [{**r, "preset": base["preset"], "identity": base["identity"]} for r in rows]
+            write_rl_records(path, rows, folder)
     reference.after(spec.loop.steps)
     return folder
 
@@ -365,7 +377,7 @@ class _Claim3Reference:
         if not spec.claim3_reference.enabled or not due or any(r["step"] == step for r in self.rows):
             return
         self.rows += claim3_reference_records(spec, self.device, self.base, step)
-        write_records(self.path, self.rows)
+        write_rl_records(self.path, self.rows, self.path.parent)
         t = {r["system"]: r["step_time_s"] for r in self.rows[-2:]}
         ratio = t.get("baseline", float("nan")) / min(v for k, v in t.items() if k != "baseline")
         self.log(f"claim-3 reference at step {step}: train_group alone {ratio:.2f}x")

@@ -1,6 +1,6 @@
 """The Claim-2 spec (``experiments/claim2.yaml``): one closed-loop GRPO comparison and its trace replays.
 
-Loaded with ``yaml.safe_load`` and validated by pydantic, like the sweep specs; presets (``smoke``, ``cpu``,
+Loaded with ``harness.safe_yaml`` and validated by pydantic, like the sweep specs; presets (``smoke``, ``cpu``,
 ``paper``) are deep-merged over the top level. Unknown keys and bad values name the file and the field.
 """
 
@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from harness.spec import ExecutorSettings, ModelSpec, Parallel, SpecError, _deep_merge, _describe
+from harness.spec import ExecutorSettings, ModelSpec, Parallel, SpecError, _deep_merge
+from harness.spec_checks import describe_validation_error
 
 __all__ = ["RLSpec", "RL_PRESETS", "load_rl_spec", "parse_rl_spec"]
 
@@ -198,14 +198,14 @@ def parse_rl_spec(raw: Any, source: str = "<spec>", preset: str | None = None) -
     try:
         base = RLSpec.model_validate(raw)
     except ValidationError as e:
-        raise SpecError(_describe(e, source)) from None
+        raise SpecError(describe_validation_error(e, source)) from None
     resolved = base
     for name, body in base.presets.items():
         merged = _deep_merge({k: v for k, v in raw.items() if k != "presets"}, body)
         try:
             spec = RLSpec.model_validate(merged)
         except ValidationError as e:
-            raise SpecError(_describe(e, f"{source} (with preset '{name}' applied)")) from None
+            raise SpecError(describe_validation_error(e, f"{source} (with preset '{name}' applied)")) from None
         if name == preset:
             resolved = spec
     if preset is not None and preset not in base.presets:
@@ -216,14 +216,14 @@ def parse_rl_spec(raw: Any, source: str = "<spec>", preset: str | None = None) -
 
 
 def load_rl_spec(path: str | Path, preset: str | None = None) -> RLSpec:
-    """Load a Claim-2 YAML spec safely and resolve it for ``preset``."""
+    """Load a Claim-2 YAML spec as untrusted input (harness.safe_yaml) and resolve it for ``preset``."""
+    from harness import safe_yaml
+
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = safe_yaml.load(safe_yaml.read_text(path))
     except OSError as e:
         raise SpecError(f"{path}: cannot read spec ({e.strerror})") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise SpecError(f"{path}: not valid YAML: {e}") from None
+    except safe_yaml.YAMLInputError as e:
+        raise SpecError(f"{path}: {e}") from None
     return parse_rl_spec(raw, str(path), preset)

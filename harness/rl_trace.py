@@ -101,12 +101,12 @@ class Manifest(_Strict):
 class TraceWriter:
     """Writes a trace while its source run steps (resumable: files are rewritten by a rerun)."""
 
-    def __init__(self, folder: Path, header: dict[str, Any]) -> None:
-        self.folder, self.header = Path(folder), header
+    def __init__(self, folder: Path, header: dict[str, Any], root: Path | None = None) -> None:
+        self.folder, self.header, self.root = Path(folder), header, root
 
     def write_initial(self, model, optimizer) -> None:
         tensors = {**state_tensors(model, "w."), **optimizer_tensors(model, optimizer)}
-        save_tensors(self.folder / "initial.safetensors", tensors)
+        save_tensors(self.folder / "initial.safetensors", tensors, root=self.root)
 
     def write_step(self, step: int, trace: dict[str, Any], loss: float) -> None:
         tensors: dict[str, torch.Tensor] = {}
@@ -119,9 +119,9 @@ class TraceWriter:
             if group.ref_logprobs is not None:
                 tensors[f"g{g}.ref_logprobs"] = torch.cat(group.ref_logprobs)
         meta = {"lr": repr(trace["lr"]), "n_groups": str(len(trace["groups"])), "loss": repr(loss)}
-        save_tensors(self.folder / f"step_{step:05d}.safetensors", tensors, meta)
+        save_tensors(self.folder / f"step_{step:05d}.safetensors", tensors, meta, self.root)
         weights = {f"w.{k}": v for k, v in trace["weights"].items()}
-        save_tensors(self.folder / f"after_{step:05d}.safetensors", weights)
+        save_tensors(self.folder / f"after_{step:05d}.safetensors", weights, root=self.root)
 
     def finish(self, steps: int) -> Path:
         """Hash every file and write ``manifest.json`` last (a trace without it is incomplete)."""
@@ -151,7 +151,7 @@ class TraceWriter:
             "steps": refs,
         }
         Manifest.model_validate(manifest)
-        return write_json(self.folder / "manifest.json", manifest)
+        return write_json(self.folder / "manifest.json", manifest, self.root)
 
 
 class Trace:

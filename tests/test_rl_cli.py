@@ -29,7 +29,12 @@ def test_claim2_presets_are_valid(preset):
 def test_paper_preset_is_refused_naming_what_is_missing(tmp_path):
     res = invoke("rl", CLAIM2, "--preset", "paper", "--out", tmp_path / "out")
     assert res.exit_code == 2
-    assert "tp=2, cp=4" in res.output and "multi-rank" in res.output and "--preset cpu" in res.output
+    assert (
+        "tp=2" in res.output
+        and "cp=4" in res.output
+        and "multi-rank" in res.output
+        and "--preset cpu" in res.output
+    )
     assert "Traceback" not in res.output and not (tmp_path / "out").exists()
 
 
@@ -47,7 +52,7 @@ def test_smoke_preset_records_figures_and_resume(tmp_path):
     assert res.exit_code == 0, res.output
     folder = out / "claim2" / "smoke"
     steps = {p.stem: read_records(p) for p in (folder / "records").glob("*.parquet")}
-    assert sorted(steps) == ["baseline-s0", "baseline-s1", "prefixflow-s0", "trace-bf16-s0"]
+    assert sorted(steps) == ["baseline-s0", "baseline-s1", "prefixflow-s0", "trace-fp32-s0"]
     assert list(steps["prefixflow-s0"]["step"]) == [1, 2, 3, 4]
     for col in (
         "generation_s",

@@ -54,10 +54,12 @@ def step_table(df: pd.DataFrame, roles=("compare",)) -> pd.DataFrame:
 
 def time_split(steps: pd.DataFrame) -> pd.DataFrame:
     """Mean seconds per phase and per step for each system (warm-up steps left out)."""
+    cols = [f"{p}_s" for p in PHASES] + ["step_s"]
+    if steps.empty:
+        return pd.DataFrame(columns=cols)
     warm = steps[steps["step"] > WARMUP_STEPS]
     if warm.empty:
         warm = steps
-    cols = [f"{p}_s" for p in PHASES] + ["step_s"]
     return warm.groupby("system")[cols].mean()
 
 
