@@ -205,7 +205,9 @@ def parse_rl_spec(raw: Any, source: str = "<spec>", preset: str | None = None) -
         try:
             spec = RLSpec.model_validate(merged)
         except ValidationError as e:
-            raise SpecError(describe_validation_error(e, f"{source} (with preset '{name}' applied)")) from None
+            raise SpecError(
+                describe_validation_error(e, f"{source} (with preset '{name}' applied)")
+            ) from None
         if name == preset:
             resolved = spec
     if preset is not None and preset not in base.presets:
