@@ -82,3 +82,38 @@ def test_smoke_preset_records_figures_and_resume(tmp_path):
     after = collect(out)
     kept = after[after["record_kind"] == "rl_step"]["timestamp"].sort_values().tolist()
     assert kept == before[before["record_kind"] == "rl_step"]["timestamp"].sort_values().tolist()
+
+
+def test_rl_records_are_verified_records_kept_apart_by_preset(tmp_path):
+    from harness.rl_io import write_rl_records
+
+    def rows(preset):
+        return [
+            {"spec": "claim2", "system": "baseline", "status": "ok", "step": s, "preset": preset}
+            | {"record_kind": "rl_step", "reward_mean": 0.1 * s, "timestamp": f"t{s}", "cell_id": "x"}
+            for s in (1, 2)
+        ]
+
+    for preset in ("smoke", "cpu"):
+        write_rl_records(
+            tmp_path / "claim2" / preset / "records" / "baseline-s0.parquet", rows(preset), tmp_path
+        )
+    one = read_records(tmp_path / "claim2" / "cpu" / "records" / "baseline-s0.parquet")
+    assert set(one["cell_id"]) == {"baseline-s0"}  # the file name, as read_records verifies
+    df = collect(tmp_path)
+    assert sorted(zip(df["preset"], df["step"], strict=True)) == [
+        ("cpu", 1),
+        ("cpu", 2),
+        ("smoke", 1),
+        ("smoke", 2),
+    ]
+
+
+def test_a_link_planted_in_out_is_refused_before_any_work(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "out" / "claim2").mkdir(parents=True)
+    (tmp_path / "out" / "claim2" / "smoke").symlink_to(elsewhere)
+    res = invoke("rl", CLAIM2, "--preset", "smoke", "--out", tmp_path / "out")
+    assert res.exit_code == 2 and "symbolic link" in res.output and "Traceback" not in res.output
+    assert list(elsewhere.iterdir()) == []
