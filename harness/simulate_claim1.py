@@ -178,6 +178,8 @@ def validate_records(df: pd.DataFrame) -> list[dict]:
         (df["status"] == "ok")
         & df.get("source", pd.Series("measured", index=df.index)).fillna("measured").ne("simulated")
     ]
+    if "quantity" in m.columns:  # alignment rows (Table 3) are not timings
+        m = m[m["quantity"].isna()]
     rows: list[dict] = []
     pp = m[(m.get("pp", 1) > 1) & m["system"].isin(["prefixflow", "prefixflow_pp_barrier"])]
     for _, rec in pp.iterrows():

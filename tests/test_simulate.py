@@ -134,7 +134,8 @@ def test_cp_validation_predicts_the_prefetch_run_from_the_on_demand_run():
                   cp_scatter_s=0.04, cp_demand_gathers=8, cp_scatters=8, cp_sequence_phase_b_s=0.1)  # fmt: skip
     ahead = dict(common, system="prefixflow", phase_b_s=0.9, cp_exposed_s=0.1, cp_gather_wait_s=0.06,
                  cp_scatter_s=0.04, cp_demand_gathers=4, cp_scatters=8, cp_sequence_phase_b_s=0.1)  # fmt: skip
-    rows = validate_records(pd.DataFrame([demand, ahead]))
+    table3 = dict(common, cell_id="a1", system="prefixflow", pp=2, cp=2, quantity="G", phase_b_s=None)
+    rows = validate_records(pd.DataFrame([demand, ahead, table3]))  # an alignment row is no timing
     assert len(rows) == 1 and rows[0]["quantity"] == "phase_b_s" and rows[0]["measured_s"] == 0.9
     # compute 0.7 s + 4 first-layer gathers (0.02 s each) + 8 scatters (0.005 s) + sequence 0.1 s
     assert rows[0]["predicted_s"] == pytest.approx(0.7 + 4 * 0.02 + 8 * 0.005 + 0.1)
