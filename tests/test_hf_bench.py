@@ -53,3 +53,29 @@ def test_hf_spec_loads(tmp_path):
     huge.write_text(json.dumps({"model_type": "llama", "pad": "x" * (2 << 20)}))
     bad = run_cell(_cell(ModelSpec(name=f"hf:{tmp_path}"), systems=("prefixflow",)))
     assert bad[0]["status"] == "error" and "larger than" in bad[0]["error"]
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "field"),
+    [
+        ("llama-tiny", {"num_hidden_layers": 0}, "num_hidden_layers=0"),
+        ("llama-tiny", {"vocab_size": 0}, "vocab_size=0"),
+        ("llama-tiny", {"num_attention_heads": 3}, "num_attention_heads=3"),
+        ("qwen3-tiny", {"head_dim": 0}, "head_dim=0"),
+    ],
+)
+def test_bad_hf_config_fields_fail_before_any_weight(name, overrides, field):
+    """The HF twin of issue 14's `n_heads=3 / vocab_size=0` attacks: a one-line error naming the field at
+    spec load (and dry-run), never a torch traceback from inside the cell."""
+    from harness.spec_checks import check_model_spec
+
+    with pytest.raises(ValueError, match=field):
+        check_model_spec(ModelSpec(name=f"hf:{name}", overrides=overrides))
+
+
+def test_unsupported_hf_model_type_fails_at_load(tmp_path):
+    from harness.spec_checks import check_model_spec
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ValueError, match="model_type 'bert'"):
+        check_model_spec(ModelSpec(name=f"hf:{tmp_path}"))

@@ -279,7 +279,43 @@ def hf_config(name: str, overrides: dict[str, Any] | None = None):
         if not hasattr(config, key):
             raise ValueError(f"unknown override field {key!r} for HF model type {model_type!r}")
         setattr(config, key, value)
+    _check_config(config, name)
     return config
+
+
+_POSITIVE_INT_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
+def _check_config(config, name: str) -> None:
+    """The config fields a model is built from, checked before any weight exists (one-line ValueError
+    naming the field): a verified model type, positive sizes, heads that divide."""
+    if config.model_type not in VERIFIED_MODEL_TYPES:
+        raise ValueError(
+            f"HF model {name!r} has model_type {config.model_type!r}; PrefixFlow's HF adapter supports "
+            f"{list(VERIFIED_MODEL_TYPES)}"
+        )
+    for field in _POSITIVE_INT_FIELDS:
+        value = getattr(config, field, None)
+        if value is None and field == "num_key_value_heads":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field}={value!r} must be an integer >= 1")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads={heads} must be a multiple of num_key_value_heads={kv_heads}")
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and config.hidden_size % heads:
+        raise ValueError(f"hidden_size={config.hidden_size} must be divisible by num_attention_heads={heads}")
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1):
+        raise ValueError(f"head_dim={head_dim!r} must be an integer >= 1")
 
 
 def build_hf_model(
