@@ -332,3 +332,15 @@ def test_speedup_table_compares_each_parallel_layout_with_the_single_process_spe
     assert table.loc[("tp2", 16), "vs single"] == pytest.approx(0.75)
     assert table.loc[("dp_shard2", 16), "vs single"] == pytest.approx(0.5)
     assert table["vs single"].isna().sum() == 1  # N=8 has no single-process cell to compare with
+
+
+def test_table3_takes_rows_saying_pass_and_rows_saying_passed_together():
+    rows = [
+        {"model": "m", "parallel": "single", "step": 1, "quantity": q, "max_abs_diff": 1e-5, "pass": True}
+        for q in ("G", "L", "W")
+    ] + [
+        {"model": "m", "parallel": "tp2", "step": 1, "quantity": q, "max_abs_diff": 1e-5, "passed": q != "W"}
+        for q in ("G", "L", "W")
+    ]
+    frame = alignment_frame(pd.DataFrame(rows)).set_index("parallel")
+    assert frame.loc["single", "result"] == "pass" and frame.loc["tp2", "result"] == "FAIL"

@@ -139,7 +139,12 @@ def alignment_frame(align: pd.DataFrame) -> pd.DataFrame:
     need = {"step", "quantity", "max_abs_diff"}
     if align.empty or not need <= set(align.columns) or not {"pass", "passed"} & set(align.columns):
         return pd.DataFrame()
-    a = align.rename(columns={"passed": "pass"}).copy()
+    a = align.copy()
+    if "passed" in a.columns:  # `align --out` rows say "pass", alignment cells' records "passed": one column
+        a["pass"] = (
+            a["passed"] if "pass" not in a.columns else a["pass"].where(a["pass"].notna(), a["passed"])
+        )
+        a = a.drop(columns="passed")
     if "run" not in a.columns:
         a["run"] = CORRECT_RUN
     for col in ("norm_rel_diff", "norm_tol", "margin"):
