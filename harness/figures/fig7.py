@@ -94,7 +94,7 @@ def figure7(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     sp = speedups(df)
     theme()
     colors = dict(zip(PHASES, sns.color_palette("Set2", len(PHASES)), strict=True))
-    fig, ax = plt.subplots(figsize=(7.5, 3.0))
+    fig, ax = plt.subplots(figsize=(7.5, 3.3))
     y = np.arange(len(split))
     left = np.zeros(len(split))
     for phase in PHASES:
@@ -106,14 +106,14 @@ def figure7(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         left += width
     bound = split.loc["baseline", "step_s"] / sp["amdahl_bound"]
     ax.axvline(bound, color="k", ls="--", lw=1)
-    ax.text(bound, -0.55, f" Amdahl bound {sp['amdahl_bound']:.2f}x", fontsize=7, va="bottom")
+    ax.text(bound, 1.45, f" Amdahl bound {sp['amdahl_bound']:.2f}x", fontsize=7, va="bottom")
     ax.set_yticks(y, ["baseline", "PrefixFlow"])
     ax.invert_yaxis()
     ax.set_xlabel("mean time per GRPO step (s)")
     n_steps = int(steps["step"].max())
     extra = f"; Claim-3 ref {sp['claim3_speedup']:.2f}x" if "claim3_speedup" in sp else ""
     ax.set_title(
-        f"Figure 7: step {sp['e2e_speedup']:.2f}x, actor update {sp['update_speedup']:.2f}x{extra} "
+        f"Figure 7: step {sp['e2e_speedup']:.2f}x, actor update {sp['update_speedup']:.2f}x{extra}\n"
         f"(update = {100 * sp['update_share']:.0f}% of the baseline step; {n_steps} steps, "
         f"{steps['model'].iloc[0]}, r={steps['prefix_ratio'].iloc[0]:.2f}, N={int(steps['n'].iloc[0])})",
         fontsize=8,

@@ -200,14 +200,14 @@ def claim2_summary(df: pd.DataFrame) -> pd.DataFrame:
         what = f"replay {last['dtype']} lr {last['lr']:g} by {system}"
         if last["dtype"] == "fp32":
             add(
-                f"{what}: max |dW| / max |W| after {int(last['step'])} steps",
+                f"{what}: max abs dW / max abs W after {int(last['step'])} steps",
                 last["max_rel"],
                 f"<= {TARGET_FP32_REL:g}",
                 bool(last["max_rel"] <= TARGET_FP32_REL),
             )
         else:
             add(
-                f"{what}: tau rule, all steps (max |dW| {last['max_abs']:.1e})",
+                f"{what}: tau rule, all steps (max abs dW {last['max_abs']:.1e})",
                 float(g["tau_worst"].max()),
                 "<= 1 (pass)",
                 bool(g["tau_pass"].all()),
