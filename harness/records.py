@@ -69,6 +69,9 @@ SCHEMA = pa.schema(
     ]
 )
 COLUMNS = tuple(SCHEMA.names)
+# Core columns added after records were committed, with the value every older record had: those records
+# (all single-process: multi-rank cells were errors then) read with it filled in.
+ADDED_COLUMNS = {"dp_replicate": 1, "dp_shard": 1}
 _REQUIRED = ("cell_id", "spec", "system", "status")
 RECORD_MAX_BYTES = 64 * 2**20  # a cell's record is a few kB; anything this big is not one
 RECORD_MAX_ROWS = 100_000  # a capacity search records one row per probe and system
@@ -153,7 +156,8 @@ def verify_table(table: pa.Table, name: str, source: str = "<table>") -> None:
     problems = []
     for field in SCHEMA:
         if field.name not in table.schema.names:
-            problems.append(f"column {field.name!r} missing")
+            if field.name not in ADDED_COLUMNS:
+                problems.append(f"column {field.name!r} missing")
         elif not table.schema.field(field.name).type.equals(field.type):
             problems.append(
                 f"column {field.name!r} is {table.schema.field(field.name).type}, not {field.type}"
@@ -199,7 +203,11 @@ def read_records(path: str | Path) -> pd.DataFrame:
             raise InvalidRecord(f"{path}: {meta.num_rows} rows, {size} bytes unpacked; not a cell's record")
         table = pq.read_table(pa.BufferReader(data))
         verify_table(table, path.name.removesuffix(RECORD_SUFFIX), str(path))
-        return table.to_pandas()
+        df = table.to_pandas()
+        for col, value in ADDED_COLUMNS.items():
+            if col not in df.columns:
+                df[col] = value
+        return df
     except InvalidRecord:
         raise
     except Exception as e:  # pyarrow raises several types for a damaged file

@@ -154,3 +154,14 @@ def test_status_summary_and_worst_status():
     assert s.loc["s", "cells"] == 3 and s.loc["s", "ok"] == 2 and s.loc["s", "oom"] == 1
     assert cell_status(df[df.cell_id == "c1"]) == "oom"
     assert cell_status(pd.DataFrame([_rec(status="timeout"), _rec(status="error")])) == "error"
+
+
+def test_records_written_before_the_parallel_columns_read_as_single_process(tmp_path):
+    old = to_table([_rec()]).drop_columns(["dp_replicate", "dp_shard"])  # a record from before issue 8
+    pq.write_table(old, tmp_path / "c1.parquet")
+    df = read_records(tmp_path / "c1.parquet")
+    assert list(df["dp_replicate"]) == [1] and list(df["dp_shard"]) == [1]
+    assert len(collect(tmp_path)) == 1
+    pq.write_table(old.drop_columns(["tp"]), tmp_path / "c1.parquet")  # any other core column: refused
+    with pytest.raises(records.InvalidRecord, match="column 'tp' missing"):
+        read_records(tmp_path / "c1.parquet")
