@@ -158,3 +158,15 @@ def test_duplicate_axis_values_do_not_duplicate_cells():
     raw = _spec()
     raw["axes"] = {**raw["axes"], "n": [2, 2]}
     assert len(expand(parse_spec(raw))) == 1
+
+
+SWEEP_SPECS = sorted(p for p in SMOKE.parent.glob("*.yaml") if p.stem != "claim2")  # claim2: pf-bench rl
+
+
+@pytest.mark.parametrize("path", SWEEP_SPECS, ids=lambda p: p.stem)
+def test_every_committed_spec_loads_under_every_preset(path):
+    """A spec in experiments/ that no longer validates (e.g. after a field is renamed) fails here, not on the
+    cluster: parse_spec checks every preset, and each preset expands into cells."""
+    for preset in ("cpu", "paper"):
+        spec = load_spec(path, preset=preset)
+        assert expand(spec), f"{path.name} --preset {preset} has no cells"

@@ -57,7 +57,8 @@ class ParallelDims:
         if self.ep > 1 and (self.dp_shard * self.cp * self.tp) % self.ep:
             raise ValueError(
                 f"ep={self.ep} must divide dp_shard*cp*tp={self.dp_shard * self.cp * self.tp} "
-                "(expert parallelism borrows those ranks, as in TorchTitan)"
+                f"(expert parallelism borrows those ranks, as in TorchTitan); e.g. dp_shard={self.ep}, ep={self.ep} "
+                f"(pf-bench: --dp-shard {self.ep} --ep {self.ep})"
             )
 
     @classmethod
