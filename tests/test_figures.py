@@ -342,5 +342,15 @@ def test_table3_takes_rows_saying_pass_and_rows_saying_passed_together():
         {"model": "m", "parallel": "tp2", "step": 1, "quantity": q, "max_abs_diff": 1e-5, "passed": q != "W"}
         for q in ("G", "L", "W")
     ]
-    frame = alignment_frame(pd.DataFrame(rows)).set_index("parallel")
-    assert frame.loc["single", "result"] == "pass" and frame.loc["tp2", "result"] == "FAIL"
+    rows += [  # rows from before `run` existed, beside rows that have it
+        {"model": "old", "parallel": "single", "step": 1, "quantity": q, "max_abs_diff": 1e-5, "pass": True}
+        for q in ("G", "L", "W")
+    ]
+    rows[3:6] = [{**r, "run": "prefixflow"} for r in rows[3:6]]
+    rows[:6] = [{**r, "microbatch": 1} for r in rows[:6]]
+    frame = alignment_frame(pd.DataFrame(rows)).set_index(["model", "parallel"])
+    assert frame.loc[("m", "single"), "result"] == "pass" and frame.loc[("m", "tp2"), "result"] == "FAIL"
+    assert frame.loc[("old", "single"), "run"] == "prefixflow" and len(frame) == 3
+    assert (
+        frame.loc[("old", "single"), "microbatch"] == "all" and frame.loc[("m", "tp2"), "microbatch"] == "1"
+    )

@@ -129,6 +129,12 @@ ALIGN_VALUES = (
 CORRECT_RUN = "prefixflow"
 
 
+def _microbatch_label(m) -> str:
+    if m is None or m != m:
+        return "all"
+    return str(int(m)) if isinstance(m, int | float) else str(m)
+
+
 def alignment_frame(align: pd.DataFrame) -> pd.DataFrame:
     """Table 3: per run (the correct PrefixFlow copy, then each negative control) and step, the max |diff|
     of gradients (G), loss (L) and updated weights (W), the normwise differences, and the verdict.
@@ -145,12 +151,13 @@ def alignment_frame(align: pd.DataFrame) -> pd.DataFrame:
             a["passed"] if "pass" not in a.columns else a["pass"].where(a["pass"].notna(), a["passed"])
         )
         a = a.drop(columns="passed")
-    if "run" not in a.columns:
-        a["run"] = CORRECT_RUN
+    a["run"] = a["run"].fillna(CORRECT_RUN) if "run" in a.columns else CORRECT_RUN  # older rows have none
     for col in ("norm_rel_diff", "norm_tol", "margin"):
         if col not in a.columns:
             a[col] = float("nan")
     keys = [c for c in a.columns if c not in ALIGN_VALUES and c != "run"]
+    if "microbatch" in a.columns:  # rows from before the column: the whole group in one microbatch
+        a["microbatch"] = a["microbatch"].astype(object).map(_microbatch_label)
     a[keys] = a[keys].map(str) if keys else a[keys]
     index = [*keys, "run", "step"]
     wide = a.pivot_table(index=index, columns="quantity", values="max_abs_diff", aggfunc="max")
