@@ -37,7 +37,7 @@ from .apply import apply_ac, apply_prefixflow
 from .faults import FAULTS, make_fault
 from .group import synthetic_group
 from .hooks import add_hooks
-from .models import build_model, model_args
+from .models import build_model, count_parameters, model_args
 from .moe import is_moe, record_routing
 from .schedule import train_group
 
@@ -179,6 +179,7 @@ def run_alignment(
     # bf16/fp16 run as mixed precision: fp32 master weights and optimizer, forward/backward under autocast.
     autocast = dtype in _MIXED
     runs = {"baseline": None, CORRECT: None, **{c: c for c in controls}}
+    _check_memory(model, overrides, torch.float32 if autocast else dtype, len(runs))
     copies = {}
     for run, fault in runs.items():
         m = build_model(model, dtype=torch.float32 if autocast else dtype, seed=seed, overrides=overrides)
@@ -223,6 +224,35 @@ def run_alignment(
         if step in report:
             rows += _step_rows(step, state, names, tau, _dtype_name(dtype))
     return rows
+
+
+# Per trained copy: weights, their start, AdamW's two moments, .grad and its reported clone.
+_TENSORS_PER_PARAM = 6
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            fields = dict(line.split(":", 1) for line in fh)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _check_memory(model: str, overrides: dict | None, dtype: torch.dtype, copies: int) -> None:
+    """Refuse, before any model is built, a comparison whose copies cannot fit in the host's available
+    memory (the default qwen3:debugmodel_moe is 316M parameters: 6 fp64 copies need ~90 GiB)."""
+    available = _available_bytes()
+    if available is None:
+        return
+    n_params = count_parameters(model, overrides)
+    need = n_params * dtype.itemsize * _TENSORS_PER_PARAM * copies
+    if need > available:
+        raise ValueError(
+            f"{model} has {n_params / 1e6:.0f}M parameters: {copies} trained copies in {_dtype_name(dtype)} need "
+            f"about {need / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB available; shrink the "
+            "model with --override (e.g. dim=64, n_layers=2)" + (", or drop the controls" if copies > 2 else "")
+        )
 
 
 def _step_rows(step, state, names, tau, dtype) -> list[AlignmentRow]:

@@ -106,6 +106,13 @@ def check_model(name: str, overrides: dict[str, Any] | None = None) -> None:
     _resolve_args(name, overrides)
 
 
+def count_parameters(name: str, overrides: dict[str, Any] | None = None) -> int:
+    """Parameters of ``name`` + ``overrides``, counted on the meta device (no memory, no init)."""
+    args, cls = _resolve_args(name, overrides)
+    with torch.device("meta"):
+        return sum(p.numel() for p in cls(args).parameters())
+
+
 def build_model(
     name: str,
     *,

@@ -152,3 +152,20 @@ def test_offload_changes_no_number_under_replay():
         got.append([g.clone() for g in grads(model)])
         assert not offload or stats.offload.offloaded_bytes > 0
     assert all(torch.equal(a, b) for a, b in zip(*got, strict=True))
+
+
+def test_alignment_refuses_copies_that_cannot_fit_before_building_any(monkeypatch):
+    """`pf-bench align --model qwen3:debugmodel_moe --dtype fp64` at full size (316M parameters) needs ~28 GiB
+    for its two copies: a one-line error naming the fix, not an OOM kill a minute later."""
+    from prefixflow import alignment
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built before the memory check")
+
+    monkeypatch.setattr(alignment, "_available_bytes", lambda: 16 * 2**30)
+    monkeypatch.setattr(alignment, "build_model", built)
+    with pytest.raises(
+        ValueError, match=r"316M parameters: 2 trained copies in fp64 need about 28\.\d GiB.*--override"
+    ):
+        alignment.run_alignment("qwen3:debugmodel_moe", dtype=torch.float64)
+    assert pf.models.count_parameters("qwen3:debugmodel_moe") == 315_758_848  # as built
