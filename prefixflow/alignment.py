@@ -251,7 +251,8 @@ def _check_memory(model: str, overrides: dict | None, dtype: torch.dtype, copies
         raise ValueError(
             f"{model} has {n_params / 1e6:.0f}M parameters: {copies} trained copies in {_dtype_name(dtype)} need "
             f"about {need / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB available; shrink the "
-            "model with --override (e.g. dim=64, n_layers=2)" + (", or drop the controls" if copies > 2 else "")
+            "model with --override (e.g. dim=64, n_layers=2)"
+            + (", or drop the controls" if copies > 2 else "")
         )
 
 
