@@ -348,7 +348,7 @@ def alignment_rows(records) -> tuple[Any, Any]:
 
     if "quantity" not in records.columns:
         return records, pd.DataFrame()
-    is_row = records["quantity"].notna()
+    is_row = records["quantity"].isin(("G", "L", "W"))  # not the simulator's validation rows (phase_b_s ...)
     rows = records[is_row].copy()
     if rows.empty:
         return records[~is_row], pd.DataFrame()

@@ -139,3 +139,18 @@ def test_cp_validation_predicts_the_prefetch_run_from_the_on_demand_run():
     assert len(rows) == 1 and rows[0]["quantity"] == "phase_b_s" and rows[0]["measured_s"] == 0.9
     # compute 0.7 s + 4 first-layer gathers (0.02 s each) + 8 scatters (0.005 s) + sequence 0.1 s
     assert rows[0]["predicted_s"] == pytest.approx(0.7 + 4 * 0.02 + 8 * 0.005 + 0.1)
+
+
+def test_simulator_validation_rows_are_not_table3_rows():
+    import pandas as pd
+
+    from harness.rank_runner import alignment_rows
+
+    table3 = dict(cell_id="a1", status="ok", system="prefixflow", quantity="G", step=1.0, microbatch=1.0,
+                  model="m", layout="padded", ac="none", parallel_layout="cp2", dtype="fp64", run="prefixflow",
+                  max_abs_diff=0.0, max_abs_value=1.0, passed=True)  # fmt: skip
+    check = dict(cell_id="v1", status="ok", system="prefixflow", source="simulator-validation",
+                 quantity="step_time_s", measured_s=1.0, predicted_s=1.1)  # fmt: skip
+    measurements, rows = alignment_rows(pd.DataFrame([table3, check]))
+    assert rows["quantity"].tolist() == ["G"] and rows["step"].tolist() == [1]
+    assert measurements["cell_id"].tolist() == ["v1"]
