@@ -251,6 +251,9 @@ def test_tables_markdown_latex_and_alignment(tmp_path):
     assert list(frame["run"]) == ["prefixflow", "gkv_x0.9"]  # the correct run first, then the controls
     assert list(frame["result"]) == ["pass", "FAIL (x22.5)"]
     assert list(frame["G norm"]) == [0.004, 0.09] and list(frame["G bound"]) == [0.014, 0.014]
+    both = pd.concat([align.assign(parallel="single"), controls.assign(parallel="cp2")], ignore_index=True)
+    frame = alignment_frame(both)  # align --out rows ("pass") beside alignment cells' rows ("passed")
+    assert sorted(frame["result"]) == sorted(["pass", "pass", "FAIL", "pass", "FAIL (x22.5)"])
     paths = render_tables(df, tmp_path / "out", alignment=csv)
     assert sorted(p.name for p in paths) == [
         "speedup.md",
