@@ -151,7 +151,8 @@ def figure6b(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N (responses per group)")
         ax.set_ylabel("step-time gap (s)")
-        ax.set_ylim(0, max(t["gap_s"].max() * 1.3, 1e-6))
+        ax.set_ylim(min(t["gap_s"].min() * 1.3, 0.0), max(t["gap_s"].max() * 1.3, 1e-6))  # noise can be < 0
+        ax.axhline(0, color="k", lw=0.6)
         twin = ax.twinx()
         twin.plot(t["n"], t["stage_local_s"], ls="--", color="#4c72b0", label="stage-local step")
         twin.set_ylabel("stage-local step (s)", color="#4c72b0")
