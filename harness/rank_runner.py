@@ -101,10 +101,16 @@ _HOOK_MAX = ("pp_stage", "pp_span_s", "pp_bubble_s", "pp_bubble_mean_s", "pp_bub
              "cp_phase_b_rank_max_s", "cp_phase_b_spread_s")  # fmt: skip
 
 
-def _hook_columns(stats, model) -> dict[str, Any]:
+def _timelines(model) -> str | None:
+    """A pipeline stage's timelines of its last group, every stage's (JSON), or None."""
+    pipeline = getattr(model, "_prefixflow_pipeline", None)
+    return json.dumps(pipeline.timelines) if pipeline is not None and pipeline.timelines else None
+
+
+def _hook_columns(stats, timelines: str | None) -> dict[str, Any]:
     """The schedule hooks' counters of the step (``GroupStats.hooks``: CP gathers, bytes and communication
     times, PP bubbles; summed over the step's groups, maxima where a sum means nothing) and, for a pipeline,
-    every stage's timeline of the last group (JSON)."""
+    every stage's timeline of the same step's last group (JSON)."""
     out: dict[str, Any] = {}
     for group in stats.groups:
         for key, value in group.hooks.items():
@@ -116,9 +122,8 @@ def _hook_columns(stats, model) -> dict[str, Any]:
                 out[key] = min(out.get(key, value), value)
             else:
                 out[key] = out.get(key, 0) + value
-    pipeline = getattr(model, "_prefixflow_pipeline", None)
-    if pipeline is not None and pipeline.timelines:
-        out["pp_timelines"] = json.dumps(pipeline.timelines)
+    if timelines is not None:
+        out["pp_timelines"] = timelines
     return out
 
 
@@ -176,7 +181,7 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
                 extras[name]["first_step_s"] = res["step_time_s"]
             if it >= cell.warmup:
                 samples[name].append(res)
-                last[name] = stats
+                last[name] = (stats, _timelines(models[name]))  # not the memory step's below
     memory: dict[str, dict] = {}
     if device.type == "cpu" and not cell.compile:
         for name in cell.systems:
@@ -194,9 +199,9 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
         if name in failures:
             rec["status"], rec["error"] = failures[name]
         else:
-            st = last[name]
+            st, timelines = last[name]
             rec.update(status="ok", error=None, loss=float(st.loss), **_step_columns(st))
-            rec.update(_hook_columns(st, models[name]))
+            rec.update(_hook_columns(st, timelines))
             rec["samples"] = samples[name]
             mem = memory.get(name) or samples[name][0]
             for col in MEMORY:
