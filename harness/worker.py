@@ -20,10 +20,12 @@ THREADS_ENV = "PF_BENCH_THREADS"
 
 
 def write_job(path: Path, cell: Cell, record_path: Path) -> Path:
-    """Write a job file atomically (temp + rename) for ``python -m harness.worker``."""
+    """Write a job file atomically (temp + rename) for ``python -m harness.worker``. The record path is made
+    absolute here: the worker runs in the repository root, not in the directory ``--out`` was given from."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"cell": cell.model_dump(mode="json"), "record_path": str(record_path)}))
+    record = str(Path(record_path).absolute())
+    tmp.write_text(json.dumps({"cell": cell.model_dump(mode="json"), "record_path": record}))
     os.replace(tmp, path)
     return path
 

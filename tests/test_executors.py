@@ -201,3 +201,13 @@ def test_one_sweep_per_folder_and_stale_temps_are_removed(tmp_path):
     assert set(p.done.values()) == {"error"} and len(p.done) == len(expand(spec))
     st = status_table(tmp_path / "out").set_index("spec")
     assert st.loc["killme", "missing"] == 0 and st.loc["killme", "error"] == 2 * len(expand(spec))
+
+
+def test_a_relative_out_given_outside_the_repository_gets_its_records(tmp_path, monkeypatch):
+    """`cd elsewhere && pf-bench sweep SPEC --out res`: the worker runs in the repository root, so a relative
+    record path would land in the repository and every cell would read as 'exited 0 without a record'."""
+    monkeypatch.chdir(tmp_path)
+    cell = _cell()
+    assert _collect_done(Path("res") / "t", [cell], LocalExecutor(max_jobs=1)) == {cell.cell_id: "ok"}
+    assert read_records(tmp_path / "res" / "t" / f"{cell.cell_id}.parquet")["status"].eq("ok").all()
+    assert not (REPO / "res").exists()
