@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import pandas as pd
 import pytest
@@ -142,9 +141,7 @@ def all_records():
 
 def test_every_figure_renders_a_png(tmp_path):
     df = all_records()
-    t0 = time.perf_counter()
     paths = render_all(df, tmp_path)
-    elapsed = time.perf_counter() - t0
     names = sorted(p.name for p in paths)
     assert names == sorted([
         "fig9a_speedup_eager.png", "fig9b_speedup_compiled.png", "fig10a_phase_b_peak.png",
@@ -153,7 +150,6 @@ def test_every_figure_renders_a_png(tmp_path):
     for p in paths:
         assert p.stat().st_size > 5000
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert elapsed < 20
 
 
 def test_missing_records_are_skipped_with_a_reason(tmp_path, caplog):
