@@ -5,7 +5,10 @@
 - :func:`validate_records`: for every measured PP cell, a single-process profile of the same model and group
   on this machine drives :func:`harness.simulate.simulate_pipeline`; for every measured CP cell, the on-demand
   run's per-layer compute and per-gather costs drive :func:`harness.simulate.simulate_cp_phase_b` to predict
-  the prefetch run. Each row holds the measured and predicted seconds and the relative error.
+  the prefetch run; and every PP cell's timed step is replayed from its own stage operations' durations
+  (``pp_timelines``) against its measured span (``pp_span_s``): the schedule model alone, free of the load
+  drift between a profile and the run on a shared machine. Each row holds the measured and predicted seconds
+  and the relative error.
 
 Paper-scale costs are FLOPs at an assumed sustained throughput and assumed links (``ASSUMPTIONS``, stored in
 every record); every such record has ``source == "simulated"``.
@@ -172,8 +175,37 @@ def _validation_row(rec: pd.Series, quantity: str, predicted: float, measured_s:
     }
 
 
+def _timeline_costs(rec: pd.Series, profiled: sim.PipelineCosts) -> sim.PipelineCosts | None:
+    """The stage operations' own durations in the measured step (``pp_timelines``), with the profiled costs'
+    messages and barrier: the schedule model checked on costs free of the load drift between a profile and
+    the run."""
+    raw, span = rec.get("pp_timelines"), rec.get("pp_span_s")
+    if not isinstance(raw, str) or span is None or span != span:
+        return None
+    stages = json.loads(raw)
+    n_mb = profiled.n_microbatches
+    fwd = [[0.0] * n_mb for _ in stages]
+    bwd = [[0.0] * n_mb for _ in stages]
+    pre_f, pre_b = [0.0] * len(stages), [0.0] * len(stages)
+    for s, events in enumerate(stages):
+        for e in events:
+            d = float(e["end"]) - float(e["start"])
+            if e["op"] == "F":
+                fwd[s][int(e["mb"])] = d
+            elif e["op"] == "B":
+                bwd[s][int(e["mb"])] = d
+            elif e["op"] == "A":
+                pre_f[s] = d
+            elif e["op"] == "C":
+                pre_b[s] = d
+    return sim.PipelineCosts(forward=fwd, backward=bwd, prefix_forward=pre_f, prefix_backward=pre_b,
+                             message=profiled.message, prefix_message=profiled.prefix_message,
+                             barrier=profiled.barrier)  # fmt: skip
+
+
 def validate_records(df: pd.DataFrame) -> list[dict]:
-    """One validation row per measured PP record (step time) and per measured CP prefetch record (Phase B)."""
+    """Per measured PP record: the step time from profiled costs and the span replayed from its own timeline;
+    per measured CP prefetch record: Phase B."""
     m = df[
         (df["status"] == "ok")
         & df.get("source", pd.Series("measured", index=df.index)).fillna("measured").ne("simulated")
@@ -194,6 +226,10 @@ def validate_records(df: pd.DataFrame) -> list[dict]:
         switching = "barrier" if rec["system"] == "prefixflow_pp_barrier" else "stage_local"
         predicted = sim.simulate_pipeline(costs, switching).span_s
         rows.append(_validation_row(rec, "step_time_s", predicted, float(rec["step_time_s"])))
+        timed = _timeline_costs(rec, costs)
+        if timed is not None:
+            predicted = sim.simulate_pipeline(timed, switching).span_s
+            rows.append(_validation_row(rec, "pp_span_s", predicted, float(rec["pp_span_s"])))
     cp = m[(m.get("cp", 1) > 1) & (m.get("pp", 1) == 1)]
     for _, g in cp.groupby("cell_id"):
         demand = g[g["system"] == "prefixflow_cp_demand"]

@@ -154,3 +154,22 @@ def test_simulator_validation_rows_are_not_table3_rows():
     measurements, rows = alignment_rows(pd.DataFrame([table3, check]))
     assert rows["quantity"].tolist() == ["G"] and rows["step"].tolist() == [1]
     assert measurements["cell_id"].tolist() == ["v1"]
+
+
+@pytest.mark.parametrize("switching", ["stage_local", "barrier"])
+def test_a_timeline_replays_to_its_own_span(switching):
+    import json
+
+    import pandas as pd
+
+    from harness.simulate_claim1 import _timeline_costs
+
+    costs = _unit_costs(3, 4, msg=0.1)
+    costs.forward[1][2], costs.backward[2][0], costs.prefix_backward[0] = 1.7, 0.4, 3.1  # uneven operations
+    res = sim.simulate_pipeline(costs, switching)
+    rec = pd.Series({"pp_timelines": json.dumps(res.timelines), "pp_span_s": res.span_s})
+    replay = _timeline_costs(
+        rec, _unit_costs(3, 4, a=9, f=9, b=9, c=9, msg=0.1)
+    )  # durations from the timeline
+    assert sim.simulate_pipeline(replay, switching).span_s == pytest.approx(res.span_s)
+    assert _timeline_costs(pd.Series({"pp_timelines": None, "pp_span_s": 1.0}), costs) is None
