@@ -1,50 +1,61 @@
-"""FLOPs of one rollout group per system, and the ideal PrefixFlow speedup (paper §3.1).
+"""FLOPs of one rollout group as each system executes it, the ideal PrefixFlow speedup, and a FLOP counter.
 
-Counting (dense decoder, GEMM work only; norms, RoPE, softmax and the loss are ignored):
+**What runs** (:func:`executed_flops`, dense decoder, activation checkpointing off). Counted are GEMMs (the
+projections, the SwiGLU MLP and the LM head) and attention (``QKᵀ`` and ``PV``); norms, RoPE, softmax and the
+loss are not. A trained GEMM costs 3x its forward (``dX`` and ``dW``), and so does attention (FlashAttention's
+backward: ``dP, dV, dQ, dK``).
 
-* per token and layer: q/o projections ``2·dim·H·hd``, k/v projections ``2·dim·Hkv·hd`` (GQA),
-  SwiGLU MLP ``3·dim·hidden`` multiply-accumulates (MACs);
-* attention: ``2·H·hd`` MACs per (query, key) pair per layer (QKᵀ and AV), causal pairs only;
-* LM head ``dim·vocab`` MACs only at the ``S`` positions whose log-probs the loss needs;
-* forward FLOPs = 2·MACs, backward = 2·forward, so one trained token costs 3·forward.
+* GEMM forward per token and layer: ``2·dim·(H + 2·Hkv)·hd`` (q, k, v), ``2·H·hd·dim`` (o), ``6·dim·hidden``
+  (MLP); the LM head ``2·dim·vocab`` only at the positions that predict a response token. Padded layouts pay
+  for every token slot, pads included.
+* attention forward: ``4·H·hd`` per (query, key) pair and layer, over the pairs the kernel really computes:
+  ``L(L+1)/2`` for a causal call (``is_causal``: the kernel skips the upper triangle), but **every** ``Lq·Lk``
+  pair under an explicit mask (the masked kernel cannot skip what the mask hides).
+* ``baseline``: each microbatch of ``[P || S_i[:-1]]`` sequences forward and backward (causal when padded,
+  block-diagonal mask when packed).
+* ``prefixflow``: Phase A runs the ``P-1`` cached tokens through layers ``0..L-2`` and only the q/k/v
+  projections of the last layer (it stops after the last K/V). Phase C's backward starts at the K/V of
+  every layer, so it never reaches the last layer's prefix ``wo``, MLP, attention or ``wq``: it runs the
+  last layer's ``wk``/``wv`` backward and layers ``0..L-2`` fully. Phase B: the suffix microbatches (split:
+  the prefix part is ``S·(P-1)`` pairs, the suffix part causal when padded; concat: one masked call over
+  ``S·(P-1+S)`` pairs).
+* ``prefix_grouper``: one packed graph of ``P + Σ(S_i - 1)`` tokens through every layer; its prefix call is
+  causal, its suffix call a masked ``[N, S_max-1]`` x ``P + S_max-1`` call.
 
-Lengths: ``P`` prompt tokens, ``S`` response tokens per suffix, ``N`` responses. The last prompt token
-predicts the first response token, so:
+**The ideal speedup** (:func:`ideal_speedup`) is the baseline's executed FLOPs over the least work the
+PrefixFlow schedule must do (the above with causal pairs only, no padding). :func:`paper_ideal_speedup` is the
+paper's §3.1 model, ``1 / (ŝ + â + p̂/N)``, which charges the prefix forward and backward in every layer: it
+is a lower bound that PrefixFlow can beat by the dead last-layer work (a third of the baseline on 2 layers).
 
-* ``baseline``: ``N`` sequences of ``L = P+S-1`` input tokens, ``L(L+1)/2`` causal pairs, LM head at ``S``;
-* ``prefixflow``: one prefix of ``P-1`` tokens (forward + backward once, ``(P-1)P/2`` pairs) and ``N``
-  suffixes of ``S`` tokens, each reading the ``P-1`` cached keys (``S(P-1) + S(S+1)/2`` pairs), plus one
-  element-wise gK/gV accumulation (``2·n_layers·(P-1)·Hkv·hd`` adds) per suffix;
-* ``prefix_grouper``: the same GEMM work as ``prefixflow`` without the separate accumulation.
-
-Prefix + suffix pairs equal the baseline's pairs exactly, so the baseline is ``N·(p + s)`` where ``p`` and
-``s`` are one trajectory's prefix and suffix work. PrefixFlow costs ``p + N·s + N·a + o`` (``a``: the
-accumulation, ``o``: a per-group overhead such as phase switching). Normalising by ``p + s`` gives the
-paper's model::
-
-    speedup(N) = 1 / (ŝ + â + p̂/N + ô/N),   ŝ + p̂ = 1,
-
-whose overhead-free limit is ``1/ŝ`` as ``N → ∞`` (``ŝ ≈ 1 - r`` for a large model, ``r = P/(P+S)``).
-``overhead`` is ``ô``, expressed in units of one baseline trajectory's FLOPs.
+**Counting** (:func:`count_flops`): ``torch.utils.flop_counter.FlopCounterMode`` for the GEMMs
+(``mm/addmm/bmm/baddbmm``), and :class:`AttentionCounter` for attention, since FlopCounterMode ignores
+causality (and does not see CPU flash attention at all).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "ModelShape",
+    "Flops",
     "as_shape",
+    "executed_flops",
     "model_flops",
     "ideal_speedup",
+    "paper_ideal_speedup",
     "speedup_terms",
-    "flops_breakdown",
     "dense_flops_per_token",
-    "record_costs",
+    "AttentionCounter",
+    "count_flops",
     "SYSTEMS",
 ]
 
 SYSTEMS = ("baseline", "prefixflow", "prefix_grouper")
+GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
 
 
 @dataclass(frozen=True)
@@ -67,21 +78,43 @@ class ModelShape:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
     @property
-    def linear_macs_per_token(self) -> int:
-        """Per-token MACs of all layers' projections and MLPs (no attention scores, no LM head)."""
-        d, hd = self.dim, self.head_dim
-        proj = 2 * d * self.n_heads * hd + 2 * d * self.n_kv_heads * hd
-        return self.n_layers * (proj + 3 * d * self.hidden_dim)
+    def qkv(self) -> int:
+        """Forward FLOPs of one token's q, k and v projections in one layer."""
+        return 2 * self.dim * (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
 
     @property
-    def pair_macs(self) -> int:
-        """MACs per causal (query, key) pair over all layers."""
-        return self.n_layers * 2 * self.n_heads * self.head_dim
+    def kv(self) -> int:
+        return 4 * self.dim * self.n_kv_heads * self.head_dim
 
     @property
-    def head_macs(self) -> int:
-        """LM-head MACs per scored position."""
-        return self.dim * self.vocab_size
+    def layer(self) -> int:
+        """Forward GEMM FLOPs of one token through one layer."""
+        return self.qkv + 2 * self.n_heads * self.head_dim * self.dim + 6 * self.dim * self.hidden_dim
+
+    @property
+    def head(self) -> int:
+        """LM-head forward FLOPs per scored position."""
+        return 2 * self.dim * self.vocab_size
+
+    @property
+    def pair(self) -> int:
+        """Attention forward FLOPs per (query, key) pair in one layer (``QKᵀ`` and ``PV``, all query heads)."""
+        return 4 * self.n_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class Flops:
+    """Training FLOPs (forward + backward) of one group, by kind."""
+
+    gemm: int
+    attention: int
+
+    @property
+    def total(self) -> int:
+        return self.gemm + self.attention
+
+    def __add__(self, other: Flops) -> Flops:
+        return Flops(self.gemm + other.gemm, self.attention + other.attention)
 
 
 def _llama3_hidden(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
@@ -135,62 +168,156 @@ def _hf_shape(config) -> ModelShape:
     )
 
 
-def _check_lengths(P: int, S: int, N: int) -> None:
-    if P < 1 or S < 1 or N < 1:
-        raise ValueError(f"need P >= 1, S >= 1, N >= 1; got P={P}, S={S}, N={N}")
+# -- executed work --------------------------------------------------------------------------------------
 
 
-def _train_flops(shape: ModelShape, tokens: int, pairs: int, scored: int) -> int:
-    """Forward + backward FLOPs (= 3 · 2 · MACs) of a trained span."""
-    macs = tokens * shape.linear_macs_per_token + pairs * shape.pair_macs + scored * shape.head_macs
-    return 6 * macs
+def _lens(S: int | Sequence[int], N: int | None) -> list[int]:
+    lens = [int(S)] * int(N) if isinstance(S, int) else [int(s) for s in S]
+    if N is not None and not isinstance(S, int) and len(lens) != N:
+        raise ValueError(f"got {len(lens)} response lengths for N={N}")
+    if not lens or min(lens) < 1:
+        raise ValueError(f"need N >= 1 responses of length >= 1, got {lens}")
+    return lens
 
 
-def flops_breakdown(shape, P: int, S: int) -> dict[str, int]:
-    """One trajectory's training FLOPs split at the KV boundary.
+def _chunks(n: int, microbatch: int | None) -> list[list[int]]:
+    size = n if microbatch is None else microbatch
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
-    ``prefix``: the ``P-1`` cached tokens; ``suffix``: the ``S`` suffix tokens (attention to the cached
-    keys included, LM head included); ``accum``: one suffix's element-wise gK/gV accumulation.
-    """
+
+def _trained(shape: ModelShape, slots: int, pairs: int, scored: int) -> Flops:
+    """Forward + backward of ``slots`` token slots through every layer, ``pairs`` attention pairs per layer."""
+    gemm = 3 * (slots * shape.n_layers * shape.layer + scored * shape.head)
+    return Flops(gemm, 3 * pairs * shape.n_layers * shape.pair)
+
+
+def _causal(n: int) -> int:
+    return n * (n + 1) // 2
+
+
+def _baseline(shape, P, lens, layout, microbatch) -> Flops:
+    work = Flops(0, 0)
+    for chunk in _chunks(len(lens), microbatch):
+        seqs = [P + lens[i] - 1 for i in chunk]
+        if layout == "packed":  # one row under a block-diagonal mask: every pair of the row is computed
+            slots, pairs = sum(seqs), sum(seqs) ** 2
+        else:
+            slots, pairs = len(seqs) * max(seqs), len(seqs) * _causal(max(seqs))
+        work += _trained(shape, slots, pairs, sum(lens[i] for i in chunk))
+    return work
+
+
+def _prefix(shape: ModelShape, T: int) -> Flops:
+    """Phase A (stops after the last layer's K/V) and Phase C (backward from every layer's K/V)."""
+    if T == 0:
+        return Flops(0, 0)
+    full = shape.n_layers - 1
+    gemm = 3 * T * full * shape.layer + T * (shape.qkv + 2 * shape.kv)
+    return Flops(gemm, 3 * full * _causal(T) * shape.pair)
+
+
+def _suffix_pairs(T: int, widths: list[int], layout: str, attention: str) -> int:
+    """Attention pairs of one suffix microbatch (``widths``: its suffix lengths) per layer."""
+    if layout == "packed":  # a block-diagonal mask over the suffix columns: every pair is computed
+        rows = sum(widths)
+        return rows * T + rows * rows
+    b, w = len(widths), max(widths)
+    if attention == "split" and T > 0:
+        return b * w * T + b * _causal(w)
+    return b * w * (T + w)  # one masked call over [prefix ; suffix]
+
+
+def _prefixflow(shape, P, lens, layout, microbatch, attention) -> Flops:
+    T = P - 1
+    work = _prefix(shape, T)
+    for chunk in _chunks(len(lens), microbatch):
+        widths = [lens[i] for i in chunk]
+        slots = sum(widths) if layout == "packed" else len(widths) * max(widths)
+        work += _trained(shape, slots, _suffix_pairs(T, widths, layout, attention), sum(widths))
+    return work
+
+
+def _prefix_grouper(shape, P, lens) -> Flops:
+    width = max(1, max(lens) - 1)
+    slots = P + sum(s - 1 for s in lens)
+    pairs = _causal(P) + len(lens) * width * (P + width)
+    return _trained(shape, slots, pairs, sum(lens))
+
+
+def executed_flops(
+    system: str,
+    shape,
+    P: int,
+    S: int | Sequence[int],
+    N: int | None = None,
+    *,
+    layout: str = "padded",
+    microbatch: int | None = None,
+    attention: str = "split",
+) -> Flops:
+    """Training FLOPs of one group as ``system`` executes it (see the module doc). ``S``: one length for ``N``
+    responses, or the list of response lengths; ``attention``: PrefixFlow's suffix attention variant."""
     shape = as_shape(shape)
-    _check_lengths(P, S, 1)
-    p_tok = P - 1
-    prefix = _train_flops(shape, p_tok, p_tok * (p_tok + 1) // 2, 0)
-    suffix = _train_flops(shape, S, S * p_tok + S * (S + 1) // 2, S)
-    accum = 2 * shape.n_layers * p_tok * shape.n_kv_heads * shape.head_dim
-    return {"prefix": prefix, "suffix": suffix, "accum": accum}
-
-
-def model_flops(system: str, shape, P: int, S: int, N: int) -> int:
-    """Training FLOPs (forward + backward) of one rollout group under ``system``."""
-    shape = as_shape(shape)
-    _check_lengths(P, S, N)
+    lens = _lens(S, N)
+    if P < 1:
+        raise ValueError(f"need P >= 1, got P={P}")
+    if layout not in ("padded", "packed") or attention not in ("split", "concat"):
+        raise ValueError(
+            f"layout must be padded|packed and attention split|concat, got {layout}, {attention}"
+        )
     if system == "baseline":
-        L = P + S - 1
-        return N * _train_flops(shape, L, L * (L + 1) // 2, S)
-    b = flops_breakdown(shape, P, S)
+        return _baseline(shape, P, lens, layout, microbatch)
     if system == "prefixflow":
-        return b["prefix"] + N * (b["suffix"] + b["accum"])
+        return _prefixflow(shape, P, lens, layout, microbatch, attention)
     if system == "prefix_grouper":
-        return b["prefix"] + N * b["suffix"]
+        return _prefix_grouper(shape, P, lens)
     raise ValueError(f"unknown system {system!r}; expected one of {SYSTEMS}")
 
 
+def model_flops(system: str, shape, P: int, S, N: int | None = None, **kwargs) -> int:
+    """Total of :func:`executed_flops`."""
+    return executed_flops(system, shape, P, S, N, **kwargs).total
+
+
+def least_prefixflow_flops(shape, P: int, S, N: int | None = None) -> Flops:
+    """The least work the PrefixFlow schedule must do: causal pairs only, no pad slots."""
+    shape, lens = as_shape(shape), _lens(S, N)
+    T = P - 1
+    work = _prefix(shape, T)
+    for s in lens:
+        work += _trained(shape, s, s * T + _causal(s), s)
+    return work
+
+
+def ideal_speedup(shape, P: int, S, N: int | None = None, *, layout="padded", microbatch=None) -> float:
+    """The baseline's executed FLOPs (in this layout and microbatching) over :func:`least_prefixflow_flops`."""
+    base = model_flops("baseline", shape, P, S, N, layout=layout, microbatch=microbatch)
+    return base / least_prefixflow_flops(shape, P, S, N).total
+
+
+# -- the paper's §3.1 model -----------------------------------------------------------------------------
+
+
 def speedup_terms(shape, P: int, S: int) -> dict[str, float]:
-    """The normalised terms ``p̂, ŝ, â`` of the speedup model (``p̂ + ŝ = 1``)."""
-    b = flops_breakdown(shape, P, S)
-    total = b["prefix"] + b["suffix"]
-    return {"p": b["prefix"] / total, "s": b["suffix"] / total, "a": b["accum"] / total}
+    """The paper's normalised terms ``p̂, ŝ, â`` (``p̂ + ŝ = 1``): one trajectory split at the KV boundary, the
+    prefix charged its full forward and backward in every layer; ``â``: one suffix's gK/gV accumulation."""
+    shape = as_shape(shape)
+    if P < 1 or S < 1:
+        raise ValueError(f"need P >= 1, S >= 1; got P={P}, S={S}")
+    T = P - 1
+    prefix = _trained(shape, T, _causal(T), 0).total
+    suffix = _trained(shape, S, S * T + _causal(S), S).total
+    accum = 2 * shape.n_layers * T * shape.n_kv_heads * shape.head_dim
+    total = prefix + suffix
+    return {"p": prefix / total, "s": suffix / total, "a": accum / total}
 
 
-def ideal_speedup(shape, P: int, S: int, N: int, overhead: float = 0.0) -> float:
-    """``1 / (ŝ + â + p̂/N + ô/N)``: baseline FLOPs over PrefixFlow FLOPs plus ``overhead`` per group.
-
-    ``overhead`` (``ô``) is the per-group cost in units of one baseline trajectory's FLOPs.
-    """
+def paper_ideal_speedup(shape, P: int, S: int, N: int, overhead: float = 0.0) -> float:
+    """The paper's ``1 / (ŝ + â + p̂/N + ô/N)`` (``overhead`` ô in units of one trajectory's FLOPs)."""
     if overhead < 0:
         raise ValueError(f"overhead must be >= 0, got {overhead}")
-    _check_lengths(P, S, N)
+    if N < 1:
+        raise ValueError(f"need N >= 1, got N={N}")
     t = speedup_terms(shape, P, S)
     return 1.0 / (t["s"] + t["a"] + (t["p"] + overhead) / N)
 
@@ -202,13 +329,70 @@ def dense_flops_per_token(shape, seq_len: int, causal: bool = False) -> float:
     (``6·(non-embedding params) + 12·n_layers·H·hd·seq_len``), for cross-checking.
     """
     shape = as_shape(shape)
-    pairs = seq_len * seq_len if not causal else seq_len * (seq_len + 1) // 2
-    return _train_flops(shape, seq_len, pairs, seq_len) / seq_len
+    pairs = seq_len * seq_len if not causal else _causal(seq_len)
+    return _trained(shape, seq_len, pairs, seq_len).total / seq_len
 
 
-def record_costs(system: str, shape, P: int, S: int, N: int, overhead: float = 0.0) -> dict[str, float]:
-    """The cost-model columns of one record: ``model_flops`` of ``system`` and the group's ``ideal_speedup``."""
-    return {
-        "model_flops": float(model_flops(system, shape, P, S, N)),
-        "ideal_speedup": ideal_speedup(shape, P, S, N, overhead=overhead),
-    }
+# -- counting what runs ---------------------------------------------------------------------------------
+
+# fused SDPA op -> position of its is_causal argument (ATen schemas of torch 2.13)
+_SDPA_FORWARD = {
+    "_scaled_dot_product_flash_attention_for_cpu": 4,
+    "_scaled_dot_product_flash_attention": 4,
+    "_scaled_dot_product_efficient_attention": 6,
+    "_scaled_dot_product_cudnn_attention": 6,
+}
+_SDPA_BACKWARD = {
+    "_scaled_dot_product_flash_attention_for_cpu_backward": 7,
+    "_scaled_dot_product_flash_attention_backward": 11,
+    "_scaled_dot_product_efficient_attention_backward": 11,
+    "_scaled_dot_product_cudnn_attention_backward": 14,
+}
+
+
+class AttentionCounter(TorchDispatchMode):
+    """Attention FLOPs of the fused SDPA kernels that run under it, counting the pairs each call computes:
+    ``Lq(Lq+1)/2`` for a causal call with ``Lq = Lk``, ``Lq·Lk`` otherwise (a masked call computes every
+    pair); ``4·hd`` per pair and query head forward, twice that backward (as FlopCounterMode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+        self.calls = 0
+
+    def _count(self, q, k, is_causal: bool, factor: int) -> None:
+        b, h, lq, d = q.shape
+        lk = k.shape[2]
+        pairs = _causal(lq) if is_causal and lq == lk else lq * lk
+        self.flops += factor * 4 * b * h * d * pairs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        for table, factor in ((_SDPA_FORWARD, 1), (_SDPA_BACKWARD, 2)):
+            if name in table:
+                causal_at = table[name]
+                q, k = (args[1], args[2]) if factor == 2 else (args[0], args[1])
+                is_causal = args[causal_at] if len(args) > causal_at else kwargs.get("is_causal", False)
+                self._count(q, k, bool(is_causal), factor)
+                self.calls += factor == 1
+        return func(*args, **kwargs)
+
+
+def count_flops(fn: Callable[[], object]) -> tuple[Flops, object]:
+    """Run ``fn()`` under FlopCounterMode and :class:`AttentionCounter`; return the counted GEMM and attention
+    FLOPs (FlopCounterMode's own SDPA counts are left out: they ignore causality) and ``fn``'s result."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    attention = AttentionCounter()
+    with counter, attention:
+        result = fn()
+    per_op = counter.get_flop_counts().get("Global", {})
+    gemm = sum(int(v) for op, v in per_op.items() if op.__name__ in GEMM_OPS)
+    return Flops(gemm, attention.flops), result
+
+
+def counts_match(model: Flops, counted: Flops, rel: float = 0.02) -> bool:
+    """GEMMs within ``rel`` of the count, attention exact."""
+    return abs(model.gemm - counted.gemm) <= rel * counted.gemm and model.attention == counted.attention

@@ -41,7 +41,17 @@ def git_rev() -> str:
         )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+    rev = out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+    if rev != "unknown":  # uncommitted changes to tracked files: the revision alone does not say what ran
+        try:
+            dirty = subprocess.run(
+                ["git", "diff", "--quiet", "HEAD", "--"], cwd=REPO_ROOT, capture_output=True, timeout=10
+            )
+        except (OSError, subprocess.SubprocessError):
+            return rev
+        if dirty.returncode == 1:
+            rev += "-dirty"
+    return rev
 
 
 def resolve_device(name: str) -> torch.device:
@@ -167,18 +177,24 @@ def build_for(system_name: str, cell: Cell, device: torch.device):
     return system, model
 
 
-def _model_columns(model: torch.nn.Module, cell: Cell, system: str) -> dict[str, Any]:
-    """Model shape and FLOP-model columns, so figures need nothing but the table."""
+def _model_shape(model: torch.nn.Module, cell: Cell):
+    """The cost model's :class:`~harness.costmodel.ModelShape` of ``model`` (None when it has none)."""
     from harness import costmodel
     from prefixflow import model_args
 
-    out: dict[str, Any] = {}
     try:
         args = model.config if cell.model.name.startswith(HF_PREFIX) else model_args(model)
-        shape = costmodel.as_shape(args)
+        return costmodel.as_shape(args)
     except (TypeError, ValueError, AttributeError):
-        return out
-    out.update(
+        return None
+
+
+def _model_columns(model: torch.nn.Module, cell: Cell, system: str) -> dict[str, Any]:
+    """Model shape columns, so figures need nothing but the table."""
+    shape = _model_shape(model, cell)
+    if shape is None:
+        return {}
+    out: dict[str, Any] = dict(
         dim=shape.dim,
         n_layers=shape.n_layers,
         n_heads=shape.n_heads,
@@ -192,13 +208,44 @@ def _model_columns(model: torch.nn.Module, cell: Cell, system: str) -> dict[str,
         from harness.costmodel_moe import active_params_per_token
 
         out.update(n_active_params=active_params_per_token(shape), routing="replay")
-    cost_name = getattr(get_system(system), "cost_model", system)
-    if cell.suffix_spread == 0 and cost_name in costmodel.SYSTEMS:
-        out["model_flops"] = float(
-            costmodel.model_flops(cost_name, shape, cell.prefix_len, cell.suffix_len, cell.n)
-        )
-        out["ideal_speedup"] = costmodel.ideal_speedup(shape, cell.prefix_len, cell.suffix_len, cell.n)
     return out
+
+
+def _cost_columns(shape, cell: Cell, system: Any, lens: list[int], device) -> dict[str, Any]:
+    """The FLOP model of what ``system`` executes on this cell's group (``harness.costmodel``): its modelled
+    FLOPs (GEMM and attention; activation checkpointing off only, NaN otherwise), the corrected ideal
+    speedup, and the paper's §3.1 ideal."""
+    from harness import costmodel
+
+    cost_name = getattr(system, "cost_model", None)
+    if shape is None or cost_name not in costmodel.SYSTEMS:
+        return {}
+    p, layout, mb = cell.prefix_len, cell.layout, cell.microbatch
+    out = {
+        "ideal_speedup": costmodel.ideal_speedup(shape, p, lens, layout=layout, microbatch=mb),
+        "paper_ideal_speedup": costmodel.paper_ideal_speedup(
+            shape, p, round(sum(lens) / len(lens)), len(lens)
+        ),
+    }
+    variant = getattr(system, "attention_variant", lambda d: None)(device) or "split"
+    modelled = costmodel.executed_flops(
+        cost_name, shape, p, lens, layout=layout, microbatch=mb, attention=variant
+    )
+    known = cell.ac == "none"
+    out["model_flops"] = float(modelled.total) if known else math.nan
+    out["model_gemm_flops"] = float(modelled.gemm) if known else math.nan
+    out["model_attention_flops"] = float(modelled.attention) if known else math.nan
+    return out
+
+
+def _counted_columns(counted) -> dict[str, Any]:
+    if counted is None:
+        return {}
+    return {
+        "counted_flops": float(counted.total),
+        "counted_gemm_flops": float(counted.gemm),
+        "counted_attention_flops": float(counted.attention),
+    }
 
 
 def _summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -276,11 +323,12 @@ def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | No
 
         return run_cell_ranks(cell, memory_only=memory_only)  # None on ranks other than 0
 
-    systems, models, failures, extras = {}, {}, {}, {}
+    systems, models, failures, extras, shapes = {}, {}, {}, {}, {}
     for name in cell.systems:
         try:
             systems[name], models[name] = build_for(name, cell, device)
             extras[name] = _model_columns(models[name], cell, name)
+            shapes[name] = _model_shape(models[name], cell)
         except Exception as e:
             failures[name] = (classify(e), traceback.format_exc())
     group = None
@@ -296,13 +344,23 @@ def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | No
     last_stats: dict[str, Any] = {}
     first_step: dict[str, float] = {}
 
-    def measured_step(name: str, track_memory: bool) -> tuple[dict[str, Any], Any] | None:
+    counted: dict[str, Any] = {}
+
+    def measured_step(
+        name: str, track_memory: bool, count: bool = False
+    ) -> tuple[dict[str, Any], Any] | None:
+        """One step; ``count``: under the FLOP counters too (harness.costmodel.count_flops), untimed."""
+        from harness.costmodel import count_flops
+
         model = models[name]
         try:
             model.zero_grad(set_to_none=True)
             meter = PhaseMeter(device, model=model, track_memory=track_memory)
             with meter:
-                stats = systems[name].step(model, group, cell, meter)
+                if count:
+                    counted[name], stats = count_flops(lambda: systems[name].step(model, group, cell, meter))
+                else:
+                    stats = systems[name].step(model, group, cell, meter)
             res = rank_max(meter.results(extended=True))
             model.zero_grad(set_to_none=True)
             return res, stats
@@ -326,14 +384,20 @@ def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | No
             if it >= warmup:
                 samples[name].append(out[0])
                 last_stats[name] = out[1]
-    # On CPU, one extra (untimed) step per system with the live-bytes meter gives peak memory per phase.
+    # On CPU, one extra (untimed) step per system with the live-bytes meter gives peak memory per phase; it
+    # also counts the FLOPs that ran (not for capacity probes). On CUDA, counting takes a step of its own.
     memory: dict[str, dict[str, Any]] = {}
+    count = not memory_only and not cell.compile
     if on_cpu and not cell.compile:
         for name in cell.systems:
-            if name not in failures and (out := measured_step(name, track_memory=True)) is not None:
+            if name not in failures and (out := measured_step(name, True, count)) is not None:
                 memory[name] = out[0]
                 if memory_only:  # the probe's only step: its times were taken under the meter
                     samples[name], last_stats[name] = [out[0]], out[1]
+    elif count:
+        for name in cell.systems:
+            if name not in failures:
+                measured_step(name, track_memory=False, count=True)
 
     tokens = cell.n * cell.prefix_len + (
         sum(len(r) for r in group.responses) if group else cell.n * cell.suffix_len
@@ -342,6 +406,11 @@ def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | No
     for name in cell.systems:
         rec = {**base_record(cell, str(device)), "system": name, "tokens": tokens, **extras.get(name, {})}
         rec["threads"] = torch.get_num_threads()
+        system = systems.get(name)
+        rec["attention"] = getattr(system, "attention_variant", lambda d: None)(device)
+        if group is not None and name in shapes:
+            rec.update(_cost_columns(shapes[name], cell, system, group.response_lens, device))
+        rec.update(_counted_columns(counted.get(name)))
         rec.update(_offload_columns(cell, name, systems.get(name), last_stats.get(name)))
         if name in failures:
             rec["status"], rec["error"] = failures[name]

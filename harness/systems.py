@@ -44,7 +44,7 @@ def get_system(name: str) -> System:
         raise ValueError(f"unknown system {name!r}; registered: {', '.join(available_systems())}") from None
 
 
-def prefixflow_config(cell: Any, attention: str = "concat"):
+def prefixflow_config(cell: Any, attention: str = "auto"):
     """The prefixflow.PrefixFlowConfig for a cell: its offload flag and the system's attention variant."""
     from prefixflow import PrefixFlowConfig
 
@@ -52,14 +52,25 @@ def prefixflow_config(cell: Any, attention: str = "concat"):
 
 
 class TrainGroupSystem:
-    """A system that is one ``system=`` value of ``prefixflow.train_group`` on a PrefixFlow-wrapped model."""
+    """A system that is one ``system=`` value of ``prefixflow.train_group`` on a PrefixFlow-wrapped model.
 
-    def __init__(self, name: str, library_system: str, uses_offload: bool, attention: str = "concat") -> None:
+    ``attention``: the PrefixFlowConfig attention variant; ``"auto"`` (the library default) resolves per
+    device, and :meth:`attention_variant` says what it resolved to (recorded with every row)."""
+
+    def __init__(self, name: str, library_system: str, uses_offload: bool, attention: str = "auto") -> None:
         self.name = name
         self.library_system = library_system
         self.uses_offload = uses_offload
         self.attention = attention
         self.cost_model = library_system  # harness.costmodel's name for this schedule
+
+    def attention_variant(self, device) -> str | None:
+        """The suffix-attention variant this system runs on ``device`` (None for the baseline)."""
+        if self.library_system != "prefixflow":
+            return None
+        from prefixflow import PrefixFlowConfig
+
+        return PrefixFlowConfig(attention=self.attention).attention_for(device)
 
     def prepare(self, model: nn.Module, cell: Any) -> nn.Module:
         from prefixflow import PrefixFlowConfig, apply_prefixflow
@@ -83,7 +94,13 @@ class TrainGroupSystem:
 
 
 register_system("baseline", lambda: TrainGroupSystem("baseline", "baseline", uses_offload=False))
+# `prefixflow` is the library's default (attention="auto": split on CPU, concat elsewhere); the explicit
+# variants pin one suffix-attention implementation.
 register_system("prefixflow", lambda: TrainGroupSystem("prefixflow", "prefixflow", uses_offload=True))
+register_system(
+    "prefixflow_concat",
+    lambda: TrainGroupSystem("prefixflow_concat", "prefixflow", uses_offload=True, attention="concat"),
+)
 
 
 class PrefixGrouperSystem:
@@ -91,6 +108,9 @@ class PrefixGrouperSystem:
 
     name = "prefix_grouper"
     cost_model = "prefix_grouper"
+
+    def attention_variant(self, device) -> None:
+        return None
 
     def prepare(self, model: nn.Module, cell: Any) -> nn.Module:
         from prefixflow import apply_prefixflow

@@ -23,15 +23,19 @@ class PrefixFlowConfig:
     parameters are bf16/fp16, else the parameter dtype. ``attention``: how suffix attention reads the cache
     (``"concat"``: one SDPA over ``[prefix ; suffix]`` K/V under the layout's mask; ``"split"``: prefix and
     suffix parts merged by log-sum-exp, no K/V copy, causal suffix part without a mask; ``"auto"``: split on
-    CPU, where it has a fused kernel (ATen's flash attention returns the LSE), concat elsewhere). ``offload``: move the dormant saved tensors of the prefix graph out of device
-    memory from Phase A to Phase C (``prefixflow.offload``); ``offload_prefetch``: load them back ahead of the
-    prefix backward (False = demand-load only).
+    CPU, concat elsewhere: split's fused CUDA path, ATen's flash / memory-efficient kernels with their LSE, has
+    no GPU measurement behind it yet). ``offload``: move the dormant saved tensors of the prefix graph out of
+    device memory from Phase A to Phase C (``prefixflow.offload``); ``offload_prefetch``: load them back ahead
+    of the prefix backward (False = demand-load only). ``memory_budget_bytes``: the peak device memory a
+    ``train_group(..., microbatch="auto")`` call may use; it picks the largest microbatches that fit
+    (``prefixflow.budget``).
     """
 
     grad_kv_dtype: torch.dtype | None = None
     attention: str = "auto"
     offload: bool = False
     offload_prefetch: bool = True
+    memory_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ("auto", *ATTENTION_VARIANTS):
@@ -47,6 +51,11 @@ class PrefixFlowConfig:
         for name in ("offload", "offload_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"PrefixFlowConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        budget = self.memory_budget_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(
+                f"PrefixFlowConfig.memory_budget_bytes must be None or an int >= 1, got {budget!r}"
+            )
 
     def attention_for(self, device: torch.device) -> str:
         """The suffix-attention variant to run on ``device`` (resolves ``"auto"``)."""

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 from .kv_cache import PrefixKVCache
 from .split_attention import split_attention, suffix_bias
@@ -35,6 +36,7 @@ __all__ = [
     "AttendWithPrefix",
     "MaskedAttention",
     "ATTENTION_VARIANTS",
+    "sdpa_backends",
 ]
 
 ATTENTION_VARIANTS = ("concat", "split")
@@ -68,7 +70,7 @@ class AttentionState:
         finally:
             self.mode = None
             for wrapper in self.wrappers:
-                wrapper.prefix_kv = None
+                wrapper.__dict__["prefix_kv"] = None  # a plain attribute (nn.Module.__setattr__ is slow)
             if hasattr(mode, "unbind"):
                 mode.unbind()
 
@@ -126,23 +128,46 @@ class CapturePrefix:
         if self.mask is None and self.sequence is None:
             return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
         k, v = _whole_sequence(self.sequence, k, v)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=enable_gqa
-        )
+        return _masked_sdpa(wrapper, q, k, v, self.mask, scale, enable_gqa)
+
+
+def sdpa_backends(wrapper: PrefixAwareAttention) -> list | None:
+    """The ``sdpa_kernel`` backend list of the layer's own attention module (TorchTitan's
+    ``ScaledDotProductAttentionWrapper.sdpa_backends``), or None when it sets none."""
+    backends = getattr(wrapper.inner, "sdpa_backends", None)
+    return list(backends) if backends else None
+
+
+def _masked_sdpa(wrapper: PrefixAwareAttention, q, k, v, mask, scale, enable_gqa):
+    """SDPA under an explicit mask, restricted to the same backend list as the model's own attention, so a
+    masked call runs the kernels the plain (causal) call is allowed to run."""
+    backends = sdpa_backends(wrapper)
+    scope = sdpa_kernel(backends, set_priority=True) if backends else contextlib.nullcontext()
+    with scope:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
 class AttendWithPrefix:
     """Phase B: suffix queries attend to the cached prefix K/V and their own K/V.
 
-    ``mask``: bool ``[b, 1, S, P_c + S]`` (True = may attend) from the suffix layout.
-    The cached K/V (``[1, H_kv, P_c, D]``) are broadcast over the batch with ``expand`` (no copy); SDPA
-    groups query heads over KV heads itself (GQA). ``variant="concat"`` runs one SDPA over
-    ``[prefix ; suffix]`` K/V; ``"split"`` reads the cache in place (:mod:`prefixflow.split_attention`) and
-    needs only the mask's suffix columns.
+    ``mask``: bool ``[b, 1, S, P_c + S]`` (True = may attend) from the suffix layout. ``causal_suffix``: the
+    layout guarantees that plain causal attention over the suffix columns is exact on every row that matters
+    (the padded layout, tokens not sharded), so split attention runs its suffix part with ``is_causal`` and
+    no mask. ``variant="concat"`` runs one masked SDPA over ``[prefix ; suffix]`` K/V: ``torch.cat``
+    materialises the cached prefix K/V once per sequence of the microbatch, in every layer, and the masked
+    kernel computes every (query, key) pair including the suffix's causal upper triangle. ``"split"`` reads
+    the cache in place (:mod:`prefixflow.split_attention`) and needs at most the mask's suffix columns. Both
+    run under the model's ``sdpa_kernel`` backend list (:func:`sdpa_backends`).
     """
 
     def __init__(
-        self, cache: PrefixKVCache, mask: torch.Tensor, variant: str = "concat", *, sequence=None
+        self,
+        cache: PrefixKVCache,
+        mask: torch.Tensor,
+        variant: str = "concat",
+        *,
+        sequence=None,
+        causal_suffix: bool = False,
     ) -> None:
         if variant not in ATTENTION_VARIANTS:
             raise ValueError(f"attention variant {variant!r} unknown; valid: {ATTENTION_VARIANTS}")
@@ -153,9 +178,10 @@ class AttendWithPrefix:
         self._suffix_mask = self._split_mask = None
         if variant == "split" and len(cache):
             n_keys = mask.shape[-2] if sequence is None else sequence.length
-            self._suffix_mask = mask[..., mask.shape[-1] - n_keys :]
-            # Built once per microbatch, eagerly (it inspects the mask), shared by every layer.
-            self._split_mask = suffix_bias(self._suffix_mask, cache.compute_dtype)
+            causal = causal_suffix and sequence is None
+            self._suffix_mask = None if causal else mask[..., mask.shape[-1] - n_keys :]
+            # Built once per microbatch, eagerly (it may inspect the mask), shared by every layer.
+            self._split_mask = suffix_bias(self._suffix_mask, cache.compute_dtype, causal=causal)
 
     def bind(self, wrappers: list[PrefixAwareAttention]) -> None:
         """Give each wrapped layer its prefix K/V view (in the compute dtype) for this phase; a lazy
@@ -165,7 +191,7 @@ class AttendWithPrefix:
         self.cache.view.begin(self.cache)
         if not self.cache.view.lazy:
             for wrapper in wrappers:
-                wrapper.prefix_kv = self.cache.read(wrapper.layer, self.cache.compute_dtype)
+                wrapper.__dict__["prefix_kv"] = self.cache.read(wrapper.layer, self.cache.compute_dtype)
 
     def unbind(self) -> None:
         if len(self.cache):
@@ -178,21 +204,20 @@ class AttendWithPrefix:
         k, v = _whole_sequence(self.sequence, k, v)
         if cached is not None and self.variant == "split":
             return split_attention(
-                q, k, v, *cached, self._suffix_mask, scale=scale, prepared=self._split_mask
-            )
+                q, k, v, *cached, self._suffix_mask, scale=scale, prepared=self._split_mask,
+                backends=sdpa_backends(wrapper),
+            )  # fmt: skip
         if cached is not None:
             prefix_k, prefix_v = cached
             b = q.shape[0]
-            k = torch.cat([prefix_k.expand(b, -1, -1, -1), k], dim=2)
+            k = torch.cat([prefix_k.expand(b, -1, -1, -1), k], dim=2)  # b copies of the prefix K/V
             v = torch.cat([prefix_v.expand(b, -1, -1, -1), v], dim=2)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=enable_gqa
-        )
+        return _masked_sdpa(wrapper, q, k, v, self.mask, scale, enable_gqa)
 
 
 class MaskedAttention:
-    """Plain attention under an explicit mask (the baseline's packed layout); with neither a mask nor a
-    sequence exchange it is the wrapped module's own causal attention (the plain forward)."""
+    """Plain attention under an explicit mask (the baseline's packed layout; under the model's backend list);
+    with neither a mask nor a sequence exchange it is the wrapped module's own causal attention."""
 
     def __init__(self, mask: torch.Tensor, sequence=None) -> None:
         self.mask = mask
@@ -202,6 +227,4 @@ class MaskedAttention:
         if self.mask is None and self.sequence is None:
             return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
         k, v = _whole_sequence(self.sequence, k, v)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=self.mask, scale=scale, enable_gqa=enable_gqa
-        )
+        return _masked_sdpa(wrapper, q, k, v, self.mask, scale, enable_gqa)

@@ -52,6 +52,9 @@ class Microbatch:
     # the K/V of the whole sequence in token order, differentiably; ``length`` = that sequence's length. The
     # mask then has this rank's query rows over every key. None: every token of the microbatch is here.
     sequence: object | None = None
+    # Plain causal attention over the tokens is exact on every row that carries loss (padded: a real query's
+    # visible own keys are exactly its causal predecessors; pad rows feed nothing real).
+    causal_suffix: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -160,4 +163,5 @@ def build_microbatch(
         token_ids=tok,
         responses=tuple(s.response for s in segments),
         cached_prefix_len=cached_prefix_len,
+        causal_suffix=layout == "padded",
     )

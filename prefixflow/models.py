@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import types
 from typing import Any
 
 import torch
@@ -143,7 +145,7 @@ def build_model(
     for param in model.parameters():
         param.data = param.data.to(dtype)
     if dtype == torch.float64 and name.startswith("llama3:"):
-        _use_fp64_llama3_rope()
+        _use_exact_rope(model)
     if getattr(args, "moe_enabled", False):
         from .moe import apply_moe
 
@@ -182,29 +184,51 @@ def rope_buffer(model: nn.Module) -> torch.Tensor:
     raise TypeError(f"{type(model).__name__} has no RoPE buffer (freqs_cis / rope_cache)")
 
 
-def _use_fp64_llama3_rope() -> None:
-    """Let Llama3's RoPE keep fp64 inputs in fp64.
+def _rotary_emb_exact(xq, xk, freqs_cis, positions=None):
+    """TorchTitan's llama3 ``apply_rotary_emb``, computed in ``promote_types(dtype, float32)`` instead of fp32:
+    fp64 inputs stay fp64; for fp32/bf16/fp16 it is ``.float()``, the original arithmetic."""
+    from torchtitan.models.llama3.model.model import reshape_for_broadcast
+
+    compute = torch.promote_types(xq.dtype, torch.float32)
+    xq_ = torch.view_as_complex(xq.to(compute).reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.to(compute).reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = reshape_for_broadcast(freqs_cis, xq_, positions)
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+@functools.cache
+def _exact_rope_attention_forward():
+    """TorchTitan's llama3 ``Attention.forward`` itself (same code object), with its global name
+    ``apply_rotary_emb`` resolved to :func:`_rotary_emb_exact`: nothing of TorchTitan is modified."""
+    from torchtitan.models.llama3.model.model import Attention
+
+    original = Attention.forward
+    namespace = {**original.__globals__, "apply_rotary_emb": _rotary_emb_exact}
+    forward = types.FunctionType(
+        original.__code__, namespace, original.__name__, original.__defaults__, original.__closure__
+    )
+    forward.__kwdefaults__ = original.__kwdefaults__
+    forward.__qualname__, forward.__doc__, forward.__wrapped__ = (
+        original.__qualname__,
+        original.__doc__,
+        original,
+    )
+    return forward
+
+
+def _use_exact_rope(model: nn.Module) -> None:
+    """Let this Llama3 model's RoPE keep fp64 inputs in fp64 (its own attention modules only).
 
     TorchTitan's ``apply_rotary_emb`` rounds q/k to fp32 (``xq.float()``) whatever the model dtype. In an fp64
     model that rounding turns 1e-16 differences between two correct schedules into 1e-8 ones, hiding the
-    logic errors fp64 tests exist to catch. The replacement computes in ``promote_types(dtype, float32)``:
-    for fp32/bf16/fp16 inputs that is ``.float()``, the same arithmetic as the original.
+    logic errors fp64 tests exist to catch. Each attention module of ``model`` gets TorchTitan's own forward
+    bound with :func:`_rotary_emb_exact`; other models, and TorchTitan's module, are untouched.
     """
-    from torchtitan.models.llama3.model import model as llama3_model
+    from torchtitan.models.llama3.model.model import Attention
 
-    original = llama3_model.apply_rotary_emb
-    if getattr(original, "_prefixflow_fp64", False):
-        return
-
-    def apply_rotary_emb(xq, xk, freqs_cis, positions=None):
-        compute = torch.promote_types(xq.dtype, torch.float32)
-        xq_ = torch.view_as_complex(xq.to(compute).reshape(*xq.shape[:-1], -1, 2))
-        xk_ = torch.view_as_complex(xk.to(compute).reshape(*xk.shape[:-1], -1, 2))
-        freqs_cis = llama3_model.reshape_for_broadcast(freqs_cis, xq_, positions)
-        xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
-        xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
-        return xq_out.type_as(xq), xk_out.type_as(xk)
-
-    apply_rotary_emb._prefixflow_fp64 = True
-    apply_rotary_emb.__wrapped__ = original
-    llama3_model.apply_rotary_emb = apply_rotary_emb
+    forward = _exact_rope_attention_forward()
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.forward = types.MethodType(forward, module)

@@ -4,7 +4,7 @@ During Phase B only the prefix K/V (read) and gK/gV (written) are hot; every oth
 saved for backward is dormant until Phase C. ``PrefixOffload`` moves those tensors out of device memory:
 
 * **Pack (Phase A).** ``saving()`` installs ``torch.autograd.graph.saved_tensors_hooks`` around the prefix
-  forward. A saved tensor stays resident (the hook keeps ``tensor.detach()``) when it is not a plain
+  forward. A saved tensor stays resident (the hook keeps ``tensor.detach()`` and its version) when it is not a plain
   float/complex tensor on the model's device, when its storage is smaller than ``min_bytes`` (default 4 KiB),
   or when its storage is one Phase B reads: a parameter/buffer of the model or a live K/V of the cache
   (``CapturePrefix`` records K/V before the attention kernel saves them). Everything else is offloaded **by
@@ -19,6 +19,11 @@ saved for backward is dormant until Phase C. ``PrefixOffload`` moves those tenso
   once, closed at release): a worker thread ``pwrite``s each storage and the in-memory tensor is dropped,
   so the bytes leave the process's working memory (they live in the kernel's page cache / on disk).
   ``saving()`` waits for the outstanding copies when Phase A ends, so Phase B starts with them freed.
+* **In-place changes raise, as in autograd.** Saved-tensor hooks switch off autograd's own version check, so
+  the offload does it: each saved tensor's version is recorded when it is packed, and unpacking a tensor that
+  was modified in place since (through itself, its base or any view, also while its copy out was in flight)
+  raises autograd's ``RuntimeError`` instead of handing the backward stale or torn bytes. An offloaded
+  storage is watched through a storage-less alias that shares the tensor's version counter.
 * **Prefetch / demand-load (Phase C).** ``prefetch()`` starts loading the deepest layer's slots (and
   ``ahead`` more layers) in reverse layer order; each time the backward reaches a lower layer the window
   moves down. Loads run on a side stream (CUDA) or the worker thread into buffers allocated by the caller.
@@ -87,11 +92,47 @@ class OffloadStats:
         return {**asdict(self), "loaded_bytes": self.loaded_bytes}
 
 
-class _Slot:
-    __slots__ = ("index", "layer", "nbytes", "version", "handles", "where", "data", "pending", "loaded")
+def _version_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that shares ``t``'s version counter (so an in-place change to ``t``, its base or any view of it
+    shows here) but holds no storage: the offloaded bytes can leave while the counter stays watched. The
+    storage swap bumps the shared counter once; it is set back, so ``t`` reads the same version as before."""
+    version = t._version
+    alias = t.detach()  # shares t's version counter
+    alias.set_(torch.UntypedStorage(0, device=t.device))
+    torch._C._autograd._unsafe_set_version_counter((alias,), (version,))
+    return alias
 
-    def __init__(self, index: int, layer: int, nbytes: int, version: int) -> None:
-        self.index, self.layer, self.nbytes, self.version = index, layer, nbytes, version
+
+def _check_version(watched: torch.Tensor, saved_version: int, t_desc: str, where: str) -> None:
+    """Raise as autograd does when a saved tensor was modified in place after it was saved."""
+    if watched._version != saved_version:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{t_desc}], saved by the prefix forward ({where}), is at version {watched._version}; expected "
+            f"version {saved_version} instead. (Saved tensors of the prefix graph must stay unchanged until "
+            "Phase C's backward reads them.)"
+        )
+
+
+class _Kept:
+    """A saved tensor that stays resident, with the version it was saved at."""
+
+    __slots__ = ("tensor", "version", "layer")
+
+    def __init__(self, t: torch.Tensor, layer: int) -> None:
+        self.tensor, self.version, self.layer = t.detach(), t._version, layer
+
+
+class _Slot:
+    __slots__ = (
+        "index", "layer", "nbytes", "version", "alias", "desc", "handles", "where", "data", "pending", "loaded",
+    )  # fmt: skip
+
+    def __init__(self, index: int, layer: int, t: torch.Tensor) -> None:
+        self.index, self.layer = index, layer
+        self.nbytes, self.version = t.untyped_storage().nbytes(), t._version
+        self.alias = _version_alias(t)  # watches in-place changes while the bytes are out
+        self.desc = f"{t.dtype} {tuple(t.shape)}"
         self.handles = 0
         self.where = None  # tier location: file offset, or (pinned region, copy-out event)
         self.data = None  # the storage's bytes back on the device (uint8)
@@ -340,11 +381,11 @@ class PrefixOffload:
             reason = self._keep_reason(t)
             if reason is not None:
                 self.stats.kept[reason] = self.stats.kept.get(reason, 0) + 1
-                return t.detach()
+                return _Kept(t, self._layer)
             storage = t.untyped_storage()
             slot = self._by_storage.get(storage)
             if slot is None or slot.version != t._version or slot.handles == 0:
-                slot = _Slot(len(self._slots), self._layer, storage.nbytes(), t._version)
+                slot = _Slot(len(self._slots), self._layer, t)
                 self._slots.append(slot)
                 self._by_storage[storage] = slot
                 self.pool.store(slot, _bytes_of(t.detach()))
@@ -375,12 +416,18 @@ class PrefixOffload:
                     self.stats.prefetched_bytes += slot.nbytes
 
     def _unpack(self, packed) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
+        if isinstance(packed, _Kept):
+            t = packed.tensor
+            _check_version(
+                t, packed.version, f"{t.dtype} {tuple(t.shape)}", f"layer {packed.layer}, resident"
+            )
+            return t
         slot = packed.slot
         with self._lock:
             if self.stats.released:
                 raise RuntimeError("PrefixOffload: a saved tensor was unpacked after the pool was released")
+            # Before any load: a change made after the save (one racing the copy out too) voids the bytes.
+            _check_version(slot.alias, slot.version, slot.desc, f"layer {slot.layer}, offloaded")
             if slot.data is None:  # never scheduled: demand-load
                 self.pool.load_now(slot)
                 slot.loaded = True
@@ -421,7 +468,7 @@ class PrefixOffload:
                 self.pool.close()
             finally:
                 for slot in self._slots:
-                    slot.data = slot.pending = None
+                    slot.data = slot.pending = slot.alias = None
                 self._slots.clear()
                 self._by_storage.clear()
                 _FOOTPRINT[self.model] = self.stats.offloaded_bytes

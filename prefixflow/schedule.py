@@ -20,6 +20,8 @@ from torch import nn
 from .adapters import adapter_for
 from .apply import PrefixFlowRuntime, runtime_of
 from .attention import AttendWithPrefix, CapturePrefix, MaskedAttention, PrefixCaptured
+from .budget import AUTO, BudgetPlan, FixedPlan
+from .compile import is_compiled
 from .grad_guard import check_finite_loss, keep_grads_on_failure
 from .group import RolloutGroup
 from .hooks import hooks_of
@@ -65,6 +67,7 @@ class GroupStats:
     phase_times: dict[str, float] = field(default_factory=dict)
     offload: OffloadStats | None = None  # set when PrefixFlowConfig.offload is on
     hooks: dict[str, float] = field(default_factory=dict)  # counters of the schedule hooks (e.g. CP gathers)
+    plan: dict | None = None  # microbatch="auto": budget, measured footprint, chosen sizes (prefixflow.budget)
 
     @property
     def total_s(self) -> float:
@@ -130,17 +133,22 @@ def _last_needed_layer(model: nn.Module, runtime: PrefixFlowRuntime) -> int | No
 
 
 def phase_b_suffix_microbatches(
-    model, runtime: PrefixFlowRuntime, group, cache, chunks, layout: str, loss: str, cfg: LossConfig
+    model, runtime: PrefixFlowRuntime, group, cache, plan, layout: str, loss: str, cfg: LossConfig
 ) -> float:
-    """Phase B: train the suffixes as ordinary microbatches reading the cache; returns the group loss."""
+    """Phase B: train the suffixes as ordinary microbatches reading the cache; returns the group loss.
+    ``plan`` yields each microbatch's responses (:mod:`prefixflow.budget`: fixed sizes, or sized to a budget)."""
     segments = suffix_segments(group)
     device = group.prompt.device
     variant = runtime.config.attention_for(device)
     total = 0.0
-    for chunk in chunks:
-        mb = _microbatch(model, group, [segments[i] for i in chunk], layout, group.prompt_len - 1)
-        with runtime.state.use(AttendWithPrefix(cache, mb.mask, variant, sequence=mb.sequence)):
-            total += _forward_backward(model, mb, group, loss, cfg)
+    for index, chunk in enumerate(plan):
+        with plan.measure(index):
+            mb = _microbatch(model, group, [segments[i] for i in chunk], layout, group.prompt_len - 1)
+            mode = AttendWithPrefix(
+                cache, mb.mask, variant, sequence=mb.sequence, causal_suffix=mb.causal_suffix
+            )
+            with runtime.state.use(mode):
+                total += _forward_backward(model, mb, group, loss, cfg)
     return total
 
 
@@ -172,14 +180,15 @@ def phase_c_prefix_backward(
         cache.backward_prefix()
 
 
-def _baseline(model, runtime, group, chunks, layout, loss, cfg) -> float:
+def _baseline(model, runtime, group, plan, layout, loss, cfg) -> float:
     segments = full_sequence_segments(group)
     total = 0.0
-    for chunk in chunks:
-        mb = _microbatch(model, group, [segments[i] for i in chunk], layout, None)
-        mode = MaskedAttention(mb.mask, mb.sequence) if mb.mask is not None else None
-        with runtime.state.use(mode) if mode is not None else contextlib.nullcontext():
-            total += _forward_backward(model, mb, group, loss, cfg)
+    for index, chunk in enumerate(plan):
+        with plan.measure(index):
+            mb = _microbatch(model, group, [segments[i] for i in chunk], layout, None)
+            mode = MaskedAttention(mb.mask, mb.sequence) if mb.mask is not None else None
+            with runtime.state.use(mode) if mode is not None else contextlib.nullcontext():
+                total += _forward_backward(model, mb, group, loss, cfg)
     return total
 
 
@@ -206,9 +215,13 @@ class _PhaseClock:
                 self.observer.exit(phase)
 
 
-def _chunks(n: int, microbatch: int | None) -> list[list[int]]:
-    size = n if microbatch is None else microbatch
-    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+def _plan(model, runtime, group, system: str, layout: str, microbatch):
+    """The microbatch plan: fixed sizes, or ``"auto"``: sized to ``PrefixFlowConfig.memory_budget_bytes``."""
+    if microbatch != AUTO:
+        return FixedPlan(group.n, microbatch)
+    lead = group.prompt_len if system == "baseline" else 1  # input tokens before each response's own
+    lengths = [lead + s - 1 for s in group.response_lens]
+    return BudgetPlan(model, lengths, layout, runtime.config.memory_budget_bytes)
 
 
 def _validate(model, group, system, layout, microbatch) -> None:
@@ -218,10 +231,23 @@ def _validate(model, group, system, layout, microbatch) -> None:
         raise ValueError(f"system {system!r} unknown; valid systems: {SYSTEMS}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} unknown; valid layouts: {LAYOUTS}")
-    if microbatch is not None and (
+    if microbatch == AUTO:
+        if runtime_of(model).config.memory_budget_bytes is None:
+            raise ValueError(
+                "microbatch='auto' needs a memory budget: apply_prefixflow(model, "
+                "PrefixFlowConfig(memory_budget_bytes=...)), or pass an int microbatch"
+            )
+        if is_compiled(model):
+            raise ValueError(
+                "microbatch='auto' measures memory with a dispatch mode, which compiled blocks cannot run "
+                "under; pass an int microbatch with apply_compile"
+            )
+    elif microbatch is not None and (
         isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1
     ):
-        raise ValueError(f"microbatch must be None (all responses) or an int >= 1, got {microbatch!r}")
+        raise ValueError(
+            f"microbatch must be None (all responses), an int >= 1 or 'auto', got {microbatch!r}"
+        )
     adapter = adapter_for(model)
     group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
     group.check_representable(compute_dtype(model))
@@ -242,7 +268,7 @@ def check_group(
     *,
     system: str = "prefixflow",
     layout: str = "padded",
-    microbatch: int | None = None,
+    microbatch: int | str | None = None,
     loss: str = "pg",
     loss_config: dict | LossConfig | None = None,
 ) -> LossConfig:
@@ -259,7 +285,7 @@ def train_group(
     *,
     system: str = "prefixflow",
     layout: str = "padded",
-    microbatch: int | None = None,
+    microbatch: int | str | None = None,
     loss: str = "pg",
     loss_config: dict | LossConfig | None = None,
     observer=None,
@@ -267,7 +293,9 @@ def train_group(
     """Train one rollout group: accumulate its gradients into ``param.grad`` (no zeroing, no optimizer step).
 
     ``system``: ``"prefixflow"`` (three phases) or ``"baseline"`` (full sequences); ``layout``: ``"padded"`` or
-    ``"packed"``; ``microbatch``: responses per microbatch (None = all). ``observer``: optional object with
+    ``"packed"``; ``microbatch``: responses per microbatch (None = all), or ``"auto"``: the largest
+    microbatches whose measured footprint fits ``PrefixFlowConfig.memory_budget_bytes``
+    (:mod:`prefixflow.budget`). ``observer``: optional object with
     ``enter(phase)``/``exit(phase)`` called around each phase. All input is validated before any gradient
     changes. Needs ``apply_prefixflow(model)`` first. ``param.grad`` never receives a NaN/inf: a non-finite
     loss or gradient raises :class:`NonFiniteError` and leaves the gradients as before the call
@@ -290,19 +318,20 @@ def train_group(
     cfg = resolve_loss(loss, loss_config, group)
     device = next(model.parameters()).device
     group = group.to(device)
-    chunks = _chunks(group.n, microbatch)
+    plan = _plan(model, runtime, group, system, layout, microbatch)
     clock = _PhaseClock(device, observer)
     hooks = hooks_of(model)
     suffix_tokens = sum(group.response_lens)
     if system == "baseline":
         with keep_grads_on_failure(model), hooks.group(model, group, system):
             with clock("full"), hooks.phase("full"):
-                value = _baseline(model, runtime, group, chunks, layout, loss, cfg)
+                value = _baseline(model, runtime, group, plan, layout, loss, cfg)
             value = hooks.reduce_loss(value)
-        trunk = _trunk_tokens(group, chunks, layout, group.prompt_len)
+        trunk = _trunk_tokens(group, plan.chunks, layout, group.prompt_len)
         return GroupStats(
-            system, layout, value, len(chunks), 0, suffix_tokens, trunk, clock.times, hooks=hooks.stats()
-        )
+            system, layout, value, len(plan.chunks), 0, suffix_tokens, trunk, clock.times,
+            hooks=hooks.stats(), plan=plan.stats,
+        )  # fmt: skip
 
     cache = PrefixKVCache(runtime.grad_kv_dtype(model))
     config = runtime.config
@@ -310,10 +339,10 @@ def train_group(
     try:
         with keep_grads_on_failure(model), hooks.group(model, group, system):
             cache.view = hooks.prefix_view(model, group) or cache.view
-            with clock("A"), hooks.phase("A"):
+            with plan.prefix_window(), clock("A"), hooks.phase("A"):
                 prefix_mb = phase_a_prefix_forward(model, runtime, group, cache, offload)
             with clock("B"), hooks.phase("B"):
-                value = phase_b_suffix_microbatches(model, runtime, group, cache, chunks, layout, loss, cfg)
+                value = phase_b_suffix_microbatches(model, runtime, group, cache, plan, layout, loss, cfg)
             with clock("C"), hooks.phase("C"):
                 phase_c_prefix_backward(cache, offload, runtime=runtime, prefix=prefix_mb)
             value = hooks.reduce_loss(value)
@@ -322,19 +351,20 @@ def train_group(
         if offload is not None:
             offload.release()
     prefix = group.prompt_len - 1
-    trunk = prefix + _trunk_tokens(group, chunks, layout, 1)
+    trunk = prefix + _trunk_tokens(group, plan.chunks, layout, 1)
     offload_stats = offload.stats if offload is not None else None
     return GroupStats(
         system,
         layout,
         value,
-        len(chunks),
+        len(plan.chunks),
         prefix,
         suffix_tokens,
         trunk,
         clock.times,
         offload_stats,
         hooks=hooks.stats(),
+        plan=plan.stats,
     )
 
 

@@ -126,3 +126,35 @@ def test_microbatch_split_does_not_rescale_loss(family):
     group = random_group(30, n=5)
     values = {mb: pf.train_group(model, group, microbatch=mb).loss for mb in (None, 1, 2, 5)}
     assert max(values.values()) - min(values.values()) <= 1e-12
+
+
+def test_exact_rope_is_scoped_to_the_fp64_models_build_model_returns():
+    """fp64 Llama3 models from build_model keep RoPE in fp64; TorchTitan's module and other models keep the
+    original fp32 rounding (no global patch)."""
+    import copy
+
+    from torchtitan.models.llama3.model import model as llama3_model
+
+    name, overrides = TINY["llama3"]
+    original = llama3_model.apply_rotary_emb
+    fp64 = pf.build_model(name, dtype=torch.float64, overrides=overrides)
+    fp32 = pf.build_model(name, dtype=torch.float32, overrides=overrides)
+    assert llama3_model.apply_rotary_emb is original and llama3_model.Attention.forward is not None
+    assert "forward" not in vars(fp32.layers["0"].attention)  # the class's own forward
+
+    def rotated_q(model):
+        attention = model.layers["0"].attention
+        seen = []
+        inner = attention.inner_attention
+        attention.inner_attention = lambda q, k, v, **kw: seen.append(q) or inner(q, k, v, **kw)
+        x = torch.randn(1, 9, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        attention.to(torch.float64)(x, model.freqs_cis, None)
+        attention.inner_attention = inner
+        return seen[0]
+
+    q_exact = rotated_q(fp64)
+    q_copy = rotated_q(copy.deepcopy(fp64))  # the binding survives a deep copy
+    q_rounded = rotated_q(fp32)  # same weights (same seed), TorchTitan's rounding
+    assert torch.equal(q_exact, q_copy)
+    gap = float((q_exact - q_rounded).abs().max())
+    assert 1e-12 < gap < 1e-5  # the fp32 rounding TorchTitan does, absent from the fp64 model

@@ -66,3 +66,72 @@ def test_phase_b_peak_drops_with_offload_on_cuda():
         del model
         torch.cuda.empty_cache()
     assert peaks[True] < peaks[False]
+
+
+def _split_inputs(dtype, heads, kv_heads, b=3, s=37, p=50, d=64, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=dtype).requires_grad_(True)
+
+    return (
+        rand(b, heads, s, d),
+        rand(b, kv_heads, s, d),
+        rand(b, kv_heads, s, d),
+        rand(1, kv_heads, p, d),
+        rand(1, kv_heads, p, d),
+    )
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize(
+    "dtype,backend,causal",
+    [
+        (torch.bfloat16, "FLASH_ATTENTION", True),
+        (torch.float16, "FLASH_ATTENTION", True),
+        (torch.float32, "EFFICIENT_ATTENTION", True),
+        (torch.bfloat16, "EFFICIENT_ATTENTION", False),
+        (torch.float32, "EFFICIENT_ATTENTION", False),
+    ],
+)
+def test_split_fused_cuda_kernels_match_the_reference(dtype, backend, causal, heads, kv_heads, monkeypatch):
+    """The fused CUDA path of split attention (flash / memory-efficient SDPA with their log-sum-exp) gives the
+    reference's output and gradients for q, k, v and the cached prefix K/V; the fused kernel really ran."""
+    from torch.nn.attention import SDPBackend
+
+    import prefixflow.split_attention as sa
+
+    backends = [getattr(SDPBackend, backend)]
+    q, k, v, pk, pv = _split_inputs(dtype, heads, kv_heads)
+    mask = torch.ones(37, 37, dtype=torch.bool, device="cuda").tril().expand(3, 1, 37, 37).clone()
+    if not causal:  # packed-like holes; every row keeps its diagonal
+        mask[0, 0, 20:, :10] = False
+    prepared = sa.suffix_bias(mask, dtype, causal=causal)
+    used = []
+    real = sa._attend
+    monkeypatch.setattr(sa, "_attend", lambda name, *a: used.append(name) or real(name, *a))
+    out = sa.split_attention(q, k, v, pk, pv, mask, prepared=prepared, backends=backends)
+    assert len(used) == 2 and all(n.startswith(backend.split("_")[0].lower()) for n in used), used
+    want = sa.split_attention_reference(q, k, v, pk, pv, mask)
+    tol = 2e-2 if dtype != torch.float32 else 2e-3
+    grad = torch.randn_like(out)
+    got_g = torch.autograd.grad(out, (q, k, v, pk, pv), grad)
+    want_g = torch.autograd.grad(want, (q, k, v, pk, pv), grad)
+    assert max_rel_diff([out.float()], [want.float()]) < tol
+    assert max_rel_diff([g.float() for g in got_g], [w.float() for w in want_g]) < tol
+
+
+def test_split_on_cuda_bf16_model_uses_the_fused_kernel_and_matches_the_baseline(monkeypatch):
+    import prefixflow.split_attention as sa
+
+    used = []
+    real = sa._attend
+    monkeypatch.setattr(sa, "_attend", lambda name, *a: used.append(name) or real(name, *a))
+    name, overrides = TINY["llama3"]
+    model = pf.build_model(name, dtype=torch.bfloat16, overrides={**overrides, "dim": 128}, device="cuda")
+    pf.apply_prefixflow(model, pf.PrefixFlowConfig(attention="split"))
+    group = pf.synthetic_group(97, 40, [7, 12, 3, 9], seed=0)
+    _, want = grads_of(model, group, system="baseline")
+    _, got = grads_of(model, group, layout="padded", microbatch=2)
+    assert used and all(n.startswith("flash") for n in used), used
+    assert max_rel_diff([g.float() for g in got], [w.float() for w in want]) < 5e-2

@@ -225,7 +225,7 @@ def test_frontier_table_and_budget_reread():
 def test_tables_markdown_latex_and_alignment(tmp_path):
     df = pd.DataFrame(speed_records())
     table = speedup_frame(df)
-    assert len(table) == 24 and {"speedup", "ideal", "of ideal"} <= set(table.columns)
+    assert len(table) == 24 and {"speedup", "ideal", "of ideal", "peak ÷ base"} <= set(table.columns)
     row = table[(table["P"] == 1280) & (table["N"] == 16) & ~table["compiled"]].iloc[0]
     assert row["speedup"] == pytest.approx(16 * 1536e-4 / (1280e-4 + 16 * 256e-4 + 0.01))
     align = pd.DataFrame([
@@ -267,21 +267,43 @@ def test_tables_markdown_latex_and_alignment(tmp_path):
 
 def test_registry_is_complete():
     assert set(FIGURES) == {
-        "fig6a",
-        "fig6b",
-        "fig6_sim",
-        "fig7",
-        "fig8a",
-        "fig8b",
-        "claim2_summary",
-        "fig9a",
-        "fig9a_split",
-        "fig9b",
-        "fig10a",
-        "fig10b",
-        "fig11",
-        "smoke",
-    }
+        "fig6a", "fig6b", "fig6_sim", "fig7", "fig8a", "fig8b", "claim2_summary", "fig9a", "fig9a_concat",
+        "fig9a_split", "fig9b", "fig10a", "fig10b", "fig11", "smoke",
+    }  # fmt: skip
+
+
+def test_mixed_revisions_are_flagged_in_figures_and_tables(tmp_path, caplog):
+    from harness.figures.common import revision_warning
+
+    recs = speed_records()
+    one = pd.DataFrame([dict(r, git_rev="aaa111") for r in recs])
+    assert revision_warning(one, "x") is None
+    assert "uncommitted" in revision_warning(pd.DataFrame({"git_rev": ["aaa111-dirty"]}), "x")
+    mixed = pd.DataFrame([dict(r, git_rev="aaa111" if r["n"] < 8 else "bbb222") for r in recs])
+    with caplog.at_level(logging.WARNING, logger="harness.figures"):
+        render_tables(mixed, tmp_path)
+        render_all(mixed, tmp_path, only=["fig9a"])
+    md = (tmp_path / "speedup.md").read_text()
+    assert "WARNING" in md and "aaa111" in md and "bbb222" in md
+    assert "Figure 9a: records from 2 git revisions" in caplog.text
+    render_tables(one, tmp_path / "one")
+    assert "WARNING" not in (tmp_path / "one" / "speedup.md").read_text()
+
+
+def test_speedup_table_compares_memory_on_the_same_scope():
+    rows = [
+        _rec("baseline", 768, 768, 4, step_time_s=2.0, peak_mem_bytes=400 * MIB, peak_mem_phase_b_bytes=400 * MIB),
+        _rec("prefixflow", 768, 768, 4, step_time_s=1.0, peak_mem_bytes=200 * MIB,
+             peak_mem_phase_b_bytes=50 * MIB, attention="split"),
+        _rec("prefix_grouper", 768, 768, 4, step_time_s=1.5, peak_mem_bytes=300 * MIB,
+             peak_mem_phase_b_bytes=300 * MIB),
+    ]  # fmt: skip
+    table = speedup_frame(pd.DataFrame(rows)).set_index("system")
+    assert (
+        table.loc["prefixflow", "peak ÷ base"] == 0.5 and table.loc["prefix_grouper", "peak ÷ base"] == 0.75
+    )
+    assert table.loc["prefixflow", "B peak MiB"] == 50 and pd.isna(table.loc["prefix_grouper", "B peak MiB"])
+    assert table.loc["prefixflow", "attention"] == "split"
 
 
 def test_flag_reads_bools_tiers_and_missing_values():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -202,3 +203,43 @@ def test_config_rejects_non_bool_offload_flags():
         pf.PrefixFlowConfig(offload=1)
     with pytest.raises(TypeError, match="offload_prefetch"):
         pf.PrefixFlowConfig(offload=True, offload_prefetch="yes")
+
+
+def _inplace_after_save(offload, modify):
+    """x -> y = exp(x) (saves y) -> z = y * w (saves y, w) -> optional in-place change of y -> backward."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    with offload.saving() if offload is not None else contextlib.nullcontext():
+        y = x.exp()
+        z = y * w
+        if modify:
+            y.view(-1)[:10].add_(1.0)  # through a view: the version counter is shared
+    z.sum().backward()
+    return x.grad, w.grad
+
+
+@pytest.mark.parametrize("min_bytes", [0, 1 << 30])  # offloaded / kept resident
+def test_inplace_change_to_a_saved_tensor_raises_like_autograd(min_bytes):
+    """Autograd raises when a saved tensor is modified in place; saved-tensor hooks switch that check off, so
+    the offload must do it (for offloaded and for resident tensors), not hand Phase C stale or torn bytes."""
+    from prefixflow.kv_cache import PrefixKVCache
+    from prefixflow.offload import PrefixOffload
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _inplace_after_save(None, modify=True)  # plain autograd
+    module = torch.nn.Linear(2, 2)
+    want = _inplace_after_save(None, modify=False)
+    off = PrefixOffload(module, PrefixKVCache(), min_bytes=min_bytes)
+    try:
+        got = _inplace_after_save(off, modify=False)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))  # no change: no error, exact
+        assert (off.stats.offloaded_bytes > 0) == (min_bytes == 0)
+    finally:
+        off.release()
+    off = PrefixOffload(module, PrefixKVCache(), min_bytes=min_bytes)
+    try:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            _inplace_after_save(off, modify=True)
+    finally:
+        off.release()

@@ -84,3 +84,33 @@ def test_needs_prefixflow_wrapper():
     model = pf.build_model(name, dtype=torch.float64, overrides=overrides)
     with pytest.raises(ValueError, match="apply_prefixflow"):
         train_group_prefix_grouper(model, pf.synthetic_group(97, 4, [2, 3]))
+
+
+def test_prefix_call_is_causal_and_runs_under_the_backend_list(monkeypatch):
+    """The prefix call is plain causal SDPA (no boolean mask); suffix calls carry the bottom-right mask; both
+    under the model's sdpa_kernel list."""
+    from torch.nn.attention import SDPBackend
+
+    import harness.peers.prefix_grouper as peer
+
+    model = tiny_model("llama3")
+    for wrapper in model._prefixflow.state.wrappers:
+        wrapper.inner.sdpa_backends = [SDPBackend.MATH]
+    calls = []
+    real = peer.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        calls.append(
+            (q.shape[2], k.shape[2], kwargs.get("is_causal", False), kwargs.get("attn_mask") is None)
+        )
+        calls[-1] += (torch.backends.cuda.flash_sdp_enabled(),)
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(peer.F, "scaled_dot_product_attention", spy)
+    group = pf.synthetic_group(97, 12, [6, 3, 9], seed=7)
+    train_group_prefix_grouper(model, group)
+    prefix = [c for c in calls if c[0] == c[1] == 12]
+    suffix = [c for c in calls if c[0] != c[1]]
+    assert len(prefix) == len(suffix) == 2  # one of each per layer
+    assert all(c[2] and c[3] for c in prefix) and not any(c[2] or c[3] for c in suffix)
+    assert not any(c[4] for c in calls)

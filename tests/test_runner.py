@@ -109,11 +109,12 @@ def test_group_is_deterministic_and_spread_varies_lengths():
 def test_offload_is_passed_to_prefixflow():
     from prefixflow import PrefixFlowConfig
 
-    # the harness's "prefixflow" system pins the concat attention (prefixflow_split is the other variant),
-    # whatever the library's default
+    # the harness's "prefixflow" system is the library default (attention="auto"); the variants pin theirs
+    default = PrefixFlowConfig()
+    assert systems.prefixflow_config(_cell(["prefixflow"], offload=True)) == replace(default, offload=True)
+    assert systems.prefixflow_config(_cell(["prefixflow"])) == default
     concat = PrefixFlowConfig(attention="concat")
-    assert systems.prefixflow_config(_cell(["prefixflow"], offload=True)) == replace(concat, offload=True)
-    assert systems.prefixflow_config(_cell(["prefixflow"])) == concat
+    assert systems.prefixflow_config(_cell(["prefixflow_concat"]), "concat") == concat
 
 
 def test_slurm_job_is_checkpointable_and_requeues_the_same_cell(tmp_path):
@@ -138,3 +139,22 @@ def test_baseline_rows_of_an_offload_cell_do_not_claim_offload():
     pf = records["prefixflow"]
     assert pf["offload"] is True and pf["offload_tier"] == "cpu-file" and pf["offloaded_bytes"] > 0
     assert pf["offloaded_bytes"] == pf["prefetched_bytes"] + pf["demand_loaded_bytes"] + pf["dropped_bytes"]
+
+
+def test_records_carry_modelled_and_counted_flops_and_the_revision():
+    records = {r["system"]: r for r in run_cell(_cell(["baseline", "prefixflow", "prefixflow_concat"]))}
+    for name, rec in records.items():
+        assert rec["status"] == "ok", rec["error"]
+        assert rec["model_flops"] == rec["counted_flops"] > 0, name  # this tiny case: exact
+        assert rec["counted_gemm_flops"] + rec["counted_attention_flops"] == rec["counted_flops"]
+        assert rec["ideal_speedup"] > rec["paper_ideal_speedup"] > 1
+        assert rec["git_rev"] and rec["git_rev"] != "unknown"
+    assert (
+        records["prefixflow"]["attention"] == "split"
+        and records["prefixflow_concat"]["attention"] == "concat"
+    )
+    assert records["baseline"]["attention"] is None
+    # concat computes the suffix's causal upper triangle: more attention FLOPs than split, same GEMMs
+    pf, concat = records["prefixflow"], records["prefixflow_concat"]
+    assert concat["counted_attention_flops"] > pf["counted_attention_flops"]
+    assert concat["counted_gemm_flops"] == pf["counted_gemm_flops"]

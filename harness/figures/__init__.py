@@ -17,7 +17,7 @@ from .common import SkipFigure, pair_speedups
 from .fig6 import figure6a, figure6b, simulator_validation
 from .fig7 import figure7
 from .fig8 import claim2_table, figure8a, figure8b
-from .fig9 import figure9a, figure9a_split, figure9b
+from .fig9 import figure9a, figure9a_concat, figure9a_split, figure9b
 from .fig10 import figure10a, figure10b, frontier_table
 from .fig11 import figure11
 from .smoke import smoke_overview
@@ -43,6 +43,7 @@ FIGURES: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {
     "fig8b": figure8b,
     "claim2_summary": claim2_table,
     "fig9a": figure9a,
+    "fig9a_concat": figure9a_concat,
     "fig9a_split": figure9a_split,
     "fig9b": figure9b,
     "fig10a": figure10a,

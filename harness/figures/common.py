@@ -8,6 +8,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import logging  # noqa: E402
+
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
@@ -25,8 +27,40 @@ CONFIG_COLUMNS = (
 )  # fmt: skip
 
 
+log = logging.getLogger("harness.figures")
+
+
 class SkipFigure(Exception):
     """Raised by a figure function when the records it needs are absent; the message says why."""
+
+
+def revisions(df: pd.DataFrame) -> list[str]:
+    """The git revisions the records were measured at (``git_rev``, comma-joined lists allowed)."""
+    if "git_rev" not in df.columns or df.empty:
+        return []
+    revs = {r for v in df["git_rev"].dropna().astype(str) for r in v.split(",") if r}
+    return sorted(revs)
+
+
+def revision_warning(df: pd.DataFrame, what: str) -> str | None:
+    """A warning (also logged) when ``df``'s records come from more than one git revision (or from a working
+    tree with uncommitted changes), else None: numbers measured at different revisions may not compare."""
+    revs = revisions(df)
+    dirty = [r for r in revs if r.endswith("-dirty")]
+    if len(revs) <= 1 and not dirty:
+        return None
+    text = f"{what}: records from {len(revs)} git revisions ({', '.join(revs)})"
+    if dirty:
+        text += "; uncommitted changes in " + ", ".join(dirty)
+    log.warning("%s", text)
+    return text
+
+
+def mark_revisions(fig, df: pd.DataFrame, what: str) -> None:
+    """Print :func:`revision_warning` at the foot of ``fig`` when the records mix revisions."""
+    text = revision_warning(df, what)
+    if text:
+        fig.text(0.01, 0.005, "WARNING: " + text, fontsize=6, color="#b00000", ha="left", va="bottom")
 
 
 _FALSE_STRINGS = {"", "none", "off", "false", "no", "0", "nan"}
@@ -117,23 +151,42 @@ def pair_speedups(df: pd.DataFrame, systems=("prefixflow",)) -> pd.DataFrame:
     # groupby drops NaN keys, so compare configurations through their string form
     skeys = [f"_k_{c}" for c in keys]
     m = m.assign(**{sk: as_key(m[c]) for sk, c in zip(skeys, keys, strict=True)})
-    base = m[m["system"] == "baseline"].groupby(skeys, dropna=False)["step_time_s"].median()
-    base = base.rename("baseline_s").reset_index()
     other = m[m["system"].isin(systems)]
-    if base.empty or other.empty:
+    if not (m["system"] == "baseline").any() or other.empty:
         return pd.DataFrame()
     agg = {"step_time_s": "median", **{c: "first" for c in keys}}
-    if "ideal_speedup" in other.columns:
-        agg["ideal_speedup"] = "median"
-    for col in ("phase_a_s", "phase_b_s", "phase_c_s", "peak_mem_phase_b_bytes", "prefix_ratio"):
+    for col in (
+        "ideal_speedup", "paper_ideal_speedup", "phase_a_s", "phase_b_s", "phase_c_s", "peak_mem_bytes",
+        "peak_mem_phase_b_bytes", "prefix_ratio", "model_flops", "counted_flops",
+    ):  # fmt: skip
         if col in other.columns:
             agg[col] = "median"
+    if "attention" in other.columns:
+        agg["attention"] = "first"
+    if "git_rev" in m.columns:
+        agg["git_rev"] = _join
     sys_rows = other.groupby([*skeys, "system", "_offload"], dropna=False).agg(agg).reset_index()
     sys_rows = sys_rows.rename(columns={"step_time_s": "system_s", "_offload": "offload"})
+    base_cols = {"baseline_s": ("step_time_s", "median")}
+    if "peak_mem_bytes" in m.columns:
+        base_cols["baseline_peak_bytes"] = ("peak_mem_bytes", "median")
+    if "git_rev" in m.columns:
+        base_cols["baseline_git_rev"] = ("git_rev", _join)
+    base = m[m["system"] == "baseline"].groupby(skeys, dropna=False).agg(**base_cols).reset_index()
     out = sys_rows.merge(base, on=skeys, how="inner").drop(columns=skeys)
+    if "git_rev" in out.columns:
+        out["git_rev"] = [
+            _join(pd.Series([a, b])) for a, b in zip(out["git_rev"], out["baseline_git_rev"], strict=True)
+        ]
+        out = out.drop(columns="baseline_git_rev")
     out["speedup"] = out["baseline_s"] / out["system_s"]
     out["prefix_ratio"] = prefix_ratio(out)
     return out.reset_index(drop=True)
+
+
+def _join(values: pd.Series) -> str:
+    """Distinct non-empty values, sorted and comma-joined (for ``git_rev``)."""
+    return ",".join(sorted({r for v in values.dropna().astype(str) for r in v.split(",") if r}))
 
 
 def theme() -> None:

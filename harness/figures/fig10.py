@@ -13,6 +13,7 @@ from .common import (
     as_key,
     flag,
     frontier_mask,
+    mark_revisions,
     measured,
     mem_unit,
     restrict_to_mode,
@@ -55,6 +56,7 @@ def fixed_total_peaks(df: pd.DataFrame) -> pd.DataFrame:
         out = out[out["microbatch"].isin(with_base)]
     out = out.sort_values(["microbatch", "prefix_len", "variant"]).reset_index(drop=True)
     out.attrs["n"] = int(n)
+    out.attrs["git_rev"] = list(m["git_rev"].dropna().astype(str)) if "git_rev" in m.columns else []
     return out
 
 
@@ -92,6 +94,7 @@ def figure10a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         ax.set_ylim(0, np.nanmax(sub["peak_mem_phase_b_bytes"]) / scale * 1.25)
     total = int(peaks["prefix_len"].iloc[0] + peaks["suffix_len"].iloc[0])
     fig.suptitle(f"Figure 10a: Phase-B peak at fixed total length {total}" + (f", N={n}" if n else ""))
+    mark_revisions(fig, pd.DataFrame({"git_rev": peaks.attrs.get("git_rev", [])}), "Figure 10a")
     return [save(fig, out_dir, "fig10a_phase_b_peak")]
 
 
@@ -230,4 +233,5 @@ def figure10b(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     )
     ax1.tick_params(axis="x", labelsize=7)
     fig.suptitle("Figure 10b: capacity frontier")
+    mark_revisions(fig, probes, "Figure 10b")
     return [save(fig, out_dir, "fig10b_capacity_frontier")]

@@ -8,7 +8,17 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from .common import SkipFigure, flag, frontier_mask, mem_unit, restrict_to_mode, save, split_label, theme
+from .common import (
+    SkipFigure,
+    flag,
+    frontier_mask,
+    mark_revisions,
+    mem_unit,
+    restrict_to_mode,
+    save,
+    split_label,
+    theme,
+)
 
 AC_LABELS = {"none": "full save (AC none)", "selective": "selective AC", "full": "full AC"}
 
@@ -84,4 +94,5 @@ def figure11(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         f"Figure 11: suffix budget ({split_label(first.prefix_len, first.suffix_len)}, N={int(first.n)})"
     )
     ax.legend(fontsize=7, loc="lower left")
+    mark_revisions(fig, pts, "Figure 11")
     return [save(fig, out_dir, "fig11_suffix_budget")]

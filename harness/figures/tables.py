@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .common import CONFIG_COLUMNS, SkipFigure, as_key, flag, pair_speedups
+from .common import CONFIG_COLUMNS, MIB, SkipFigure, as_key, flag, pair_speedups, revision_warning
 
 ALIGN_QUANTITIES = ("G", "L", "W")
 
@@ -57,31 +57,51 @@ def _write(out_dir: str | Path, name: str, table: pd.DataFrame, caption: str) ->
     return [md, tex]
 
 
+SPEEDUP_SYSTEMS = ("prefixflow", "prefixflow_concat", "prefixflow_split", "prefix_grouper")
+
+
 def speedup_frame(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per paired configuration and non-baseline system, sorted for reading."""
-    sp = pair_speedups(df, systems=("prefixflow", "prefixflow_split", "prefix_grouper"))
+    """One row per paired configuration and non-baseline system, sorted for reading.
+
+    ``ideal``: the corrected ideal (``harness.costmodel.ideal_speedup``), ``of ideal`` = speedup / ideal;
+    ``paper ideal``: the paper's §3.1 model. Memory compares like with like: ``peak ÷ base`` is the system's
+    whole-step peak over the baseline's whole-step peak; ``B peak MiB`` is PrefixFlow's Phase-B peak (its
+    own scope; the baseline and PrefixGrouper have no Phase B).
+    """
+    sp = pair_speedups(df, systems=SPEEDUP_SYSTEMS)
     if sp.empty:
         return sp
     sp = sp.assign(compile=flag(sp, "compile"), offload=flag(sp, "offload"))
     if "parallel_layout" in sp.columns:  # records from before parallel layouts ran on one process
         sp["parallel_layout"] = sp["parallel_layout"].fillna("single")
+    if "peak_mem_bytes" in sp.columns:
+        sp["peak_mib"] = sp["peak_mem_bytes"] / MIB
+        if "baseline_peak_bytes" in sp.columns:
+            sp["peak_ratio"] = sp["peak_mem_bytes"] / sp["baseline_peak_bytes"]
+    if "peak_mem_phase_b_bytes" in sp.columns:
+        is_pf = sp["system"].astype(str).str.startswith("prefixflow")
+        sp["b_peak_mib"] = (sp["peak_mem_phase_b_bytes"] / MIB).where(is_pf)
     cols = {
         "model": "model", "parallel_layout": "parallel", "groups_per_step": "groups",
-        "system": "system", "compile": "compiled", "offload": "offload",
-        "prefix_len": "P", "suffix_len": "S", "prefix_ratio": "r", "n": "N",
+        "system": "system", "attention": "attention", "compile": "compiled",
+        "offload": "offload", "prefix_len": "P", "suffix_len": "S", "prefix_ratio": "r", "n": "N",
         "baseline_s": "baseline s", "system_s": "system s", "speedup": "speedup", "ideal_speedup": "ideal",
+        "paper_ideal_speedup": "paper ideal", "peak_mib": "peak MiB", "peak_ratio": "peak ÷ base",
+        "b_peak_mib": "B peak MiB",
     }  # fmt: skip
     order = ("model", "system", "compile", "offload", "prefix_len", "n", "world_size", "parallel_layout")
     sp = sp.sort_values([c for c in order if c in sp])
     table = sp[[c for c in cols if c in sp.columns]].rename(columns=cols)
     if "ideal" in table.columns:
-        table["of ideal"] = table["speedup"] / table["ideal"]
+        table.insert(table.columns.get_loc("ideal") + 1, "of ideal", table["speedup"] / table["ideal"])
     if "parallel" in table.columns:
         table["vs single"] = _vs_single(sp).to_numpy()
     for c in ("P", "S", "N"):
         table[c] = table[c].astype(int)
     if "groups" in table.columns:
         table["groups"] = table["groups"].map(lambda g: "-" if g != g else str(int(g)))
+    table = table.dropna(axis=1, how="all")
+    table.attrs["git_rev"] = sp["git_rev"] if "git_rev" in sp.columns else None
     return table.reset_index(drop=True)
 
 
@@ -107,9 +127,12 @@ def speedup_table(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     table = speedup_frame(df)
     if table.empty:
         raise SkipFigure("no baseline/system pairs for a speedup table")
-    return _write(
-        out_dir, "speedup", table, "Measured speedup over the baseline (median step time) and model ideal"
-    )
+    caption = "Measured speedup over the baseline (median step time), the corrected ideal and the paper's"
+    revs = table.attrs.pop("git_rev", None)
+    warning = revision_warning(pd.DataFrame({"git_rev": revs}), "speedup table") if revs is not None else None
+    if warning:
+        caption += f". WARNING: {warning}"
+    return _write(out_dir, "speedup", table, caption)
 
 
 def load_alignment(source) -> pd.DataFrame:
@@ -178,13 +201,15 @@ def alignment_frame(align: pd.DataFrame) -> pd.DataFrame:
 
 
 def alignment_table(align, out_dir: str | Path) -> list[Path]:
-    table = alignment_frame(load_alignment(align))
+    rows = load_alignment(align)
+    table = alignment_frame(rows)
     if table.empty:
         raise SkipFigure("no alignment records (columns step, quantity, max_abs_diff, pass)")
-    return _write(
-        out_dir,
-        "table3_alignment",
-        table,
+    caption = (
         "Table 3: multi-step alignment with the baseline (G gradients, L loss, W weights); negative controls "
-        "(injected faults) must FAIL, (xK) = their G normwise difference over the correct run's",
+        "(injected faults) must FAIL, (xK) = their G normwise difference over the correct run's"
     )
+    warning = revision_warning(rows, "Table 3")
+    if warning:
+        caption += f". WARNING: {warning}"
+    return _write(out_dir, "table3_alignment", table, caption)

@@ -7,8 +7,10 @@ prefix causally, attends each suffix against ``[prefix repeated N times ; own su
 outputs back. Everything the two systems do not share with our baseline is PrefixGrouper's own code
 (``from_ungrouped_masks``, ``concat_input``, ``AttentionForward`` via ``pg.forward``, ``split_output``):
 
-- attention function: ours, :func:`grouped_attention_func`, SDPA under PrefixGrouper's 2-D key-padding
-  mask plus *bottom-right* causal alignment (SDPA's ``is_causal`` is top-left when ``Lq != Lk``);
+- attention function: ours, :func:`grouped_attention_func`. The prefix call (``Lq = Lk = P``, no padding) is
+  plain causal SDPA (``is_causal``, the kernel skips the upper triangle, as the baseline's does); the suffix
+  calls run SDPA under PrefixGrouper's 2-D key-padding mask plus *bottom-right* causal alignment (SDPA's
+  ``is_causal`` is top-left when ``Lq != Lk``). Both run under the model's ``sdpa_kernel`` backend list;
 - positions: ours, every suffix restarts at ``|P|``;
 - loss: ``prefixflow.loss`` on a ``prefixflow.layouts.Microbatch`` loss index over ``split_output(...,
   include_prefix_last=1)``; the LM head runs only at response-predicting positions, as in our baseline.
@@ -20,14 +22,18 @@ activation-checkpoint recomputation sees the same attention.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 __all__ = [
+    "CAUSAL",
     "GroupedAttention",
+    "attention_mask",
     "bottom_right_mask",
     "grouped_attention_func",
     "pack_group",
@@ -43,25 +49,42 @@ def bottom_right_mask(key_mask: torch.Tensor, lq: int) -> torch.Tensor:
     return causal.view(1, 1, lq, lk) & key_mask.bool().view(key_mask.shape[0], 1, 1, lk)
 
 
-def grouped_attention_func(q, k, v, key_mask, *, scale=None, enable_gqa=False, masks=None):
+CAUSAL = "causal"  # a prepared mask entry meaning plain causal attention (Lq == Lk, no padding)
+
+
+def attention_mask(key_mask: torch.Tensor, lq: int):
+    """What one call attends under: :data:`CAUSAL` when the queries are all the keys and none is padding (the
+    prefix call), else the bool :func:`bottom_right_mask`."""
+    if lq == key_mask.shape[-1] and bool(key_mask.all()):
+        return CAUSAL
+    return bottom_right_mask(key_mask, lq)
+
+
+def grouped_attention_func(q, k, v, key_mask, *, scale=None, enable_gqa=False, masks=None, backends=None):
     """PrefixGrouper's ``attn_func``: ``q [b, H, Lq, D]``, ``k/v [b, H_kv, Lk, D]``, ``key_mask`` bool
     ``[b, Lk]`` -> ``[b, Lq, H, D]`` (the layout ``PrefixGrouper.group`` expects), under
-    :func:`bottom_right_mask`. ``masks``: optional ``{(Lq, Lk): mask}`` prepared once per group (the same
-    for every layer; chosen by shape, so a compiled block reads it without side effects or guards on data).
+    :func:`attention_mask`. ``masks``: optional ``{(Lq, Lk): mask}`` prepared once per group (the same for
+    every layer; chosen by shape, so a compiled block reads it without side effects or guards on data).
+    ``backends``: the ``sdpa_kernel`` list to run under (the model's own; None = SDPA's default choice).
     """
     lq, lk = q.shape[2], k.shape[2]
     mask = masks.get((lq, lk)) if masks is not None else None
     if mask is None:
-        mask = bottom_right_mask(key_mask, lq)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        mask = attention_mask(key_mask, lq)
+    scope = sdpa_kernel(backends, set_priority=True) if backends else contextlib.nullcontext()
+    with scope:
+        if isinstance(mask, str):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     return out.transpose(1, 2)
 
 
 class GroupedAttention:
     """PrefixFlow attention mode that hands each layer's attention to ``pg.forward``.
 
-    The prefix call attends ``[1, P]`` queries to ``P`` keys, the suffix call ``[N, S_max]`` queries to
-    ``P + S_max`` keys; both 4-D masks are built here once, from PrefixGrouper's own 2-D masks.
+    The prefix call attends ``[1, P]`` queries to ``P`` keys (causal), the suffix call ``[N, S_max]`` queries
+    to ``P + S_max`` keys; both are prepared here once, from PrefixGrouper's own 2-D masks.
     """
 
     def __init__(self, pg) -> None:
@@ -69,14 +92,17 @@ class GroupedAttention:
         prefix, suffix = pg.prefix_attn_mask, pg.suffix_attn_mask
         s_max = suffix.shape[-1] - prefix.shape[-1]
         self.masks = {
-            (prefix.shape[-1], prefix.shape[-1]): bottom_right_mask(prefix, prefix.shape[-1]),
-            (s_max, suffix.shape[-1]): bottom_right_mask(suffix, s_max),
+            (prefix.shape[-1], prefix.shape[-1]): attention_mask(prefix, prefix.shape[-1]),
+            (s_max, suffix.shape[-1]): attention_mask(suffix, s_max),
         }
 
     def __call__(self, wrapper, q, k, v, *, scale, enable_gqa):
+        from prefixflow.attention import sdpa_backends
+
         out = self.pg.forward(
-            grouped_attention_func, q, k, v, scale=scale, enable_gqa=enable_gqa, masks=self.masks
-        )
+            grouped_attention_func, q, k, v, scale=scale, enable_gqa=enable_gqa, masks=self.masks,
+            backends=sdpa_backends(wrapper),
+        )  # fmt: skip
         return out.transpose(1, 2)  # [1, L, H, D] -> [1, H, L, D], what TorchTitan's attention expects back
 
 

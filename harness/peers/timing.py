@@ -1,4 +1,4 @@
-"""Side-by-side CPU step times: baseline, PrefixFlow (concat / split), PrefixGrouper; eager or compiled.
+"""Side-by-side CPU step times: baseline, PrefixFlow (library default / concat / split), PrefixGrouper.
 
     python -m harness.peers.timing [--compile] [--prompt 1280] [--response 256] [--n 16] [--repeats 3]
 
@@ -24,7 +24,8 @@ import prefixflow as pf
 
 from .prefix_grouper import train_group_prefix_grouper
 
-SYSTEMS = ("baseline", "prefixflow-concat", "prefixflow-split", "prefix_grouper")
+SYSTEMS = ("baseline", "prefixflow", "prefixflow_concat", "prefixflow_split", "prefix_grouper")
+ATTENTION = {"prefixflow": "auto", "prefixflow_concat": "concat", "prefixflow_split": "split"}
 
 
 def make_step(name: str, model):
@@ -63,10 +64,8 @@ def main(argv=None) -> list[dict]:
     group = pf.synthetic_group(vocab, args.prompt, [args.response] * args.n, seed=0)
     steps, first = {}, {}
     for name in names:
-        variant = "split" if name == "prefixflow-split" else "concat"
-        model = pf.apply_prefixflow(
-            pf.build_model(args.model, overrides=overrides), pf.PrefixFlowConfig(attention=variant)
-        )
+        config = pf.PrefixFlowConfig(attention=ATTENTION.get(name, "auto"))
+        model = pf.apply_prefixflow(pf.build_model(args.model, overrides=overrides), config)
         if args.compile:
             pf.apply_compile(model)
         steps[name] = make_step(name, model)

@@ -1,0 +1,186 @@
+"""Microbatch plans: fixed sizes, or ``microbatch="auto"``: the largest microbatches that fit a memory budget.
+
+``train_group(..., microbatch="auto")`` spends a device-memory budget (``PrefixFlowConfig.memory_budget_bytes``)
+on suffix wave size, the paper's relaxed suffix budget (§4.2): whatever the prefix state leaves free (less with
+offload) goes to more suffixes per microbatch, so fewer, larger waves run.
+
+**The budget** is the peak device memory the whole ``train_group`` call may reach, as the benchmark measures
+it: on CUDA ``torch.cuda.memory_allocated`` (everything on the device, the optimizer state included); on CPU
+the live bytes of the model's parameters, buffers and gradients plus every tensor the call allocates (the
+harness's ``cpu-live-bytes`` meter).
+
+**The footprint is measured, not estimated from a formula** (so activation checkpointing, dtypes and kernels
+need no model). The first two microbatches run one response each. The first allocates what stays for the
+group (parameter gradients, gK/gV); the second is the probe: the memory live at its start (``resident``) and
+its peak above that, per token slot (``per_token``), give the plan ``resident + per_token x slots(b) <=
+budget`` for the rest (slots: ``b x longest`` padded, ``Σ lengths`` packed), filled greedily in response
+order. Memory is read by a small live-bytes dispatch mode (:class:`LiveBytes`, which counts the model's
+parameters, buffers and gradients and what it sees allocated), active during Phase A (on CPU, where nothing
+else knows the bytes the prefix left live) and the two probes; it needs eager blocks (not ``apply_compile``).
+A probe above the budget still runs the rest one response at a time; ``GroupStats.plan`` says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["LiveBytes", "FixedPlan", "BudgetPlan", "AUTO"]
+
+AUTO = "auto"
+PROBES = 2  # microbatches of one response before the plan: warm-up (grads, gK/gV), then the measured one
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live and peak bytes of the tensor storages of one device type created under it (and registered ones)."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self._lock = threading.Lock()
+        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.current = self.peak = 0
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        if storage.device.type != self.device_type:
+            return
+        with self._lock:
+            entry = self._seen.get(storage)
+            if entry is None:
+                entry = self._seen[storage] = [0]
+                weakref.finalize(storage, self._free, entry).atexit = False
+            delta, entry[0] = storage.nbytes() - entry[0], storage.nbytes()
+            self.current += delta
+            self.peak = max(self.peak, self.current)
+
+    def _free(self, entry: list) -> None:
+        with self._lock:
+            self.current -= entry[0]
+            entry[0] = 0
+
+    def register(self, module: nn.Module) -> None:
+        """Count a module's parameters, their gradients and its buffers as live."""
+        for t in (*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None)):
+            self._track(t.untyped_storage())
+        for t in module.buffers():
+            self._track(t.untyped_storage())
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
+                self._track(leaf.untyped_storage())
+        return out
+
+
+class FixedPlan:
+    """Microbatches of ``size`` responses (None = all), in order."""
+
+    stats = None
+
+    def __init__(self, n: int, size: int | None) -> None:
+        size = n if size is None else size
+        self.chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.chunks)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def prefix_window(self):
+        return contextlib.nullcontext()
+
+    def measure(self, index: int):
+        return contextlib.nullcontext()
+
+
+class BudgetPlan:
+    """``microbatch="auto"``: one-response probes, then the largest microbatches that fit ``budget`` bytes.
+
+    ``lengths``: the input tokens of each response's sequence (suffix or full sequence); ``layout``: how a
+    microbatch lays them out (its token slots). Iterate it for chunks; enter :meth:`prefix_window` around
+    Phase A and :meth:`measure` around each microbatch (both balanced with other dispatch modes).
+    """
+
+    def __init__(self, model: nn.Module, lengths: list[int], layout: str, budget: int) -> None:
+        self.model, self.lengths, self.layout, self.budget = model, list(lengths), layout, int(budget)
+        self.device = next(model.parameters()).device
+        self.meter = LiveBytes(self.device.type)
+        self.meter.register(self.model)
+        self.resident: int | None = None
+        self.per_token: float | None = None
+        self.chunks: list[list[int]] = []
+
+    def _now(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return self.meter.current
+
+    @contextlib.contextmanager
+    def prefix_window(self) -> Iterator[None]:
+        """Phase A: on CPU, count what the prefix leaves live (cache, saved tensors); CUDA's allocator knows."""
+        if self.device.type == "cuda":
+            yield
+            return
+        with self.meter:
+            yield
+
+    @contextlib.contextmanager
+    def measure(self, index: int) -> Iterator[None]:
+        """Around microbatch ``index``: the probes run under the meter; the second one is measured."""
+        if index >= PROBES:
+            yield
+            return
+        probe = index == PROBES - 1
+        start = self._now()
+        self.meter.reset_peak()
+        base = self.meter.current
+        with self.meter:
+            yield
+        if probe:
+            self.resident = start
+            self.per_token = (self.meter.peak - base) / max(1, self._slots([index]))
+
+    def _slots(self, chunk: list[int]) -> int:
+        lens = [self.lengths[i] for i in chunk]
+        return sum(lens) if self.layout == "packed" else len(lens) * max(lens)
+
+    def _fits(self, chunk: list[int]) -> bool:
+        return self.resident + self.per_token * self._slots(chunk) <= self.budget
+
+    def __iter__(self) -> Iterator[list[int]]:
+        n = len(self.lengths)
+        i = 0
+        while i < n:
+            chunk = [i]
+            if i >= PROBES and self.per_token is not None:
+                while i + len(chunk) < n and self._fits([*chunk, i + len(chunk)]):
+                    chunk.append(i + len(chunk))
+            self.chunks.append(chunk)
+            yield chunk
+            i += len(chunk)
+
+    @property
+    def stats(self) -> dict:
+        """What the plan saw and chose (``GroupStats.plan``)."""
+        fits = None
+        if self.per_token is not None:
+            fits = self.resident + self.per_token * self._slots([PROBES - 1]) <= self.budget
+        return {
+            "budget_bytes": self.budget,
+            "resident_bytes": self.resident,
+            "per_token_bytes": self.per_token,
+            "probe_fits": fits,
+            "microbatch_sizes": tuple(len(c) for c in self.chunks),
+        }
