@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _reference import max_rel_diff, reference_pg
-from conftest import tiny_model
+from conftest import TINY, tiny_model
 
 import prefixflow as pf
 
