@@ -177,7 +177,14 @@ def run(
     n: Annotated[int, typer.Option(help="responses per group N")],
     override: Annotated[list[str], typer.Option(help="ModelArgs override FIELD=VALUE (repeatable)")] = [],  # noqa: B006
     layout: Layout = Layout.padded,
-    microbatch: Annotated[int | None, typer.Option(help="responses per microbatch (default: all)")] = None,
+    microbatch: Annotated[
+        str | None,
+        typer.Option(help="responses per microbatch (default: all), or 'auto' (needs --memory-budget)"),
+    ] = None,
+    memory_budget: Annotated[
+        str | None,
+        typer.Option(help="for --microbatch auto: bytes, or 'peak:SYSTEM' (that system's measured peak)"),
+    ] = None,
     dtype: DType = DType.fp32,
     systems: Annotated[str, typer.Option(help="comma-separated systems")] = "baseline,prefixflow",
     warmup: int = 1,
@@ -222,7 +229,8 @@ def run(
             suffix_len=suffix_len,
             n=n,
             layout=layout.value,
-            microbatch=microbatch,
+            microbatch=_int_or_text(microbatch),
+            memory_budget=_int_or_text(memory_budget),
             dtype=dtype.value,
             compile=compile,
             ac=ac.value,
@@ -272,6 +280,16 @@ def run(
             )
     if any(rec["status"] != "ok" for rec in records):
         raise typer.Exit(1)
+
+
+def _int_or_text(value: str | None):
+    """An option that is an int or a keyword (``auto``, ``peak:SYSTEM``)."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return value
 
 
 def _search_label(cell: Cell) -> str:
@@ -333,6 +351,7 @@ def sweep(
                 "N": c.n,
                 "layout": c.layout,
                 "mb": c.microbatch,
+                "budget": c.memory_budget,
                 "dtype": c.dtype,
                 "compile": c.compile,
                 "ac": c.ac,

@@ -180,7 +180,14 @@ def _lens(S: int | Sequence[int], N: int | None) -> list[int]:
     return lens
 
 
-def _chunks(n: int, microbatch: int | None) -> list[list[int]]:
+def _chunks(n: int, microbatch: int | Sequence[int] | None) -> list[list[int]]:
+    """Responses per microbatch: all (None), a fixed size, or the sizes a plan chose (``microbatch="auto"``)."""
+    if microbatch is not None and not isinstance(microbatch, int):
+        sizes = [int(x) for x in microbatch]
+        if sum(sizes) != n or min(sizes) < 1:
+            raise ValueError(f"microbatch sizes {sizes} do not split {n} responses")
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [list(range(a, a + b)) for a, b in zip(starts, sizes, strict=True)]
     size = n if microbatch is None else microbatch
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
@@ -256,7 +263,8 @@ def executed_flops(
     attention: str = "split",
 ) -> Flops:
     """Training FLOPs of one group as ``system`` executes it (see the module doc). ``S``: one length for ``N``
-    responses, or the list of response lengths; ``attention``: PrefixFlow's suffix attention variant."""
+    responses, or the list of response lengths; ``microbatch``: None (all), a size, or the list of sizes a
+    ``microbatch="auto"`` plan chose; ``attention``: PrefixFlow's suffix attention variant."""
     shape = as_shape(shape)
     lens = _lens(S, N)
     if P < 1:

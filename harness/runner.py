@@ -88,7 +88,9 @@ def base_record(cell: Cell, device: str = "") -> dict[str, Any]:
         "prefix_ratio": cell.prefix_ratio,
         "suffix_spread": cell.suffix_spread,
         "layout": cell.layout,
-        "microbatch": cell.microbatch,
+        "microbatch": None if cell.microbatch == "auto" else cell.microbatch,
+        "microbatch_auto": cell.microbatch == "auto",
+        "memory_budget": None if cell.memory_budget is None else str(cell.memory_budget),
         "compile": cell.compile,
         "ac": cell.ac,
         "offload": cell.offload,
@@ -211,7 +213,7 @@ def _model_columns(model: torch.nn.Module, cell: Cell, system: str) -> dict[str,
     return out
 
 
-def _cost_columns(shape, cell: Cell, system: Any, lens: list[int], device) -> dict[str, Any]:
+def _cost_columns(shape, cell: Cell, system: Any, lens: list[int], device, stats=None) -> dict[str, Any]:
     """The FLOP model of what ``system`` executes on this cell's group (``harness.costmodel``): its modelled
     FLOPs (GEMM and attention; activation checkpointing off only, NaN otherwise), the corrected ideal
     speedup, and the paper's §3.1 ideal."""
@@ -221,8 +223,13 @@ def _cost_columns(shape, cell: Cell, system: Any, lens: list[int], device) -> di
     if shape is None or cost_name not in costmodel.SYSTEMS:
         return {}
     p, layout, mb = cell.prefix_len, cell.layout, cell.microbatch
+    if mb == "auto":  # the sizes this system's plan chose (the ideal: the baseline one sequence at a time)
+        plan = getattr(stats, "plan", None)
+        mb = plan["microbatch_sizes"] if plan else 1
     out = {
-        "ideal_speedup": costmodel.ideal_speedup(shape, p, lens, layout=layout, microbatch=mb),
+        "ideal_speedup": costmodel.ideal_speedup(
+            shape, p, lens, layout=layout, microbatch=1 if cell.microbatch == "auto" else mb
+        ),
         "paper_ideal_speedup": costmodel.paper_ideal_speedup(
             shape, p, round(sum(lens) / len(lens)), len(lens)
         ),
@@ -370,6 +377,12 @@ def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | No
             _release(model, device)
             return None
 
+    budget = None
+    if group is not None and cell.memory_budget is not None:
+        budget = _resolve_budget(cell, measured_step, models, failures)
+        if budget is not None:
+            _set_budget(models, budget)
+
     # Timed steps, interleaved A B A B ...; on CPU without the per-op live-bytes meter (its overhead would
     # distort times, and torch.compile cannot run under a dispatch mode). CUDA memory stats are free.
     on_cpu = device.type == "cpu"
@@ -409,8 +422,17 @@ def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | No
         system = systems.get(name)
         rec["attention"] = getattr(system, "attention_variant", lambda d: None)(device)
         if group is not None and name in shapes:
-            rec.update(_cost_columns(shapes[name], cell, system, group.response_lens, device))
+            rec.update(
+                _cost_columns(shapes[name], cell, system, group.response_lens, device, last_stats.get(name))
+            )
         rec.update(_counted_columns(counted.get(name)))
+        if cell.memory_budget is not None:
+            rec["memory_budget_bytes"] = budget
+            plan = getattr(last_stats.get(name), "plan", None)
+            if plan:
+                rec["microbatch_sizes"] = ",".join(map(str, plan["microbatch_sizes"]))
+                rec["auto_resident_bytes"] = plan["resident_bytes"]
+                rec["auto_per_token_bytes"] = plan["per_token_bytes"]
         rec.update(_offload_columns(cell, name, systems.get(name), last_stats.get(name)))
         if name in failures:
             rec["status"], rec["error"] = failures[name]
@@ -430,6 +452,32 @@ def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | No
                 rec["compile_time_s"] = first_step[name] - rec["step_time_s"] if cell.compile else math.nan
         records.append(rec)
     return records
+
+
+def _resolve_budget(cell: Cell, measured_step, models, failures) -> int | None:
+    """The cell's memory budget in bytes: given, or ``peak:SYSTEM``: that system's peak in one metered step
+    (CPU: the live-bytes meter; CUDA: ``max_memory_allocated``), measured before anything is timed."""
+    from harness.spec import PEAK_OF
+
+    if isinstance(cell.memory_budget, int):
+        return cell.memory_budget
+    peer = PEAK_OF.fullmatch(cell.memory_budget).group(1)
+    if peer in failures or models.get(peer) is None:
+        return None
+    out = measured_step(peer, track_memory=True)
+    return None if out is None else int(out[0]["peak_mem_bytes"])
+
+
+def _set_budget(models: dict, budget: int) -> None:
+    """Hand ``budget`` to every PrefixFlow-wrapped model of the cell (``microbatch="auto"`` reads it)."""
+    from dataclasses import replace
+
+    from prefixflow import apply_prefixflow
+
+    for model in models.values():
+        runtime = getattr(model, "_prefixflow", None)
+        if model is not None and runtime is not None:
+            apply_prefixflow(model, replace(runtime.config, memory_budget_bytes=budget))
 
 
 def _vocab(model: torch.nn.Module) -> int:

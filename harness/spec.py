@@ -21,6 +21,8 @@ from harness.spec_checks import check_registries, describe_validation_error
 
 PRESETS = ("cpu", "paper")
 SYSTEM_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+PEAK_OF = re.compile(r"^peak:([a-z][a-z0-9_]*)$")  # a memory budget: the measured peak of another system
+MemoryBudget = int | str | None
 OverrideValue = int | float | bool | str
 NOT_IDENTITY = ("spec", "timeout_min")  # cell fields that do not change what is measured
 DEFAULT_MAX_CELLS = 2_000
@@ -47,6 +49,14 @@ def _check_systems(v: list[str]) -> list[str]:
     if len(set(v)) != len(v):
         raise ValueError(f"systems {v} contain duplicates")
     return v
+
+
+def _check_budget(x) -> None:
+    if x is None or (isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= 2**62):
+        return
+    if isinstance(x, str) and PEAK_OF.fullmatch(x):
+        return
+    raise ValueError(f"memory_budget {x!r} must be null, bytes >= 1, or 'peak:SYSTEM'")
 
 
 class _Strict(BaseModel):
@@ -138,7 +148,12 @@ class Axes(_Strict):
     n: list[Count] = Field(min_length=1)
     suffix_spread: list[float] = Field(default_factory=lambda: [0.0], min_length=1)
     layout: list[Literal["padded", "packed"]] = Field(default_factory=lambda: ["padded"], min_length=1)
-    microbatch: list[Count | None] = Field(default_factory=lambda: [None], min_length=1)
+    microbatch: list[Count | Literal["auto"] | None] = Field(default_factory=lambda: [None], min_length=1)
+    memory_budget: list[MemoryBudget] = Field(
+        default_factory=lambda: [None],
+        min_length=1,
+        description="microbatch 'auto' only: bytes, or 'peak:SYSTEM' (that system's measured peak in the cell)",
+    )
     dtype: list[Literal["fp32", "bf16", "fp64"]] = Field(default_factory=lambda: ["fp32"], min_length=1)
     compile: list[bool] = Field(default_factory=lambda: [False], min_length=1)
     ac: list[Literal["selective", "full", "none"]] = Field(default_factory=lambda: ["none"], min_length=1)
@@ -180,10 +195,17 @@ class Axes(_Strict):
 
     @field_validator("microbatch")
     @classmethod
-    def _microbatch(cls, v: list[int | None]) -> list[int | None]:
+    def _microbatch(cls, v: list) -> list:
         for x in v:
-            if x is not None and x < 1:
-                raise ValueError(f"microbatch {x} must be >= 1 or null (whole group)")
+            if x is not None and x != "auto" and x < 1:
+                raise ValueError(f"microbatch {x} must be >= 1, null (whole group) or 'auto'")
+        return v
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _memory_budget(cls, v: list[MemoryBudget]) -> list[MemoryBudget]:
+        for x in v:
+            _check_budget(x)
         return v
 
     @field_validator("suffix_spread")
@@ -398,7 +420,8 @@ class Cell(_Strict):
     n: Count
     suffix_spread: float = 0.0
     layout: Literal["padded", "packed"] = "padded"
-    microbatch: Count | None = None
+    microbatch: Count | Literal["auto"] | None = None
+    memory_budget: MemoryBudget = None  # microbatch "auto": bytes, or "peak:SYSTEM" measured in the cell
     dtype: Literal["fp32", "bf16", "fp64"] = "fp32"
     compile: bool = False
     ac: Literal["selective", "full", "none"] = "none"
@@ -420,11 +443,23 @@ class Cell(_Strict):
     @classmethod
     def _systems(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(_check_systems(list(v)))
+    @model_validator(mode="after")
+    def _budget_fits_microbatch(self) -> Cell:
+        _check_budget(self.memory_budget)
+        if (self.microbatch == "auto") != (self.memory_budget is not None):
+            raise ValueError(
+                "microbatch 'auto' needs a memory_budget, and a memory_budget needs microbatch 'auto'"
+            )
+        peer = PEAK_OF.fullmatch(self.memory_budget) if isinstance(self.memory_budget, str) else None
+        if peer and peer.group(1) not in self.systems:
+            raise ValueError(f"memory_budget {self.memory_budget!r} names a system the cell does not run")
+        return self
 
     @property
     def cell_id(self) -> str:
         skip = set(NOT_IDENTITY) | ({"frontier"} if self.frontier is None else set())
         skip |= {"alignment"} if self.alignment is None else set()
+        skip |= {"memory_budget"} if self.memory_budget is None else set()  # ids of earlier cells unchanged
         ident = self.model_dump(mode="json", exclude=skip)
         # Layout fields enter the id only where they matter, so cells recorded before they existed keep it.
         ident["parallel"] = self.parallel.identity()
@@ -553,17 +588,9 @@ def _common(spec: Spec) -> dict[str, Any]:
 
 
 SWEPT = (
-    "n",
-    "suffix_spread",
-    "layout",
-    "microbatch",
-    "dtype",
-    "compile",
-    "ac",
-    "offload",
-    "parallel",
-    "groups",
-)
+    "n", "suffix_spread", "layout", "microbatch", "memory_budget", "dtype", "compile", "ac", "offload",
+    "parallel", "groups",
+)  # fmt: skip
 
 
 def _swept_values(ax: Axes, name: str) -> list:
@@ -579,12 +606,15 @@ def _expand_block(spec: Spec, ax: Axes) -> list[Cell]:
         "timeout_min": spec.executor.timeout_min,
         "split_threshold": ax.split_threshold,
     }
-    return [
-        Cell(**fixed, model=model, prefix_len=p, suffix_len=s, **dict(zip(SWEPT, values, strict=True)))
-        for model, (p, s), *values in itertools.product(
-            ax.models, ax.length_pairs(), *(_swept_values(ax, name) for name in SWEPT)
-        )
-    ]
+    cells = []
+    for model, (p, s), *values in itertools.product(
+        ax.models, ax.length_pairs(), *(_swept_values(ax, name) for name in SWEPT)
+    ):
+        swept = dict(zip(SWEPT, values, strict=True))
+        if swept["microbatch"] != "auto":
+            swept["memory_budget"] = None  # a budget only sizes "auto" microbatches (duplicates are dropped)
+        cells.append(Cell(**fixed, model=model, prefix_len=p, suffix_len=s, **swept))
+    return cells
 
 
 def _alignment_cells(spec: Spec, block: Alignment) -> list[Cell]:

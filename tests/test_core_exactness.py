@@ -142,15 +142,23 @@ def test_exact_rope_is_scoped_to_the_fp64_models_build_model_returns():
     assert llama3_model.apply_rotary_emb is original and llama3_model.Attention.forward is not None
     assert "forward" not in vars(fp32.layers["0"].attention)  # the class's own forward
 
+    class Spy(torch.nn.Module):  # records the post-RoPE queries the attention module hands on
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.seen = inner, []
+
+        def forward(self, q, k, v, **kwargs):
+            self.seen.append(q)
+            return self.inner(q, k, v, **kwargs)
+
     def rotated_q(model):
         attention = model.layers["0"].attention
-        seen = []
         inner = attention.inner_attention
-        attention.inner_attention = lambda q, k, v, **kw: seen.append(q) or inner(q, k, v, **kw)
+        attention.inner_attention = spy = Spy(inner)
         x = torch.randn(1, 9, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
         attention.to(torch.float64)(x, model.freqs_cis, None)
         attention.inner_attention = inner
-        return seen[0]
+        return spy.seen[0]
 
     q_exact = rotated_q(fp64)
     q_copy = rotated_q(copy.deepcopy(fp64))  # the binding survives a deep copy

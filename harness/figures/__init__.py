@@ -21,7 +21,7 @@ from .fig9 import figure9a, figure9a_concat, figure9a_split, figure9b
 from .fig10 import figure10a, figure10b, frontier_table
 from .fig11 import figure11
 from .smoke import smoke_overview
-from .tables import alignment_table, speedup_table
+from .tables import alignment_table, peer_table, speedup_table
 
 __all__ = [
     "FIGURES",
@@ -74,8 +74,10 @@ def render_all(df: pd.DataFrame, out_dir: str | Path, only: list[str] | None = N
 
 
 def render_tables(df: pd.DataFrame, out_dir: str | Path, alignment=None) -> list[Path]:
-    """Write the speedup table and, given ``alignment`` (DataFrame, file or folder), Table 3."""
+    """Write the speedup table, the PrefixGrouper table and, given ``alignment`` (DataFrame, file or folder),
+    Table 3."""
     paths = _run("speedup table", speedup_table, df, Path(out_dir))
+    paths += _run("PrefixGrouper table", peer_table, df, Path(out_dir))
     if alignment is None:
         log.info("skip table3: no alignment records given")
     else:

@@ -22,8 +22,8 @@ MIB = 1024**2
 # baseline cannot offload, so a PrefixFlow(+offload) record pairs with the baseline of its cell.
 CONFIG_COLUMNS = (
     "spec", "model", "model_overrides", "dtype", "device", "prefix_len", "suffix_len", "n",
-    "suffix_spread", "layout", "microbatch", "compile", "ac", "tp", "cp", "pp", "dp", "ep", "world_size",
-    "dp_replicate", "dp_shard", "groups_per_step", "parallel_layout",
+    "suffix_spread", "layout", "microbatch", "microbatch_auto", "memory_budget", "compile", "ac", "tp", "cp",
+    "pp", "dp", "ep", "world_size", "dp_replicate", "dp_shard", "groups_per_step", "parallel_layout",
 )  # fmt: skip
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .common import CONFIG_COLUMNS, MIB, SkipFigure, as_key, flag, pair_speedups, revision_warning
+from .common import CONFIG_COLUMNS, MIB, SkipFigure, as_key, flag, measured, pair_speedups, revision_warning
 
 ALIGN_QUANTITIES = ("G", "L", "W")
 
@@ -133,6 +133,48 @@ def speedup_table(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     if warning:
         caption += f". WARNING: {warning}"
     return _write(out_dir, "speedup", table, caption)
+
+
+def peer_frame(df: pd.DataFrame, peer: str = "prefix_grouper") -> pd.DataFrame:
+    """Every PrefixFlow system against ``peer`` measured in the same cell: step time and whole-step peak
+    (same scope on both sides) as ratios, the microbatching each ran (``auto``: the sizes it chose)."""
+    m = measured(df)
+    if m.empty or not {"cell_id", "system"} <= set(m.columns) or not (m["system"] == peer).any():
+        return pd.DataFrame()
+    rows = []
+    for _, cell in m.groupby("cell_id"):
+        ref = cell[cell["system"] == peer]
+        if ref.empty:
+            continue
+        ref = ref.iloc[0]
+        for r in cell[cell["system"].astype(str).str.startswith("prefixflow")].itertuples():
+            auto = bool(getattr(r, "microbatch_auto", False) is True)
+            mb = f"auto ({getattr(r, 'microbatch_sizes', '')})" if auto else _cell(r.microbatch)
+            rows.append({
+                "model": r.model, "system": r.system, "attention": getattr(r, "attention", None),
+                "P": int(r.prefix_len), "S": int(r.suffix_len), "N": int(r.n), "microbatch": mb,
+                "budget MiB": getattr(r, "memory_budget_bytes", float("nan")) / MIB,
+                "step s": r.step_time_s, f"{peer} s": ref["step_time_s"],
+                "time ÷ peer": r.step_time_s / ref["step_time_s"],
+                "peak MiB": r.peak_mem_bytes / MIB, f"{peer} peak MiB": ref["peak_mem_bytes"] / MIB,
+                "peak ÷ peer": r.peak_mem_bytes / ref["peak_mem_bytes"],
+                "git_rev": getattr(r, "git_rev", None),
+            })  # fmt: skip
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    return out.sort_values(["model", "system", "P", "N", "microbatch"]).dropna(axis=1, how="all")
+
+
+def peer_table(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    table = peer_frame(df)
+    if table.empty:
+        raise SkipFigure("no cells with PrefixFlow and prefix_grouper side by side")
+    caption = "PrefixFlow against PrefixGrouper in the same cell: step time and whole-step peak memory"
+    warning = revision_warning(table, "PrefixGrouper table")
+    if warning:
+        caption += f". WARNING: {warning}"
+    return _write(out_dir, "vs_prefix_grouper", table.drop(columns="git_rev", errors="ignore"), caption)
 
 
 def load_alignment(source) -> pd.DataFrame:
