@@ -443,6 +443,7 @@ class Cell(_Strict):
     @classmethod
     def _systems(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(_check_systems(list(v)))
+
     @model_validator(mode="after")
     def _budget_fits_microbatch(self) -> Cell:
         _check_budget(self.memory_budget)

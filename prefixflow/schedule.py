@@ -67,7 +67,9 @@ class GroupStats:
     phase_times: dict[str, float] = field(default_factory=dict)
     offload: OffloadStats | None = None  # set when PrefixFlowConfig.offload is on
     hooks: dict[str, float] = field(default_factory=dict)  # counters of the schedule hooks (e.g. CP gathers)
-    plan: dict | None = None  # microbatch="auto": budget, measured footprint, chosen sizes (prefixflow.budget)
+    plan: dict | None = (
+        None  # microbatch="auto": budget, measured footprint, chosen sizes (prefixflow.budget)
+    )
 
     @property
     def total_s(self) -> float:
