@@ -375,3 +375,27 @@ def test_table3_takes_rows_saying_pass_and_rows_saying_passed_together():
     assert (
         frame.loc[("old", "single"), "microbatch"] == "all" and frame.loc[("m", "tp2"), "microbatch"] == "1"
     )
+
+
+    frame = alignment_frame(pd.DataFrame(rows)).set_index("parallel")
+    assert frame.loc["single", "result"] == "pass" and frame.loc["tp2", "result"] == "FAIL"
+
+
+def test_prefix_grouper_table_compares_in_the_same_cell(tmp_path):
+    from harness.figures.tables import peer_frame
+
+    rows = [
+        _rec("prefix_grouper", 428, 64, 32, step_time_s=2.0, peak_mem_bytes=100 * MIB, cell_id="auto", git_rev="a"),
+        _rec("prefixflow", 428, 64, 32, step_time_s=1.5, peak_mem_bytes=60 * MIB, microbatch=None, cell_id="auto",
+             microbatch_auto=True, microbatch_sizes="1,1,30", memory_budget_bytes=100 * MIB, git_rev="a"),
+        _rec("prefixflow", 428, 64, 32, step_time_s=3.0, peak_mem_bytes=20 * MIB, cell_id="mb1", git_rev="a"),
+        _rec("prefix_grouper", 428, 64, 32, step_time_s=2.5, peak_mem_bytes=100 * MIB, cell_id="mb1", git_rev="a"),
+    ]  # fmt: skip
+    table = peer_frame(pd.DataFrame(rows)).set_index("microbatch")
+    assert (
+        table.loc["auto (1,1,30)", "time ÷ peer"] == 0.75 and table.loc["auto (1,1,30)", "peak ÷ peer"] == 0.6
+    )
+    assert table.loc["1", "time ÷ peer"] == 1.2 and table.loc["1", "peak ÷ peer"] == 0.2
+    assert [p.name for p in render_tables(pd.DataFrame(rows), tmp_path)][-2:] == [
+        "vs_prefix_grouper.md", "vs_prefix_grouper.tex",
+    ]  # fmt: skip

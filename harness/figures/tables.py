@@ -135,12 +135,17 @@ def speedup_table(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     return _write(out_dir, "speedup", table, caption)
 
 
+def _microbatch_label(value) -> str:
+    return "all" if value is None or value != value else str(int(value))
+
+
 def peer_frame(df: pd.DataFrame, peer: str = "prefix_grouper") -> pd.DataFrame:
     """Every PrefixFlow system against ``peer`` measured in the same cell: step time and whole-step peak
     (same scope on both sides) as ratios, the microbatching each ran (``auto``: the sizes it chose)."""
     m = measured(df)
     if m.empty or not {"cell_id", "system"} <= set(m.columns) or not (m["system"] == peer).any():
         return pd.DataFrame()
+    m = m.assign(is_auto=flag(m, "microbatch_auto"))
     rows = []
     for _, cell in m.groupby("cell_id"):
         ref = cell[cell["system"] == peer]
@@ -148,8 +153,11 @@ def peer_frame(df: pd.DataFrame, peer: str = "prefix_grouper") -> pd.DataFrame:
             continue
         ref = ref.iloc[0]
         for r in cell[cell["system"].astype(str).str.startswith("prefixflow")].itertuples():
-            auto = bool(getattr(r, "microbatch_auto", False) is True)
-            mb = f"auto ({getattr(r, 'microbatch_sizes', '')})" if auto else _cell(r.microbatch)
+            mb = (
+                f"auto ({getattr(r, 'microbatch_sizes', '')})"
+                if r.is_auto
+                else _microbatch_label(r.microbatch)
+            )
             rows.append({
                 "model": r.model, "system": r.system, "attention": getattr(r, "attention", None),
                 "P": int(r.prefix_len), "S": int(r.suffix_len), "N": int(r.n), "microbatch": mb,
