@@ -365,7 +365,10 @@ def sweep(
             }
             for c in p.cells
         ]
-        console.print(_table(pd.DataFrame(rows), title=f"{s.name}: {len(p.cells)} cells, {len(todo)} to run"))
+        table = pd.DataFrame(rows)
+        if "budget" in table and table["budget"].isna().all():  # only microbatch "auto" cells have one
+            table = table.drop(columns="budget")
+        console.print(_table(table, title=f"{s.name}: {len(p.cells)} cells, {len(todo)} to run"))
         return
     try:
         check_writable(spec_folder(out, s.name), out)

@@ -27,7 +27,9 @@ import torch.distributed as dist
 
 from harness.measure import PhaseMeter
 from harness.runner import (
+    _cost_columns,
     _model_columns,
+    _model_shape,
     base_record,
     build_cell_model,
     classify,
@@ -211,6 +213,11 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
             rec["prefix_tokens"] = sum(g.prefix_tokens for g in st.groups)
             rec["suffix_tokens"] = sum(g.suffix_tokens for g in st.groups)
         rec["tokens"] = sum(g.prompt_len * g.n + sum(g.response_lens) for g in groups) if groups else None
+        if groups and name in models:
+            system = get_system(name)
+            rec["attention"] = getattr(system, "attention_variant", lambda d: None)(device)
+            lens = [g.response_lens for g in groups]
+            rec.update(_cost_columns(_model_shape(models[name], cell), cell, system, lens, device))
         records.append(rec)
     return records
 

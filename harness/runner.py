@@ -213,31 +213,38 @@ def _model_columns(model: torch.nn.Module, cell: Cell, system: str) -> dict[str,
     return out
 
 
-def _cost_columns(shape, cell: Cell, system: Any, lens: list[int], device, stats=None) -> dict[str, Any]:
-    """The FLOP model of what ``system`` executes on this cell's group (``harness.costmodel``): its modelled
+def _cost_columns(shape, cell: Cell, system: Any, lens, device, stats=None) -> dict[str, Any]:
+    """The FLOP model of what ``system`` executes on this cell's step (``harness.costmodel``): its modelled
     FLOPs (GEMM and attention; activation checkpointing off only, NaN otherwise), the corrected ideal
-    speedup, and the paper's §3.1 ideal."""
+    speedup, and the paper's §3.1 ideal. ``lens``: the group's response lengths, or one list per group of a
+    multi-group step (summed over the groups, wherever they ran)."""
     from harness import costmodel
 
     cost_name = getattr(system, "cost_model", None)
     if shape is None or cost_name not in costmodel.SYSTEMS:
         return {}
+    groups = [list(g) for g in lens] if lens and not isinstance(lens[0], int) else [list(lens)]
     p, layout, mb = cell.prefix_len, cell.layout, cell.microbatch
     if mb == "auto":  # the sizes this system's plan chose (the ideal: the baseline one sequence at a time)
         plan = getattr(stats, "plan", None)
         mb = plan["microbatch_sizes"] if plan else 1
+    ideal_mb = 1 if cell.microbatch == "auto" else mb
+    variant = getattr(system, "attention_variant", lambda d: None)(device) or "split"
+    base = least = 0
+    modelled = costmodel.Flops(0, 0)
+    for g in groups:
+        base += costmodel.model_flops("baseline", shape, p, g, layout=layout, microbatch=ideal_mb)
+        least += costmodel.least_prefixflow_flops(shape, p, g).total
+        modelled += costmodel.executed_flops(
+            cost_name, shape, p, g, layout=layout, microbatch=mb, attention=variant
+        )
+    all_lens = [s for g in groups for s in g]
     out = {
-        "ideal_speedup": costmodel.ideal_speedup(
-            shape, p, lens, layout=layout, microbatch=1 if cell.microbatch == "auto" else mb
-        ),
+        "ideal_speedup": base / least,
         "paper_ideal_speedup": costmodel.paper_ideal_speedup(
-            shape, p, round(sum(lens) / len(lens)), len(lens)
+            shape, p, round(sum(all_lens) / len(all_lens)), len(groups[0])
         ),
     }
-    variant = getattr(system, "attention_variant", lambda d: None)(device) or "split"
-    modelled = costmodel.executed_flops(
-        cost_name, shape, p, lens, layout=layout, microbatch=mb, attention=variant
-    )
     known = cell.ac == "none"
     out["model_flops"] = float(modelled.total) if known else math.nan
     out["model_gemm_flops"] = float(modelled.gemm) if known else math.nan

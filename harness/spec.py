@@ -51,6 +51,16 @@ def _check_systems(v: list[str]) -> list[str]:
     return v
 
 
+def _sizes_microbatches(system: str) -> bool:
+    """Whether ``system`` splits its suffixes into microbatches (so ``auto`` sizes them by the budget)."""
+    from harness.systems import get_system
+
+    try:
+        return getattr(get_system(system), "library_system", None) is not None
+    except ValueError:  # an unknown name is reported by the registry check
+        return False
+
+
 def _check_budget(x) -> None:
     if x is None or (isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= 2**62):
         return
@@ -454,6 +464,16 @@ class Cell(_Strict):
         peer = PEAK_OF.fullmatch(self.memory_budget) if isinstance(self.memory_budget, str) else None
         if peer and peer.group(1) not in self.systems:
             raise ValueError(f"memory_budget {self.memory_budget!r} names a system the cell does not run")
+        if peer and _sizes_microbatches(peer.group(1)):
+            raise ValueError(
+                f"memory_budget {self.memory_budget!r}: {peer.group(1)} itself runs microbatch 'auto' under the "
+                f"budget; name a system that does not (e.g. peak:prefix_grouper) or give bytes"
+            )
+        if self.microbatch == "auto" and (self.world_size > 1 or self.groups_per_step > 1):
+            raise ValueError(
+                f"microbatch 'auto' runs on one process with one group per step; this cell's layout is "
+                f"{self.parallel.label} with {self.groups_per_step} groups: use a fixed microbatch"
+            )
         return self
 
     @property

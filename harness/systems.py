@@ -101,6 +101,10 @@ register_system(
     "prefixflow_concat",
     lambda: TrainGroupSystem("prefixflow_concat", "prefixflow", uses_offload=True, attention="concat"),
 )
+register_system(
+    "prefixflow_split",
+    lambda: TrainGroupSystem("prefixflow_split", "prefixflow", uses_offload=True, attention="split"),
+)
 
 
 class PrefixGrouperSystem:
@@ -123,10 +127,6 @@ class PrefixGrouperSystem:
         return train_group_prefix_grouper(model, group, loss=cell.loss, observer=observer)
 
 
-register_system(
-    "prefixflow_split",
-    lambda: TrainGroupSystem("prefixflow_split", "prefixflow", uses_offload=True, attention="split"),
-)
 register_system("prefix_grouper", PrefixGrouperSystem)
 
 

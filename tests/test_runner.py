@@ -158,3 +158,38 @@ def test_records_carry_modelled_and_counted_flops_and_the_revision():
     pf, concat = records["prefixflow"], records["prefixflow_concat"]
     assert concat["counted_attention_flops"] > pf["counted_attention_flops"]
     assert concat["counted_gemm_flops"] == pf["counted_gemm_flops"]
+
+
+def test_multi_group_records_model_the_whole_step():
+    """A step of two groups (the multi-rank runner, here on one process) models both groups' FLOPs."""
+    one = {r["system"]: r for r in run_cell(_cell(["baseline", "prefixflow"], repeats=1))}
+    two = {r["system"]: r for r in run_cell(_cell(["baseline", "prefixflow"], repeats=1, groups=2))}
+    for name in ("baseline", "prefixflow"):
+        assert two[name]["status"] == "ok", two[name]["error"]
+        assert two[name]["groups_per_step"] == 2
+        assert two[name]["model_flops"] == 2 * one[name]["model_flops"] > 0, name
+        assert two[name]["ideal_speedup"] == pytest.approx(one[name]["ideal_speedup"])
+    assert two["prefixflow"]["attention"] == "split" and two["baseline"]["attention"] is None
+
+
+def test_auto_microbatch_cells_are_validated_and_record_their_plan():
+    with pytest.raises(ValueError, match="needs a memory_budget"):
+        _cell(["prefixflow"], microbatch="auto")
+    with pytest.raises(ValueError, match="needs a memory_budget"):
+        _cell(["prefixflow"], microbatch=1, memory_budget=1 << 20)
+    with pytest.raises(ValueError, match="names a system the cell does not run"):
+        _cell(["prefixflow"], microbatch="auto", memory_budget="peak:baseline")
+    with pytest.raises(ValueError, match="one group per step"):
+        _cell(["prefixflow"], microbatch="auto", memory_budget=1 << 20, groups=2)
+    with pytest.raises(ValueError, match="itself runs microbatch 'auto'"):
+        _cell(["baseline", "prefixflow"], microbatch="auto", memory_budget="peak:baseline")
+    peer = "peak:prefix_grouper"
+    cell = _cell(["prefixflow", "prefix_grouper"], microbatch="auto", memory_budget=peer, n=8, repeats=1)
+    records = {r["system"]: r for r in run_cell(cell)}
+    pf, pg = records["prefixflow"], records["prefix_grouper"]
+    assert pf["status"] == pg["status"] == "ok", pf["error"]
+    assert pf["microbatch_auto"] and pf["memory_budget"] == peer and pf["memory_budget_bytes"] > 0
+    sizes = [int(b) for b in pf["microbatch_sizes"].split(",")]
+    assert sum(sizes) == 8 and max(sizes) > 1  # the budget bought larger microbatches
+    assert pf["peak_mem_bytes"] <= pf["memory_budget_bytes"]
+    assert pf["model_flops"] == pf["counted_flops"]  # the modelled microbatches are the ones the plan ran
