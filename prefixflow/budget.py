@@ -92,6 +92,13 @@ class FixedPlan:
         size = n if size is None else size
         self.chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
+    @classmethod
+    def of(cls, chunks: list[list[int]]) -> FixedPlan:
+        """A plan of given microbatches (response indices), e.g. a split group's share of its responses."""
+        plan = cls(0, 1)
+        plan.chunks = [list(c) for c in chunks]
+        return plan
+
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.chunks)
 

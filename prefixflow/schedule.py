@@ -217,6 +217,11 @@ class _PhaseClock:
                 self.observer.exit(phase)
 
 
+def _chunks(n: int, microbatch: int | None) -> list[list[int]]:
+    """Fixed microbatches of ``microbatch`` responses (None = all), for schedules without a budget plan."""
+    return FixedPlan(n, microbatch).chunks
+
+
 def _plan(model, runtime, group, system: str, layout: str, microbatch):
     """The microbatch plan: fixed sizes, or ``"auto"``: sized to ``PrefixFlowConfig.memory_budget_bytes``."""
     if microbatch != AUTO:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..apply import runtime_of
+from ..budget import FixedPlan
 from ..group import RolloutGroup
 from ..hooks import hooks_of
 from ..kv_cache import PrefixKVCache
@@ -293,7 +294,9 @@ def _train_split_part(
     suffix_tokens = sum(group.response_lens[i] for i in work.responses)
     if system == "baseline":  # independent sequences: nothing to exchange
         with hooks.group(model, group, system), clock("full"), hooks.phase("full"):
-            value = _baseline(model, runtime, group, chunks, layout, loss, cfg) if chunks else 0.0
+            value = (
+                _baseline(model, runtime, group, FixedPlan.of(chunks), layout, loss, cfg) if chunks else 0.0
+            )
         return GroupStats(system, layout, value, len(chunks), 0, suffix_tokens, 0, clock.times)
     cache = PrefixKVCache(runtime.grad_kv_dtype(model))
     owner = me == work.owner
@@ -306,7 +309,8 @@ def _train_split_part(
                 else:
                     exchange.receive_prefix(cache, work.owner, device)
             with clock("B"), hooks.phase("B"):
-                value = phase_b_suffix_microbatches(model, runtime, group, cache, chunks, layout, loss, cfg)
+                plan = FixedPlan.of(chunks)
+                value = phase_b_suffix_microbatches(model, runtime, group, cache, plan, layout, loss, cfg)
             with clock("C"), hooks.phase("C"):
                 if owner:
                     exchange.receive_grad_kv(cache, helpers)
@@ -394,6 +398,11 @@ def train_step(
     """
     if not groups:
         raise ValueError("train_step needs at least one group")
+    if microbatch == "auto":
+        raise ValueError(
+            "microbatch='auto' (sized to a memory budget) runs in train_group on one process; "
+            "train_step needs an int microbatch or None"
+        )
     state = parallel_state(model)
     n_ranks = state.dims.batch if state is not None else 1
     me = state.coordinate("batch") if state is not None and n_ranks > 1 else 0

@@ -153,6 +153,8 @@ class _StageSchedule:
         from ..schedule import GroupStats, _chunks, _trunk_tokens, _validate
 
         _validate(self.model, group, system, layout, microbatch)
+        if microbatch == "auto":
+            raise ValueError("microbatch='auto' is not supported under pipeline parallelism; pass an int")
         if self.runtime.config.offload:
             raise ValueError(
                 "PrefixFlowConfig.offload is not supported under pipeline parallelism; set it False"
