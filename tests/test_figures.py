@@ -377,10 +377,6 @@ def test_table3_takes_rows_saying_pass_and_rows_saying_passed_together():
     )
 
 
-    frame = alignment_frame(pd.DataFrame(rows)).set_index("parallel")
-    assert frame.loc["single", "result"] == "pass" and frame.loc["tp2", "result"] == "FAIL"
-
-
 def test_prefix_grouper_table_compares_in_the_same_cell(tmp_path):
     from harness.figures.tables import peer_frame
 
