@@ -372,19 +372,19 @@ def flop_layer_costs(
     with ``tp``/``cp`` dividing every layer's work. Backward = 2x forward. Suffix microbatches of
     ``microbatch`` responses of ``S`` tokens read a ``P-1``-token prefix."""
     shape = costmodel.as_shape(shape)
-    lin = shape.linear_macs_per_token / shape.n_layers
-    pair = shape.pair_macs / shape.n_layers
     split = tp * cp
     p = P - 1
 
-    def fwd(tokens: int, pairs: int) -> float:
-        return 2.0 * (tokens * lin + pairs * pair) / flops_per_s / split
+    def fwd(
+        tokens: int, pairs: int
+    ) -> float:  # one layer's forward FLOPs (GEMMs per token, attention per pair)
+        return (tokens * shape.layer + pairs * shape.pair) / flops_per_s / split
 
     n_mb = -(-N // microbatch)
     sizes = [min(microbatch, N - i * microbatch) for i in range(n_mb)]
     suffix_pairs = S * p + S * (S + 1) // 2
     forward = [[fwd(b * S, b * suffix_pairs)] * shape.n_layers for b in sizes]
-    head = [2.0 * b * S * shape.head_macs / flops_per_s / split for b in sizes]
+    head = [b * S * shape.head / flops_per_s / split for b in sizes]
     return LayerCosts(
         prefix_forward=[fwd(p, p * (p + 1) // 2)] * shape.n_layers,
         prefix_backward=[2 * fwd(p, p * (p + 1) // 2)] * shape.n_layers,
