@@ -209,7 +209,7 @@ def run(
         float, typer.Option(min=0, help="split a group when the busiest DP rank exceeds the mean by this")
     ] = 0.25,
 ) -> None:
-    """Run one cell and print its records (a layout with several ranks runs under a local torchrun)."""
+    """Run one cell and print its records (a layout with several ranks runs on local ranks, loopback only)."""
     from harness.records import write_records
     from harness.runner import run_cell
     from harness.safe_fs import UnsafePathError, check_writable

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import submitit
 
-from harness.launch import export_slurm_rank_env, torchrun_argv
+from harness.launch import export_slurm_rank_env, local_ranks_argv
+from harness.local_ranks import loopback_env
 from harness.records import InvalidRecord, cell_status, read_records, write_records
 from harness.runner import REPO_ROOT, failed_records
 from harness.safe_fs import jobs_folder, open_new, trusted_dir
@@ -129,15 +130,15 @@ class LocalExecutor:
         env.setdefault("PF_BENCH_THREADS", str(threads))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         if cell.world_size > 1:
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks talk over loopback only
+            env = loopback_env(env)  # ranks talk over loopback only
         return env
 
     def _start(self, cell: Cell, folder: Path) -> tuple[subprocess.Popen, float]:
         jpath = write_job(job_path(folder, cell), cell, record_path(folder, cell))
         logs, root = folder / "_logs", folder.parent
         argv = [*WORKER_ARGV, str(jpath)]
-        if cell.world_size > 1:  # one worker per rank under torchrun; rank 0 writes the record
-            argv = torchrun_argv(cell.world_size, "harness.worker", [str(jpath)])
+        if cell.world_size > 1:  # one worker per local rank (loopback only); rank 0 writes the record
+            argv = local_ranks_argv(cell.world_size, "harness.worker", [str(jpath)])
         with (
             open_new(logs / f"{cell.cell_id}.out", root) as out,
             open_new(logs / f"{cell.cell_id}.err", root) as err,

@@ -1,10 +1,11 @@
-"""Many ranks: ``torchrun`` on this machine, and the environment of one Slurm task per rank.
+"""Many ranks: local ranks on this machine, and the environment of one Slurm task per rank.
 
-- :func:`torchrun_argv` / :func:`run_torchrun`: start ``nproc`` ranks of a Python module on this machine
-  (``python -m torch.distributed.run --standalone``: a free local port per launch, so launches never
-  collide; gloo's traffic stays on the loopback interface).
-- :func:`run_cell_torchrun`: a multi-rank cell from a single process (``pf-bench run``, the debug executor):
-  torchrun runs ``harness.worker`` on every rank, rank 0 writes the record (``harness.rank_runner`` merges
+- :func:`local_ranks_argv` / :func:`run_local_ranks`: start ``nproc`` ranks of a Python module (or script) on
+  this machine under ``harness.local_ranks``, which listens on loopback only (its store on a socket bound to
+  127.0.0.1, gloo and NCCL on ``lo``; ``torchrun`` would listen on every interface). A free port per launch,
+  so launches never collide.
+- :func:`run_cell_local_ranks`: a multi-rank cell from a single process (``pf-bench run``, the debug
+  executor): every rank runs ``harness.worker``, rank 0 writes the record (``harness.rank_runner`` merges
   the ranks: rank-max times, per-rank values and their spread).
 - :func:`export_slurm_rank_env`: inside a Slurm task (one task per rank, submitit), the environment
   ``torch.distributed`` reads.
@@ -19,37 +20,39 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.local_ranks import loopback_env
+
 __all__ = [
-    "torchrun_argv",
-    "run_torchrun",
+    "local_ranks_argv",
+    "run_local_ranks",
     "local_env",
     "export_slurm_rank_env",
     "rank_threads",
-    "run_cell_torchrun",
+    "run_cell_local_ranks",
     "run_alignment_ranks",
 ]
 
 
-def torchrun_argv(nproc: int, module: str, args: Sequence[str] = ()) -> list[str]:
-    """``python -m torch.distributed.run`` starting ``nproc`` ranks of ``python -m module args``."""
+def local_ranks_argv(nproc: int, target: str, args: Sequence[str] = (), module: bool = True) -> list[str]:
+    """``python -m harness.local_ranks`` starting ``nproc`` ranks of ``python -m target args`` (of the
+    script ``target`` when ``module`` is false), every socket on loopback."""
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
-        "--standalone",
+        "harness.local_ranks",
         f"--nproc-per-node={nproc}",
-        "-m",
-        module,
+        *(["-m"] if module else []),
+        target,
         *args,
     ]
 
 
 def local_env(threads: int | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for local ranks: loopback-only gloo, ``threads`` per rank, the repository on the path."""
-    env = dict(os.environ if base is None else base)
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    """The environment for local ranks: loopback-only gloo and NCCL, ``threads`` per rank, the repository on
+    the path."""
+    env = loopback_env(dict(os.environ if base is None else base))
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
         env["PF_BENCH_THREADS"] = str(threads)
@@ -58,24 +61,25 @@ def local_env(threads: int | None = None, base: dict[str, str] | None = None) ->
     return env
 
 
-def run_torchrun(
+def run_local_ranks(
     nproc: int,
-    module: str,
+    target: str,
     args: Sequence[str] = (),
     *,
     timeout_s: float,
+    module: bool = True,
     threads: int | None = 1,
     cwd: str | Path | None = None,
     extra_path: Sequence[str | Path] = (),
     stdout=None,
     stderr=None,
 ) -> subprocess.CompletedProcess:
-    """Run ``nproc`` local ranks of ``module`` to completion (killed after ``timeout_s``); ``extra_path``
-    goes first on the ranks' ``PYTHONPATH``."""
+    """Run ``nproc`` local ranks of ``target`` to completion (killed after ``timeout_s``, the ranks with
+    the launcher); ``extra_path`` goes first on the ranks' ``PYTHONPATH``."""
     env = local_env(threads)
     env["PYTHONPATH"] = os.pathsep.join([*map(str, extra_path), env["PYTHONPATH"]])
     return subprocess.run(
-        torchrun_argv(nproc, module, args),
+        local_ranks_argv(nproc, target, args, module),
         env=env,
         cwd=cwd,
         stdout=stdout if stdout is not None else subprocess.PIPE,
@@ -119,8 +123,8 @@ def rank_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def run_cell_torchrun(cell, timeout_s: float | None = None) -> list[dict[str, Any]]:
-    """Run a multi-rank ``cell`` under a local torchrun and return its merged records (a failure record
+def run_cell_local_ranks(cell, timeout_s: float | None = None) -> list[dict[str, Any]]:
+    """Run a multi-rank ``cell`` on local ranks and return its merged records (a failure record
     with the ranks' stderr when they wrote none)."""
     import tempfile
 
@@ -133,7 +137,7 @@ def run_cell_torchrun(cell, timeout_s: float | None = None) -> list[dict[str, An
         job = write_job(Path(tmp) / "job.json", cell, record)
         limit = timeout_s if timeout_s is not None else cell.timeout_min * 60
         try:
-            proc = run_torchrun(
+            proc = run_local_ranks(
                 cell.world_size,
                 "harness.worker",
                 [str(job)],
@@ -144,9 +148,7 @@ def run_cell_torchrun(cell, timeout_s: float | None = None) -> list[dict[str, An
             return failed_records(cell, "timeout", f"{cell.world_size} ranks exceeded {limit:.0f} s")
         if not record.exists():
             tail = proc.stderr.decode(errors="replace")[-4000:]
-            return failed_records(
-                cell, "error", f"torchrun exited {proc.returncode} without a record\n{tail}"
-            )
+            return failed_records(cell, "error", f"ranks exited {proc.returncode} without a record\n{tail}")
         return read_records(record).to_dict("records")
 
 
@@ -160,7 +162,7 @@ def run_alignment_ranks(parallel, kwargs: dict[str, Any], timeout_s: float = 360
         job, out = Path(tmp) / "align.json", Path(tmp) / "rows.json"
         job.write_text(json.dumps({"dims": parallel.model_dump(), **kwargs}))
         try:
-            proc = run_torchrun(
+            proc = run_local_ranks(
                 parallel.world_size,
                 "harness.launch",
                 ["align", str(job), str(out)],

@@ -1,7 +1,7 @@
 """One cell on many ranks: every rank measures its own steps; rank 0 merges them into the cell's records.
 
-Runs inside each rank of a ``torchrun`` launch or a Slurm multi-task job (``harness.worker`` calls it), or in
-one process for a single-rank cell with several groups per step. Each system gets its own model copy, built
+Runs inside each rank of a local launch (``harness.local_ranks``) or a Slurm multi-task job
+(``harness.worker`` calls it), or in one process for a single-rank cell with several groups per step. Each system gets its own model copy, built
 from the same seed and parallelized in TorchTitan's order (``prefixflow.parallel.parallelize``); a step is
 ``prefixflow.parallel.train_step`` over the cell's groups (one per data-parallel rank unless the cell says
 otherwise), systems alternating A B A B as in the single-process runner.
@@ -272,7 +272,7 @@ def merge_rank_samples(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, A
 
 def run_cell_ranks(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | None:
     """Measure ``cell`` on this rank; rank 0 returns the merged records, other ranks None. Needs the
-    process group's environment (torchrun, Slurm) when the layout has more than one rank."""
+    process group's environment (local ranks, Slurm) when the layout has more than one rank."""
     if memory_only:
         return failed_records(cell, "error", "capacity-frontier probes run on one rank only")
     try:
@@ -301,13 +301,13 @@ def _report_steps(steps: int) -> list[int]:
 
 def run_alignment_cell(cell: Cell) -> list[dict[str, Any]] | None:
     """An alignment cell: Table 3 rows (one record per run, step and quantity) of PrefixFlow vs the baseline
-    in the cell's layout. Multi-rank cells run under torchrun (rank 0 returns the rows, the others None)."""
+    in the cell's layout. Multi-rank cells run on local ranks (rank 0 returns the rows, the others None)."""
     from harness.runner import DTYPES
 
     if cell.world_size > 1 and os.environ.get("WORLD_SIZE") != str(cell.world_size):
-        from harness.launch import run_cell_torchrun
+        from harness.launch import run_cell_local_ranks
 
-        return run_cell_torchrun(cell)
+        return run_cell_local_ranks(cell)
     settings = cell.alignment
     kwargs = dict(
         overrides=dict(cell.model.overrides),

@@ -329,9 +329,9 @@ def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | No
         except ValueError as e:
             return failed_records(cell, "error", str(e), str(device))
     if cell.world_size > 1 and os.environ.get("WORLD_SIZE") != str(cell.world_size):
-        from harness.launch import run_cell_torchrun
+        from harness.launch import run_cell_local_ranks
 
-        return run_cell_torchrun(cell)  # its ranks come back here, under torchrun
+        return run_cell_local_ranks(cell)  # its ranks come back here, on local ranks
     if cell.world_size != 1 or cell.groups_per_step != 1:
         from harness.rank_runner import run_cell_ranks
 

@@ -1,4 +1,4 @@
-"""Shared by tests/test_parallel_*.py: run one suite of tests/_parallel_worker.py under torchrun, once."""
+"""Shared by tests/test_parallel_*.py: run one suite of tests/_parallel_worker.py on local ranks, once."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.launch import run_torchrun
+from harness.launch import run_local_ranks
 
 TESTS = Path(__file__).resolve().parent
 TOL = 1e-9
@@ -15,10 +15,12 @@ TOL = 1e-9
 
 def run_suite(suite: str, nproc: int, out_dir: Path, timeout_s: float = 1200) -> dict:
     out = out_dir / f"{suite}.json"
-    proc = run_torchrun(nproc, "_parallel_worker", [suite, str(out)], timeout_s=timeout_s, extra_path=[TESTS])
+    proc = run_local_ranks(
+        nproc, "_parallel_worker", [suite, str(out)], timeout_s=timeout_s, extra_path=[TESTS]
+    )
     if proc.returncode != 0 or not out.exists():
         pytest.fail(
-            f"torchrun {suite} exited {proc.returncode}:\n{proc.stderr.decode(errors='replace')[-6000:]}"
+            f"ranks of {suite} exited {proc.returncode}:\n{proc.stderr.decode(errors='replace')[-6000:]}"
         )
     return json.loads(out.read_text())
 

@@ -1,17 +1,14 @@
-"""Multi-rank test support: one ``torchrun`` launch per test module, every case inside it.
+"""Multi-rank test support: one launch of local ranks per test module, every case inside it.
 
 A test module calls :func:`launch_cases` once (module-scoped fixture); its ``__main__`` block runs on every
-rank, calls :func:`run_worker` with its case list, and rank 0 writes one JSON of results. Launching torchrun
-costs ~20 s (importing torchtitan), so cases share the launch. The rendezvous listens on 127.0.0.1 only, and
-gloo is pinned to the loopback interface.
+rank, calls :func:`run_worker` with its case list, and rank 0 writes one JSON of results. A launch costs
+~20 s (importing torchtitan), so cases share it. The ranks start under ``harness.local_ranks``: the store
+listens on 127.0.0.1 only, and gloo is pinned to the loopback interface.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 import traceback
 from collections.abc import Callable
@@ -21,36 +18,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_cases(script: Path, nproc: int, out: Path, *args: str, timeout: float = 900) -> dict:
-    """Run ``script`` under torchrun with ``nproc`` ranks; return rank 0's JSON (raises with the ranks' output
-    when the launch fails)."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "GLOO_SOCKET_IFNAME": "lo",
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}",
+    """Run ``script`` on ``nproc`` local ranks (``harness.local_ranks``: loopback only); return rank 0's JSON
+    (raises with the ranks' output when the launch fails)."""
+    from harness.launch import run_local_ranks
+
+    proc = run_local_ranks(
+        nproc,
         str(script),
-        str(out),
-        *args,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        [str(out), *args],
+        timeout_s=timeout,
+        module=False,
+        cwd=REPO,
+        extra_path=[REPO / "tests"],
+    )
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(
-            f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+            f"ranks failed ({proc.returncode}):\n{proc.stdout.decode(errors='replace')[-4000:]}\n"
+            f"{proc.stderr.decode(errors='replace')[-8000:]}"
         )
     return json.loads(out.read_text())
 

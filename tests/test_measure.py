@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import math
 import os
-import socket
 import time
 
 import pytest
@@ -162,9 +161,9 @@ def test_rank_max_identity_when_not_distributed():
     assert rank_max(d) == d
 
 
-def _worker(rank: int, world: int, port: int, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, store: str, q) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # a file store and loopback pairs: nothing listens outside
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         d = {
             "t": float(rank + 1),
@@ -178,16 +177,11 @@ def _worker(rank: int, world: int, port: int, q) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_rank_max_gloo_two_processes():
+def test_rank_max_gloo_two_processes(tmp_path):
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(2, _free_port(), q), nprocs=2, join=True, start_method="spawn")
+    store = str(tmp_path / "store")
+    mp.start_processes(_worker, args=(2, store, q), nprocs=2, join=True, start_method="spawn")
     results = dict(q.get() for _ in range(2))
     for rank in (0, 1):
         r = results[rank]

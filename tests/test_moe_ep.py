@@ -15,7 +15,7 @@ import json
 import pytest
 from _moe_ep_worker import CASES
 
-from harness.launch import run_torchrun
+from harness.launch import run_local_ranks
 
 TOL = 1e-9
 RECORDS = ("ep2-record-routing", "ep2xtp2-record-routing")
@@ -29,9 +29,9 @@ def results(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("moe_ep") / "moe_ep.json"
     tests = Path(__file__).resolve().parent
-    proc = run_torchrun(2, "_moe_ep_worker", [str(out)], timeout_s=1200, extra_path=[tests])
+    proc = run_local_ranks(2, "_moe_ep_worker", [str(out)], timeout_s=1200, extra_path=[tests])
     if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"torchrun exited {proc.returncode}:\n{proc.stderr.decode(errors='replace')[-6000:]}")
+        pytest.fail(f"ranks exited {proc.returncode}:\n{proc.stderr.decode(errors='replace')[-6000:]}")
     return json.loads(out.read_text())
 
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_model
 
 import prefixflow as pf
-from harness.launch import torchrun_argv
+from harness.launch import local_ranks_argv
 from harness.rank_runner import merge_rank_samples
 from prefixflow.parallel import ParallelDims, parallelize
 from prefixflow.parallel.dp import group_costs, place_groups, train_step
@@ -116,9 +116,9 @@ def test_rank_samples_merge_to_the_median_of_per_step_rank_max_with_per_rank_val
     assert rec["status"] == "error" and rec["error"] == "boom" and "step_time_s" not in rec
 
 
-def test_torchrun_argv_is_standalone_and_runs_a_module():
-    argv = torchrun_argv(2, "harness.rank_worker", ["job.json"])
-    assert argv[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+def test_local_ranks_argv_uses_the_loopback_launcher_and_runs_a_module():
+    argv = local_ranks_argv(2, "harness.rank_worker", ["job.json"])
+    assert argv[1:3] == ["-m", "harness.local_ranks"]
     assert "--nproc-per-node=2" in argv and argv[-3:] == ["-m", "harness.rank_worker", "job.json"]
 
 
