@@ -1,4 +1,4 @@
-"""Multi-rank MoE cases (EP, EP x TP, MoE under TP), run under torchrun by tests/test_moe_ep.py.
+"""Multi-rank MoE cases (EP, EP x TP, MoE under TP), run on local ranks by tests/test_moe_ep.py.
 
     python -m harness.local_ranks --nproc-per-node=2 -m _moe_ep_worker OUT.json
 

@@ -1,4 +1,4 @@
-"""Multi-rank exactness cases, run under torchrun by tests/test_parallel_*.py (one launch per test module).
+"""Multi-rank exactness cases, run on local ranks by tests/test_parallel_*.py (one launch per test module).
 
     python -m harness.local_ranks --nproc-per-node=N -m _parallel_worker SUITE OUT.json
 

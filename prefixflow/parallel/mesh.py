@@ -116,8 +116,9 @@ def init_distributed(device: torch.device | str = "cpu") -> torch.device:
         missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
             raise RuntimeError(
-                f"no process group and no {missing} in the environment: start the ranks with torchrun "
-                "(harness/launch.py does) or call torch.distributed.init_process_group yourself"
+                f"no process group and no {missing} in the environment: start the ranks with "
+                "`python -m harness.local_ranks` (loopback only) or torchrun, or call "
+                "torch.distributed.init_process_group yourself"
             )
         dist.init_process_group(backend=backend_for(device))
     return device
