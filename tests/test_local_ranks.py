@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.launch import local_env, local_ranks_argv
+from harness.launch import local_env, local_ranks_argv, run_local_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 LISTEN = "0A"
@@ -132,6 +132,28 @@ def test_a_failing_rank_stops_the_others_and_its_status_is_the_launchs(tmp_path)
     assert not Path(f"/proc/{survivor}").exists()  # stopped and reaped: no rank left behind
 
 
+def _dead(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    """``run_local_ranks``' timeout SIGKILLs the launcher: no rank may outlive it (``PR_SET_PDEATHSIG``)."""
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_local_ranks(2, __file__, ["sleep", str(tmp_path)], timeout_s=30, module=False, cwd=REPO)
+    pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+    assert len(pids) == 2, "the ranks did not start within the timeout"
+    deadline = time.monotonic() + 10
+    while not all(_dead(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [pid for pid in pids if not _dead(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "ranks outlived their launcher"
+
+
 def _hold(ready: str, release: str) -> None:
     """Join a gloo group, all-reduce, and keep it open until the test has read the sockets."""
     import torch
@@ -162,10 +184,17 @@ def _fail(pid_file: str) -> None:
     time.sleep(600)
 
 
+def _sleep(folder: str) -> None:
+    Path(folder, f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
 if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
     if mode == "hold":
         _hold(*rest)
+    elif mode == "sleep":
+        _sleep(*rest)
     elif mode == "fail":
         _fail(*rest)
     else:
