@@ -219,6 +219,7 @@ class ClosedLoop:
             **{f"{phase}_s": clock.times[phase] for phase in PHASES},
             "step_s": sum(clock.times.values()),
             "update_train_s": sum(stats.phase_times.values()),
+            "update_optimizer_s": stats.optimizer_s,
             **{f"phase_{k.lower()}_s": v for k, v in stats.phase_times.items()},
             "reward_mean": float(all_rewards.mean()),
             "reward_std": float(all_rewards.std()) if all_rewards.numel() > 1 else 0.0,

@@ -13,10 +13,12 @@ machine load. A killed run resumes from its last checkpoint and reproduces the s
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -182,6 +184,7 @@ def warm_start_state(
             lr=ws.lr,
             seed=spec.data_seed + 1,
             passages=ws.passages,
+            label_smoothing=ws.label_smoothing,
         )
         tensors = state_tensors(model, "w.")
         rollout = build_model_for(spec, task, DTYPES[loop.dtype], device)
@@ -309,6 +312,19 @@ class _Run:
         return row
 
 
+@contextmanager
+def _collect_between_steps() -> Iterator[None]:
+    """Python's automatic garbage collection off while the runs step (TorchTitan's ``GarbageCollection``
+    does the same): the loop collects between steps instead, outside every timed phase, for every run alike."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def run_claim2(spec: RLSpec, preset: str | None, out: str | Path, log: Log = print) -> Path:
     """Everything Claim 2 records, resumably; returns the records folder."""
     device = preflight(spec, preset)
@@ -326,16 +342,20 @@ def run_claim2(spec: RLSpec, preset: str | None, out: str | Path, log: Log = pri
     runs = [_Run(spec, task, p, folder, init, device, base, log) for p in plans]
     reference = _Claim3Reference(spec, folder, device, base, log)
     reference.resume(min(r.loop.step_done for r in runs if r.plan.role == "compare"))
-    while not all(r.done for r in runs):
-        for run in runs:
-            if not run.done:
-                row = run.step()
-                if row["step"] % spec.checkpoint_every == 0 or run.done:
-                    log(
-                        f"{run.plan.name}: step {row['step']}/{run.plan.steps} reward {row['reward_mean']:.3f} "
-                        f"loss {row['loss']:+.4f} step {row['step_s']:.2f}s (update {row['update_s']:.2f}s)"
-                    )
-        reference.after(min(r.loop.step_done for r in runs if r.plan.role == "compare"))
+    with _collect_between_steps():
+        while not all(r.done for r in runs):
+            for run in runs:
+                if not run.done:
+                    row = run.step()
+                    checkpoint = row["step"] % spec.checkpoint_every == 0 or run.done
+                    gc.collect(2 if checkpoint else 1)  # untimed, between steps: no pause in a timed phase
+                    if checkpoint:
+                        log(
+                            f"{run.plan.name}: step {row['step']}/{run.plan.steps} reward "
+                            f"{row['reward_mean']:.3f} loss {row['loss']:+.4f} step {row['step_s']:.2f}s "
+                            f"(update {row['update_s']:.2f}s)"
+                        )
+            reference.after(min(r.loop.step_done for r in runs if r.plan.role == "compare"))
     for run in runs:  # a run resumed past its trace steps may have been killed before writing the manifest
         if run.trace is not None and not (run.trace_dir / "manifest.json").exists():
             run.trace.finish(run.plan.trace_steps)

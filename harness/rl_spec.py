@@ -43,6 +43,9 @@ class WarmStartSpec(_Strict):
     lr: float = Field(3e-3, gt=0, le=1.0)
     passages: int = Field(3, ge=1, description="passages per warm-start prompt (a short context)")
     eval_prompts: int = Field(32, ge=1, le=100_000, description="prompts that measure the warm-start reward")
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=1.0, description="cross-entropy label smoothing (a less confident warm-start policy)"
+    )
 
 
 class LoopSpec(_Strict):

@@ -121,9 +121,11 @@ def warm_start(
     seed: int,
     passages: int | None = None,
     compute_dtype: torch.dtype | None = None,
+    label_smoothing: float = 0.0,
 ) -> list[float]:
-    """Supervised warm start: ``steps`` AdamW steps of answer cross-entropy (the value and EOS) on ``batch``
-    prompts each of ``passages`` passages (default: the task's), from the stream ``seed``. Returns the losses."""
+    """Supervised warm start: ``steps`` AdamW steps of answer cross-entropy (the value and EOS; optional
+    ``label_smoothing``) on ``batch`` prompts each of ``passages`` passages (default: the task's), from the
+    stream ``seed``. Returns the losses."""
     from prefixflow.rl import autocast_for
 
     if steps < 0 or batch < 1:
@@ -142,7 +144,9 @@ def warm_start(
         opt.zero_grad(set_to_none=True)
         with autocast_for(device, compute_dtype):
             logits = model(seqs[:, :-1])[:, p - 1 :]
-            loss = F.cross_entropy(logits.float().flatten(0, 1), seqs[:, p:].flatten())
+            loss = F.cross_entropy(
+                logits.float().flatten(0, 1), seqs[:, p:].flatten(), label_smoothing=label_smoothing
+            )
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))

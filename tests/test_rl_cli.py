@@ -117,3 +117,45 @@ def test_a_link_planted_in_out_is_refused_before_any_work(tmp_path):
     res = invoke("rl", CLAIM2, "--preset", "smoke", "--out", tmp_path / "out")
     assert res.exit_code == 2 and "symbolic link" in res.output and "Traceback" not in res.output
     assert list(elsewhere.iterdir()) == []
+
+
+def test_step_speedups_use_medians_cap_and_amdahl_at_the_measured_update_speedup():
+    import pandas as pd
+
+    from harness.figures.fig7 import amdahl, speedups
+
+    rows = []
+    for step in range(1, 8):
+        spike = 50.0 if step == 5 else 0.0  # one load spike in one run: moves a mean, not a median
+        for system, update, train in (("baseline", 3.0, 2.9), ("prefixflow", 1.0 + spike, 0.9)):
+            rows.append(
+                dict(
+                    record_kind="rl_step",
+                    status="ok",
+                    preset="cpu",
+                    identity="x",
+                    timestamp=f"t{step}",
+                    role="compare",
+                    run=f"{system}-s0",
+                    system=system,
+                    step=step,
+                    generation_s=0.5,
+                    reward_s=0.0,
+                    evaluation_s=0.5,
+                    update_s=update,
+                    sync_s=0.0,
+                    step_s=1.0 + update,
+                    update_train_s=train,
+                )
+            )
+    sp = speedups(pd.DataFrame(rows))
+    f = 3.0 / 4.0
+    assert sp["update_share"] == pytest.approx(f)
+    assert sp["update_speedup"] == pytest.approx(3.0) and sp["e2e_speedup"] == pytest.approx(2.0)
+    assert sp["update_speedup_mean"] < 1.0  # the spike dominates a mean
+    assert sp["amdahl_bound"] == pytest.approx(4.0)
+    assert sp["amdahl_at_update_speedup"] == pytest.approx(1 / ((1 - f) + f / 3.0)) == pytest.approx(2.0)
+    assert sp["e2e_over_amdahl"] == pytest.approx(1.0) and sp["e2e_over_bound"] == pytest.approx(0.5)
+    assert sp["train_phases_speedup"] == pytest.approx(29 / 9)
+    assert sp["update_outside_phases_s_prefixflow"] == pytest.approx(0.1)
+    assert amdahl(0.5, 1.0) == 1.0

@@ -15,7 +15,16 @@ from harness.rl_run import run_claim2
 from harness.rl_task import EOS, RetrievalTask
 from prefixflow.rl import group_advantages, response_logprobs, sample_responses, sync_weights
 
-TIMING = ("generation_s", "reward_s", "evaluation_s", "update_s", "sync_s", "step_s", "update_train_s")
+TIMING = (
+    "generation_s",
+    "reward_s",
+    "evaluation_s",
+    "update_s",
+    "sync_s",
+    "step_s",
+    "update_train_s",
+    "update_optimizer_s",
+)
 
 
 def _model(dtype=torch.float64, seed=0):

@@ -9,6 +9,7 @@ between the full-sequence baseline and PrefixFlow (its ``system``).
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -82,6 +83,7 @@ class UpdateStats:
     suffix_tokens: int
     trunk_tokens: int
     phase_times: dict[str, float] = field(default_factory=dict)  # summed over groups
+    optimizer_s: float = 0.0  # gradient averaging, clipping and the optimizer step (wall clock)
 
 
 def actor_update(
@@ -128,6 +130,9 @@ def actor_update(
             trunk += stats.trunk_tokens
             for phase, t in stats.phase_times.items():
                 times[phase] = times.get(phase, 0.0) + t
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
     params = [p for p in model.parameters() if p.grad is not None]
     if len(groups) > 1:
         for p in params:
@@ -137,7 +142,11 @@ def actor_update(
     else:
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
     optimizer.step()
-    return UpdateStats(sum(losses) / len(losses), float(norm), suffix, trunk, times)
+    norm = float(norm)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    spent = time.perf_counter() - start
+    return UpdateStats(sum(losses) / len(losses), norm, suffix, trunk, times, spent)
 
 
 def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
