@@ -53,7 +53,8 @@ class LiveBytesMeter(TorchDispatchMode):
     def __init__(self, device_type: str = "cpu") -> None:
         super().__init__()
         self.device_type = device_type
-        self._lock = threading.Lock()
+        # re-entrant: an allocation under the lock can run the GC, whose finalizers free other storages
+        self._lock = threading.RLock()
         self._tracked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> [nbytes, off]
         self._offload_depth = 0
         self.current = 0

@@ -44,7 +44,8 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self, device_type: str) -> None:
         super().__init__()
         self.device_type = device_type
-        self._lock = threading.Lock()
+        # re-entrant: an allocation under the lock can run the GC, whose finalizers free other storages
+        self._lock = threading.RLock()
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.current = self.peak = 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import threading
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from harness.measure import LiveBytesMeter, PhaseMeter, rank_max
+from prefixflow.budget import LiveBytes
 
 MIB4 = 1024 * 1024 * 4  # 1024 x 1024 fp32
 
@@ -220,3 +222,35 @@ def test_cuda_phase_meter_events_and_max_allocated():
     assert res["phase_peak_bytes"]["B"] - res["phase_peak_bytes"]["A"] >= 4 * MIB4
     assert res["phase_c_s"] > 0 and res["step_time_s"] >= res["phase_c_s"]
     del a, keep
+
+
+@pytest.mark.parametrize(
+    "make", [LiveBytesMeter, lambda: LiveBytes("cpu")], ids=["LiveBytesMeter", "LiveBytes"]
+)
+def test_a_storage_freed_by_gc_while_the_meter_holds_its_lock_does_not_deadlock(make):
+    # An allocation inside the meter's locked section can run the GC, whose finalizers free other tracked
+    # storages and re-enter the meter (a pf-bench MoE cell hung there forever with a plain Lock).
+    meter = make()
+    with meter:
+        t = torch.empty(1000, dtype=torch.float64)
+    cycle = [t]
+    cycle.append(cycle)  # only the GC frees it
+    del t
+    before = meter.current
+    done = threading.Event()
+
+    def collect_under_the_lock():
+        with meter._lock:
+            gc.collect()
+        done.set()
+
+    gc.disable()  # the cycle must die in the collect below, not earlier
+    try:
+        del cycle
+        th = threading.Thread(target=collect_under_the_lock, daemon=True)
+        th.start()
+        th.join(timeout=20)
+    finally:
+        gc.enable()
+    assert done.is_set(), "the meter deadlocked on its own lock"
+    assert before - meter.current == 8000
