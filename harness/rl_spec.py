@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from harness.spec import ExecutorSettings, ModelSpec, Parallel, SpecError, _deep_merge
+from harness.spec import ExecutorSettings, ModelSpec, Parallel, SpecError, _deep_merge, read_spec_yaml
 from harness.spec_checks import describe_validation_error
 
 __all__ = ["RLSpec", "RL_PRESETS", "load_rl_spec", "parse_rl_spec"]
@@ -222,13 +222,4 @@ def parse_rl_spec(raw: Any, source: str = "<spec>", preset: str | None = None) -
 
 def load_rl_spec(path: str | Path, preset: str | None = None) -> RLSpec:
     """Load a Claim-2 YAML spec as untrusted input (harness.safe_yaml) and resolve it for ``preset``."""
-    from harness import safe_yaml
-
-    path = Path(path)
-    try:
-        raw = safe_yaml.load(safe_yaml.read_text(path))
-    except OSError as e:
-        raise SpecError(f"{path}: cannot read spec ({e.strerror})") from None
-    except safe_yaml.YAMLInputError as e:
-        raise SpecError(f"{path}: {e}") from None
-    return parse_rl_spec(raw, str(path), preset)
+    return parse_rl_spec(read_spec_yaml(path), str(path), preset)

@@ -549,18 +549,21 @@ def parse_spec(raw: Any, source: str = "<spec>", preset: str = "cpu") -> Spec:
     return resolved
 
 
-def load_spec(path: str | Path, preset: str = "cpu") -> Spec:
-    """Load a YAML spec as untrusted input (harness.safe_yaml) and resolve it for ``preset``."""
+def read_spec_yaml(path: str | Path) -> Any:
+    """The YAML document at ``path``, read as untrusted input (harness.safe_yaml); SpecError on failure."""
     from harness import safe_yaml
 
-    path = Path(path)
     try:
-        raw = safe_yaml.load(safe_yaml.read_text(path))
+        return safe_yaml.load(safe_yaml.read_text(Path(path)))
     except OSError as e:
         raise SpecError(f"{path}: cannot read spec ({e.strerror})") from None
     except safe_yaml.YAMLInputError as e:
         raise SpecError(f"{path}: {e}") from None
-    return parse_spec(raw, str(path), preset)
+
+
+def load_spec(path: str | Path, preset: str = "cpu") -> Spec:
+    """Load a YAML spec as untrusted input (harness.safe_yaml) and resolve it for ``preset``."""
+    return parse_spec(read_spec_yaml(path), str(path), preset)
 
 
 def count_cells(spec: Spec) -> int:
