@@ -80,21 +80,27 @@ def test_stage_timelines_follow_the_program(results, name):
         assert [(e["op"],) if e["mb"] is None else (e["op"], e["mb"]) for e in events] == program
         for e in events:
             assert e["wait"] <= e["start"] <= e["end"]
+    # The stages ran on one host: the timelines share its monotonic clock (pp_stage's _gather_timelines), so
+    # these are causal facts through the messages and barriers, with no allowance for clock skew.
     first, last = res["timelines"]
     a0 = next(e for e in first if e["op"] == "A")
     a1 = next(e for e in last if e["op"] == "A")
     c0 = next(e for e in first if e["op"] == "C")
     c1 = next(e for e in last if e["op"] == "C")
-    skew = 0.01  # each stage's clock starts at its own exit from a barrier
-    assert a1["start"] >= a0["end"] - skew  # the prefix forward flows down the stages
-    assert c0["start"] >= c1["end"] - skew  # the prefix backward flows back up
+    assert a1["start"] > a0["end"]  # stage 1's prefix forward needs stage 0's prefix output
+    assert c0["start"] > c1["end"]  # stage 0's prefix backward needs stage 1's gradient of it
+    for m in range(n_mb):  # each microbatch's forward flows down, its backward back up
+        f = [next(e for e in t if e["op"] == "F" and e["mb"] == m) for t in (first, last)]
+        b = [next(e for e in t if e["op"] == "B" and e["mb"] == m) for t in (first, last)]
+        assert f[1]["start"] > f[0]["end"] and b[0]["start"] > b[1]["end"]
     last_b0 = max(e["end"] for e in first if e["op"] == "B")
     f0 = min(e["start"] for e in first if e["op"] == "F")
     if case.get("switching") == "barrier":
-        assert f0 >= a1["end"] - skew  # nothing of Phase B starts before every stage finished Phase A
-        assert c1["start"] >= last_b0 - skew  # ... and Phase C waits for the whole pipeline's Phase B
+        assert f0 > a1["end"]  # nothing of Phase B starts before every stage finished Phase A
+        assert c1["start"] > last_b0  # ... and Phase C waits for the whole pipeline's Phase B
     # Stage-local switching lets these overlap (stage 0's F0 with stage 1's A, stage 1's C with stage 0's last
-    # B); by how much is a timing, measured in the records (Figure 6b), not asserted here.
+    # B): the program above has no barrier; by how much they overlap is a timing, measured in the records
+    # (Figure 6b), not asserted here.
     assert res["pp_bubble_max_s"] >= res["pp_bubble_mean_s"] >= 0
 
 
