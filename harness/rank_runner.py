@@ -88,7 +88,6 @@ def _step_columns(stats) -> dict[str, Any]:
         "split_groups": len(stats.placement.split_groups),
         "split_kv_bytes": ex["kv_bytes"],
         "split_grad_kv_bytes": ex["grad_kv_bytes"],
-        "split_header_bytes": ex["header_bytes"],
         "split_expected_kv_bytes": ex["expected_kv_bytes"],
         "split_expected_grad_kv_bytes": ex["expected_grad_kv_bytes"],
         "split_exchange_exact": ex["kv_bytes"] == ex["expected_kv_bytes"]

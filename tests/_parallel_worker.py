@@ -98,6 +98,27 @@ def compare(model, loss: float, ref: tuple[float, dict[str, torch.Tensor]]) -> d
     }
 
 
+@contextlib.contextmanager
+def counting_point_to_point(counts: dict[str, int]):
+    """Count the bytes of every torch.distributed point-to-point call on this rank (sends, receives)."""
+    originals = {name: getattr(dist, name) for name in ("send", "isend", "recv", "irecv")}
+
+    def counted(name, key):
+        def call(tensor, *args, **kwargs):
+            counts[key] += tensor.numel() * tensor.element_size()
+            return originals[name](tensor, *args, **kwargs)
+
+        return call
+
+    for name in originals:
+        setattr(dist, name, counted(name, "sent" if "send" in name else "received"))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
 def step_case(
     family,
     dims,
@@ -114,12 +135,24 @@ def step_case(
     model = parallel_model(family, dims, ac=ac, **kwargs)
     state = parallel_state(model)
     groups = groups_for(n_groups or state.dims.batch, ns)
-    stats = train_step(
-        model, groups, system=system, layout=layout, microbatch=microbatch, split_threshold=split_threshold
-    )
+    with counting_point_to_point({"sent": 0, "received": 0}) as p2p:
+        stats = train_step(
+            model,
+            groups,
+            system=system,
+            layout=layout,
+            microbatch=microbatch,
+            split_threshold=split_threshold,
+        )
+    wire = torch.tensor([p2p["sent"], p2p["received"]], dtype=torch.int64)
+    if state.dims.batch > 1:  # the same ranks PrefixExchange sums its counts over
+        dist.all_reduce(wire, group=state.mesh["batch"].get_group())
     out = compare(model, stats.loss, reference(family, groups, layout, microbatch))
     out.update(
-        grad_sync=stats.grad_sync, exchange=stats.exchange, split_groups=list(stats.placement.split_groups)
+        grad_sync=stats.grad_sync,
+        exchange=stats.exchange,
+        split_groups=list(stats.placement.split_groups),
+        point_to_point=dict(zip(("sent", "received"), wire.tolist(), strict=True)),
     )
     if state.fsdp:
         out["residue"] = fsdp_mod.fsdp_residue(model)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
+import torch
 from conftest import tiny_model
 
 import prefixflow as pf
@@ -170,3 +172,32 @@ def test_cells_recorded_before_the_data_parallel_split_keep_their_ids():
     assert tp_cp.cell_id == "f195e628a3b6"
     dp = Cell.model_validate({**plain.model_dump(), "parallel": {"dp_shard": 2}})
     assert dp.cell_id != plain.cell_id
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_split_helpers_derive_the_owners_prefix_kv_geometry_and_a_wrong_one_is_refused(family, dtype):
+    """A split group's helpers size their receive from the model and the group alone (no header crosses
+    ranks): the geometry must be exactly what Phase A captures, and the owner refuses to send otherwise."""
+    from prefixflow.apply import runtime_of
+    from prefixflow.kv_cache import PrefixKVCache
+    from prefixflow.parallel.dp import check_captured, prefix_kv_geometry
+    from prefixflow.schedule import phase_a_prefix_forward
+
+    model = tiny_model(family, dtype=dtype)
+    group = pf.synthetic_group(97, 11, [3, 5], seed=0)
+    cache = PrefixKVCache()
+    with torch.no_grad():
+        phase_a_prefix_forward(model, runtime_of(model), group, cache)
+    geometry = prefix_kv_geometry(model, group)
+    check_captured(cache, geometry)
+    assert geometry.layers == (0, 1) and geometry.tokens == 10 and geometry.dtype == dtype
+    assert geometry.numel == sum(t.numel() for e in cache.layers.values() for t in (e.live_k, e.live_v))
+    for wrong in (
+        dataclasses.replace(geometry, tokens=11),
+        dataclasses.replace(geometry, kv_heads=geometry.kv_heads * 2),
+        dataclasses.replace(geometry, dtype=torch.bfloat16),
+        dataclasses.replace(geometry, layers=(0,)),
+    ):
+        with pytest.raises(RuntimeError, match="split group: the owner captured"):
+            check_captured(cache, wrong)

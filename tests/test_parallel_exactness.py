@@ -48,12 +48,16 @@ def test_split_group_exchanges_exactly_prefix_kv_and_grad_kv(results, name):
     assert ex["kv_bytes"] > 0 and ex["grad_kv_bytes"] > 0
     assert ex["kv_bytes"] == ex["expected_kv_bytes"], ex
     assert ex["grad_kv_bytes"] == ex["expected_grad_kv_bytes"], ex
+    # nothing else crosses ranks: every point-to-point byte on the wire is K/V or gK/gV
+    wire = r["point_to_point"]
+    assert wire["sent"] == wire["received"] == ex["kv_bytes"] + ex["grad_kv_bytes"], (wire, ex)
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if "split" in n and n.endswith("baseline")])
 def test_split_baseline_group_exchanges_nothing(results, name):
     assert results[name]["split_groups"] == [0]
     assert results[name]["exchange"]["kv_bytes"] == results[name]["exchange"]["grad_kv_bytes"] == 0
+    assert results[name]["point_to_point"] == {"sent": 0, "received": 0}
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("fsdp2-error")])

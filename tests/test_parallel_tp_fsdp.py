@@ -23,6 +23,10 @@ def test_matches_one_process(results, name):
 
 
 def test_split_group_under_tp_exchanges_each_ranks_head_shard(results):
-    ex = results["tp2xdp2-split-qwen3-prefixflow"]["exchange"]
+    r = results["tp2xdp2-split-qwen3-prefixflow"]
+    ex = r["exchange"]
     assert ex["kv_bytes"] == ex["expected_kv_bytes"] > 0
     assert ex["grad_kv_bytes"] == ex["expected_grad_kv_bytes"] > 0
+    assert (
+        r["point_to_point"]["sent"] == r["point_to_point"]["received"] == ex["kv_bytes"] + ex["grad_kv_bytes"]
+    )

@@ -53,6 +53,7 @@ class ParallelState:
     device: torch.device
     fsdp: bool
     expert_mesh: DeviceMesh | None = None  # (efsdp, ep) under expert parallelism
+    compute_dtype: torch.dtype | None = None  # what blocks compute in (FSDP2's param_dtype, else the params')
 
     def coordinate(self, name: str) -> int:
         """This rank's index along mesh dimension ``name`` (``batch`` = its data-parallel rank)."""
@@ -152,5 +153,9 @@ def parallelize(
         apply_fsdp(model, mesh[names], fsdp or FSDPConfig(), expert_mesh=experts)
     elif fsdp is not None:
         raise ValueError("an FSDP config needs dp_shard > 1")
-    model.prefixflow_parallel = ParallelState(dims, mesh, device, dims.dp_shard > 1, expert_mesh)
+    param_dtype = getattr(fsdp, "param_dtype", None) if dims.dp_shard > 1 else None
+    compute_dtype = param_dtype or next(model.parameters()).dtype
+    model.prefixflow_parallel = ParallelState(
+        dims, mesh, device, dims.dp_shard > 1, expert_mesh, compute_dtype
+    )
     return model

@@ -1,0 +1,144 @@
+"""Data-parallel placement: a FLOP cost per rollout group and longest-processing-time placement of a step's
+groups on the DP ranks, splitting the largest group when whole groups leave a rank too far above the mean
+(paper §4.7). Used by :func:`prefixflow.parallel.dp.train_step`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..group import RolloutGroup
+from ..models import head_dim_of, hidden_dim_of, model_args
+
+__all__ = ["Work", "Placement", "group_costs", "place_groups"]
+
+
+# -- cost model ----------------------------------------------------------------------------------------
+def group_costs(model: nn.Module, group: RolloutGroup, system: str) -> tuple[float, list[float]]:
+    """``(prefix_cost, response_costs)`` in FLOPs (forward + backward = 3x forward) of training ``group``.
+
+    Per layer a token costs its projections and MLP, and every (query, key) pair it attends costs the two
+    attention matmuls; each loss token pays the LM head. PrefixFlow pays the prefix once (``prefix_cost``);
+    the baseline pays it in every sequence (``prefix_cost`` is 0).
+    """
+    args = model_args(model)
+    hd, nq = head_dim_of(args), args.n_heads
+    nkv = args.n_kv_heads or nq
+    per_token = args.n_layers * (2 * args.dim * hd * (2 * nq + 2 * nkv) + 6 * args.dim * hidden_dim_of(args))
+    per_pair = args.n_layers * 4 * nq * hd
+    head = 2 * args.dim * args.vocab_size
+    p = group.prompt_len
+    if system == "prefixflow":
+        c = p - 1
+        prefix = 3.0 * (per_token * c + per_pair * c * (c + 1) / 2)
+        resp = [
+            3.0 * (per_token * s + per_pair * (s * c + s * (s + 1) / 2) + head * s)
+            for s in group.response_lens
+        ]
+        return prefix, resp
+    if system == "baseline":
+        resp = []
+        for s in group.response_lens:
+            n = p + s - 1
+            resp.append(3.0 * (per_token * n + per_pair * n * (n + 1) / 2 + head * s))
+        return 0.0, resp
+    raise ValueError(f"system {system!r} unknown; valid: ('prefixflow', 'baseline')")
+
+
+# -- placement -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Work:
+    """One rank's share of one group: ``responses`` it trains; ``owner`` runs Phase A/C; ``ranks`` hold
+    parts of the group (one rank for a whole group)."""
+
+    group: int
+    responses: tuple[int, ...]
+    owner: int
+    ranks: tuple[int, ...]
+
+    @property
+    def split(self) -> bool:
+        return len(self.ranks) > 1
+
+
+@dataclass
+class Placement:
+    """Per DP rank: its work in execution order (split groups first, in group order, then whole groups)."""
+
+    work: list[list[Work]]
+    loads: list[float]
+    split_groups: tuple[int, ...]
+
+    @property
+    def imbalance(self) -> float:
+        """Busiest rank over the mean load, minus one (0 = perfectly balanced)."""
+        mean = sum(self.loads) / len(self.loads)
+        return max(self.loads) / mean - 1.0 if mean > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "work": [[(w.group, list(w.responses), w.owner) for w in ws] for ws in self.work],
+            "loads": self.loads,
+            "split_groups": list(self.split_groups),
+        }
+
+
+def _imbalance(loads: list[float]) -> float:
+    mean = sum(loads) / len(loads)
+    return max(loads) / mean - 1.0 if mean > 0 else 0.0
+
+
+def place_groups(
+    costs: list[tuple[float, list[float]]], n_ranks: int, split_threshold: float | None = 0.25
+) -> Placement:
+    """Longest-processing-time placement of whole groups, then the split fallback.
+
+    ``costs``: per group ``(prefix_cost, response_costs)``. While the busiest rank is more than
+    ``split_threshold`` above the mean load (None: never split), the largest unsplit group with two or more
+    responses is split: its owner (the least-loaded rank without it) pays the prefix, and its responses go,
+    largest first, to the least-loaded ranks. A split that does not lower the imbalance is undone and the
+    search stops. Deterministic: every rank computes the same placement.
+    """
+    if n_ranks < 1:
+        raise ValueError(f"n_ranks must be >= 1, got {n_ranks}")
+    if split_threshold is not None and split_threshold < 0:
+        raise ValueError(f"split_threshold must be >= 0 or None, got {split_threshold}")
+    whole = [p + sum(r) for p, r in costs]
+    order = sorted(range(len(costs)), key=lambda g: (-whole[g], g))
+    shares: dict[int, dict[int, list[int]]] = {}  # group -> rank -> responses
+    owner: dict[int, int] = {}
+    loads = [0.0] * n_ranks
+    for g in order:
+        r = min(range(n_ranks), key=lambda i: (loads[i], i))
+        loads[r] += whole[g]
+        shares[g] = {r: list(range(len(costs[g][1])))}
+        owner[g] = r
+    split: list[int] = []
+    while split_threshold is not None and n_ranks > 1 and _imbalance(loads) > split_threshold:
+        candidates = [g for g in order if g not in split and len(costs[g][1]) > 1]
+        if not candidates:
+            break
+        g = candidates[0]
+        before = (list(loads), shares[g], owner[g])
+        loads[owner[g]] -= whole[g]
+        prefix, resp = costs[g]
+        new_owner = min(range(n_ranks), key=lambda i: (loads[i], i))
+        loads[new_owner] += prefix
+        parts: dict[int, list[int]] = {new_owner: []}
+        for i in sorted(range(len(resp)), key=lambda i: (-resp[i], i)):
+            r = min(range(n_ranks), key=lambda k: (loads[k], k))
+            loads[r] += resp[i]
+            parts.setdefault(r, []).append(i)
+        if _imbalance(loads) >= _imbalance(before[0]) or len(parts) == 1:
+            loads, shares[g], owner[g] = before
+            break
+        shares[g] = {r: sorted(v) for r, v in parts.items()}
+        owner[g] = new_owner
+        split.append(g)
+    work: list[list[Work]] = [[] for _ in range(n_ranks)]
+    for g in sorted(split) + sorted(set(range(len(costs))) - set(split)):
+        ranks = tuple(sorted(shares[g]))
+        for r in ranks:
+            work[r].append(Work(g, tuple(shares[g][r]), owner[g], ranks))
+    return Placement(work, loads, tuple(sorted(split)))
