@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_model
 
 import prefixflow as pf
-from prefixflow.grad_guard import NonFiniteError, keep_grads_on_failure
+from prefixflow.grad_guard import NonFiniteError, all_finite, keep_grads_on_failure
 
 P, LENS = 10, [5, 7, 4]
 
@@ -118,6 +118,19 @@ def test_non_finite_gradient_is_never_merged():
             lin(torch.ones(1, 3)).sum().backward()
             raise RuntimeError("boom")
     assert _same(_grads(lin), before)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_all_finite_finds_any_non_finite_value(bad, dtype):
+    grads = [
+        torch.zeros(0, dtype=dtype),
+        torch.full((3, 4), 1e308 if dtype == torch.float64 else 3e38, dtype=dtype),
+    ]
+    grads += [torch.randn(5, 6).to(dtype)]
+    assert all_finite(grads)  # huge but finite values, and an empty tensor, are not flagged
+    grads[-1][2, 3] = bad
+    assert not all_finite(grads)
 
 
 @pytest.mark.parametrize(
