@@ -148,6 +148,7 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
         groups = [make_group(cell, vocab, i) for i in range(cell.groups_per_step)]
     samples: dict[str, list[dict]] = {name: [] for name in cell.systems}
     last: dict[str, Any] = {}
+    every_timeline: dict[str, list] = {name: [] for name in cell.systems}
 
     def step(name: str, track_memory: bool):
         model = models[name]
@@ -183,6 +184,7 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
             if it >= cell.warmup:
                 samples[name].append(res)
                 last[name] = (stats, _timelines(models[name]))  # not the memory step's below
+                every_timeline[name].append(last[name][1])
     memory: dict[str, dict] = {}
     if device.type == "cpu" and not cell.compile:
         for name in cell.systems:
@@ -203,6 +205,8 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
             st, timelines = last[name]
             rec.update(status="ok", error=None, loss=float(st.loss), **_step_columns(st))
             rec.update(_hook_columns(st, timelines))
+            if timelines is not None:  # every timed step's, for the simulator's calibration
+                rec["pp_timelines_steps"] = json.dumps(every_timeline[name])
             rec["samples"] = samples[name]
             mem = memory.get(name) or samples[name][0]
             for col in MEMORY:

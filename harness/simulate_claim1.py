@@ -1,14 +1,9 @@
-"""Claim 1's simulated records: paper-scale Figure 6 panels, and the simulator checked against measured cells.
+"""Claim 1's simulated records: the paper-scale Figure 6 panels.
 
 - :func:`paper_pp_records`: Llama3-8B, 4k+4k, PP=8 x TP=2 and PP=16 x TP=1, both phase switchings, over N.
 - :func:`paper_cp_records`: Llama3-8B, CP=16, 16k prefix, 8k suffix, N=16, prefetch on and off.
-- :func:`validate_records`: for every measured PP cell, a single-process profile of the same model and group
-  on this machine drives :func:`harness.simulate.simulate_pipeline`; for every measured CP cell, the on-demand
-  run's per-layer compute and per-gather costs drive :func:`harness.simulate.simulate_cp_phase_b` to predict
-  the prefetch run; and every PP cell's timed step is replayed from its own stage operations' durations
-  (``pp_timelines``) against its measured span (``pp_span_s``): the schedule model alone, free of the load
-  drift between a profile and the run on a shared machine. Each row holds the measured and predicted seconds
-  and the relative error.
+
+The simulator's check against the measured cells is ``harness/simulate_validate.py``.
 
 Paper-scale costs are FLOPs at an assumed sustained throughput and assumed links (``ASSUMPTIONS``, stored in
 every record); every such record has ``source == "simulated"``.
@@ -20,8 +15,6 @@ import hashlib
 import json
 from typing import Any
 
-import pandas as pd
-
 from harness import costmodel
 from harness import simulate as sim
 
@@ -30,7 +23,6 @@ __all__ = [
     "LLAMA3_8B",
     "paper_pp_records",
     "paper_cp_records",
-    "validate_records",
     "stage_layers",
 ]
 
@@ -129,126 +121,4 @@ def paper_cp_records(cp: int = 16, P: int = 16384, S: int = 8192, N: int = 16) -
                             cp_overlapped_s=out["overlapped_s"], cp_sequence_phase_b_s=out["other_comm_s"],
                             cp_demand_gathers=out["demand_gathers"],
                             cp_prefetched_gathers=out["prefetched_gathers"]))  # fmt: skip
-    return rows
-
-
-# --- validation against measured cells ---------------------------------------------------------------------
-
-
-def _profile_for(rec: pd.Series) -> tuple[sim.LayerCosts, Any]:
-    """Single-process per-layer costs of a measured cell's model and group (the cell's config)."""
-    import torch
-
-    from harness.runner import DTYPES, make_group
-    from harness.spec import Cell
-    from prefixflow import apply_ac, apply_prefixflow, build_model, model_args
-
-    cell = Cell.model_validate_json(rec["config"])
-    model = build_model(
-        cell.model.name, dtype=DTYPES[cell.dtype], seed=cell.seed, overrides=dict(cell.model.overrides)
-    )
-    apply_ac(model, cell.ac)
-    apply_prefixflow(model)
-    group = make_group(cell, int(model_args(model).vocab_size))
-    with torch.random.fork_rng(devices=[]):
-        costs = sim.profile_layers(
-            model, group, system="prefixflow", layout=cell.layout, microbatch=cell.microbatch
-        )
-    return costs, model_args(model)
-
-
-def _validation_row(rec: pd.Series, quantity: str, predicted: float, measured_s: float) -> dict:
-    return {
-        "cell_id": rec["cell_id"],
-        "spec": "claim1-validation",
-        "system": rec["system"],
-        "status": "ok",
-        "source": "simulator-validation",
-        "device": "simulated",
-        "pp": int(rec.get("pp", 1)),
-        "cp": int(rec.get("cp", 1)),
-        "n": int(rec["n"]),
-        "quantity": quantity,
-        "measured_s": measured_s,
-        "predicted_s": predicted,
-        "sim_error": sim.relative_error(predicted, measured_s),
-    }
-
-
-def _timeline_costs(rec: pd.Series, profiled: sim.PipelineCosts) -> sim.PipelineCosts | None:
-    """The stage operations' own durations in the measured step (``pp_timelines``), with the profiled costs'
-    messages and barrier: the schedule model checked on costs free of the load drift between a profile and
-    the run."""
-    raw, span = rec.get("pp_timelines"), rec.get("pp_span_s")
-    if not isinstance(raw, str) or span is None or span != span:
-        return None
-    stages = json.loads(raw)
-    n_mb = profiled.n_microbatches
-    fwd = [[0.0] * n_mb for _ in stages]
-    bwd = [[0.0] * n_mb for _ in stages]
-    pre_f, pre_b = [0.0] * len(stages), [0.0] * len(stages)
-    for s, events in enumerate(stages):
-        for e in events:
-            d = float(e["end"]) - float(e["start"])
-            if e["op"] == "F":
-                fwd[s][int(e["mb"])] = d
-            elif e["op"] == "B":
-                bwd[s][int(e["mb"])] = d
-            elif e["op"] == "A":
-                pre_f[s] = d
-            elif e["op"] == "C":
-                pre_b[s] = d
-    return sim.PipelineCosts(forward=fwd, backward=bwd, prefix_forward=pre_f, prefix_backward=pre_b,
-                             message=profiled.message, prefix_message=profiled.prefix_message,
-                             barrier=profiled.barrier)  # fmt: skip
-
-
-def validate_records(df: pd.DataFrame) -> list[dict]:
-    """Per measured PP record: the step time from profiled costs and the span replayed from its own timeline;
-    per measured CP prefetch record: Phase B."""
-    m = df[
-        (df["status"] == "ok")
-        & df.get("source", pd.Series("measured", index=df.index)).fillna("measured").ne("simulated")
-    ]
-    if "quantity" in m.columns:  # alignment rows (Table 3) are not timings
-        m = m[m["quantity"].isna()]
-    rows: list[dict] = []
-    pp = m[(m.get("pp", 1) > 1) & m["system"].isin(["prefixflow", "prefixflow_pp_barrier"])]
-    for _, rec in pp.iterrows():
-        layers, args = _profile_for(rec)
-        a = ASSUMPTIONS
-        mb_tokens = int(rec["suffix_len"]) * int(rec["microbatch"] or rec["n"])
-        msg = _message_s(mb_tokens, args.dim, 1, a["loopback_bytes_per_s"], a["loopback_latency_s"], 4)
-        prefix_msg = _message_s(int(rec["prefix_len"]) - 1, args.dim, 1, a["loopback_bytes_per_s"],
-                                a["loopback_latency_s"], 4)  # fmt: skip
-        costs = sim.pipeline_costs(layers, stage_layers(int(rec["pp"]), args.n_layers), message_s=msg,
-                                   prefix_message_s=prefix_msg, barrier_s=a["loopback_latency_s"])  # fmt: skip
-        switching = "barrier" if rec["system"] == "prefixflow_pp_barrier" else "stage_local"
-        predicted = sim.simulate_pipeline(costs, switching).span_s
-        rows.append(_validation_row(rec, "step_time_s", predicted, float(rec["step_time_s"])))
-        timed = _timeline_costs(rec, costs)
-        if timed is not None:
-            predicted = sim.simulate_pipeline(timed, switching).span_s
-            rows.append(_validation_row(rec, "pp_span_s", predicted, float(rec["pp_span_s"])))
-    cp = m[(m.get("cp", 1) > 1) & (m.get("pp", 1) == 1)]
-    for _, g in cp.groupby("cell_id"):
-        demand = g[g["system"] == "prefixflow_cp_demand"]
-        ahead = g[g["system"] == "prefixflow"]
-        if demand.empty or ahead.empty:
-            continue
-        d, rec = demand.iloc[0], ahead.iloc[0]
-        n_mb = -(-int(d["n"]) // int(d["microbatch"] or d["n"]))
-        n_layers = int(d["n_layers"])
-        compute = float(d["phase_b_s"]) - float(d["cp_exposed_s"]) - float(d["cp_sequence_phase_b_s"])
-        per_layer = compute / (n_mb * n_layers)
-        out = sim.simulate_cp_phase_b(
-            [per_layer / 3] * n_layers,
-            [2 * per_layer / 3] * n_layers,
-            n_microbatches=n_mb,
-            gather_s=float(d["cp_gather_wait_s"]) / max(float(d["cp_demand_gathers"]), 1),
-            scatter_s=float(d["cp_scatter_s"]) / max(float(d["cp_scatters"]), 1),
-            prefetch=True,
-            other_comm_s=float(d["cp_sequence_phase_b_s"]) / n_mb,
-        )
-        rows.append(_validation_row(rec, "phase_b_s", out["phase_b_s"], float(rec["phase_b_s"])))
     return rows

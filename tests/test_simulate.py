@@ -125,7 +125,7 @@ def test_paper_scale_panels_are_simulated_records_that_figure_6_draws(tmp_path):
 def test_cp_validation_predicts_the_prefetch_run_from_the_on_demand_run():
     import pandas as pd
 
-    from harness.simulate_claim1 import validate_records
+    from harness.simulate_validate import validate_records
 
     common = dict(
         cell_id="c1", status="ok", cp=2, pp=1, n=4, microbatch=1, n_layers=2, prefix_len=64, suffix_len=16
@@ -136,9 +136,10 @@ def test_cp_validation_predicts_the_prefetch_run_from_the_on_demand_run():
                  cp_scatter_s=0.04, cp_demand_gathers=4, cp_scatters=8, cp_sequence_phase_b_s=0.1)  # fmt: skip
     table3 = dict(common, cell_id="a1", system="prefixflow", pp=2, cp=2, quantity="G", phase_b_s=None)
     rows = validate_records(pd.DataFrame([demand, ahead, table3]))  # an alignment row is no timing
-    assert len(rows) == 1 and rows[0]["quantity"] == "phase_b_s" and rows[0]["measured_s"] == 0.9
+    assert [r["quantity"] for r in rows] == ["phase_b_s", "cp_exposed_s"] and rows[0]["measured_s"] == 0.9
     # compute 0.7 s + 4 first-layer gathers (0.02 s each) + 8 scatters (0.005 s) + sequence 0.1 s
     assert rows[0]["predicted_s"] == pytest.approx(0.7 + 4 * 0.02 + 8 * 0.005 + 0.1)
+    assert rows[1]["predicted_s"] == pytest.approx(4 * 0.02 + 8 * 0.005) and rows[1]["measured_s"] == 0.1
 
 
 def test_simulator_validation_rows_are_not_table3_rows():
@@ -156,20 +157,65 @@ def test_simulator_validation_rows_are_not_table3_rows():
     assert measurements["cell_id"].tolist() == ["v1"]
 
 
-@pytest.mark.parametrize("switching", ["stage_local", "barrier"])
-def test_a_timeline_replays_to_its_own_span(switching):
+def _family(per_layer: dict, n_layers: int = 4, pp: int = 2, ns=(2, 4, 8), msg: float = 0.01):
+    """Records of one Figure 6b family whose timelines and step times come from the simulator itself."""
     import json
 
     import pandas as pd
 
-    from harness.simulate_claim1 import _timeline_costs
+    from harness.simulate_claim1 import stage_layers
 
-    costs = _unit_costs(3, 4, msg=0.1)
-    costs.forward[1][2], costs.backward[2][0], costs.prefix_backward[0] = 1.7, 0.4, 3.1  # uneven operations
-    res = sim.simulate_pipeline(costs, switching)
-    rec = pd.Series({"pp_timelines": json.dumps(res.timelines), "pp_span_s": res.span_s})
-    replay = _timeline_costs(
-        rec, _unit_costs(3, 4, a=9, f=9, b=9, c=9, msg=0.1)
-    )  # durations from the timeline
-    assert sim.simulate_pipeline(replay, switching).span_s == pytest.approx(res.span_s)
-    assert _timeline_costs(pd.Series({"pp_timelines": None, "pp_span_s": 1.0}), costs) is None
+    stages = stage_layers(pp, n_layers)
+    recs = []
+    for n in ns:
+        layers = sim.LayerCosts(
+            [per_layer["A"]] * n_layers, [per_layer["C"]] * n_layers, [[per_layer["F"]] * n_layers] * n,
+            [[per_layer["B"]] * n_layers] * n, [0.0] * n, [0.0] * n,
+        )  # fmt: skip
+        costs = sim.pipeline_costs(layers, stages, message_s=msg, prefix_message_s=msg)
+        for system, switching in (("prefixflow", "stage_local"), ("prefixflow_pp_barrier", "barrier")):
+            res = sim.simulate_pipeline(costs, switching)
+            steps = json.dumps([json.dumps(res.timelines)] * 3)
+            recs.append(dict(cell_id=f"c{n}", status="ok", system=system, model="m", layout="padded",
+                             dtype="fp32", ac="none", prefix_len=64, suffix_len=32, microbatch=1, pp=pp, tp=1,
+                             cp=1, n=n, n_layers=n_layers, step_time_s=res.span_s, pp_timelines_steps=steps,
+                             pp_timelines=json.dumps(res.timelines)))  # fmt: skip
+    return pd.DataFrame(recs)
+
+
+def test_pp_validation_predicts_each_run_from_the_others():
+    import json
+
+    from harness.simulate_validate import validate_records
+
+    df = _family(dict(A=0.3, F=0.1, B=0.2, C=0.5))
+    rows = validate_records(df)
+    assert len(rows) == 6 and {r["quantity"] for r in rows} == {"step_time_s"}
+    for r in rows:  # the simulator reproduces its own runs, and no run is calibrated on itself
+        assert r["sim_error"] < 1e-9, r
+        assert f"{r['system']} n={r['n']}" not in r["calibrated_on"].split(", ")
+    # a run's own timelines do not enter its prediction: spoil them and its predicted time stays put, while
+    # the run calibrated on them moves (two runs: each is the other's only calibration)
+    pair = df[df["n"] == 4].reset_index(drop=True)
+    slow = [[{**e, "end": e["start"] + (10 if e["op"] == "F" else 1) * (e["end"] - e["start"])} for e in ev]
+            for ev in json.loads(pair.loc[0, "pp_timelines"])]  # slower forwards (a uniform factor calibrates away)  # fmt: skip
+    spoiled = pair.copy()
+    spoiled.loc[0, "pp_timelines_steps"] = json.dumps([json.dumps(slow)] * 3)
+    before, after = validate_records(pair), validate_records(spoiled)
+    assert after[0]["predicted_s"] == pytest.approx(before[0]["predicted_s"])
+    assert after[1]["sim_error"] > 0.01
+
+
+def test_timeline_costs_share_a_stage_between_its_layers_and_find_the_message_latency():
+    import json
+
+    from harness.simulate_validate import timeline_costs
+
+    df = _family(dict(A=0.3, F=0.1, B=0.2, C=0.5), n_layers=4, ns=(4,), msg=0.02)
+    steps = [json.loads(t) for t in json.loads(df.loc[0, "pp_timelines_steps"])]
+    layers, message = timeline_costs(steps, 4, 4)
+    assert layers.prefix_forward == pytest.approx([0.3] * 4) and layers.forward[3] == pytest.approx([0.1] * 4)
+    assert layers.prefix_backward == pytest.approx([0.5] * 4) and layers.backward[0] == pytest.approx(
+        [0.2] * 4
+    )
+    assert message == pytest.approx(0.02)
