@@ -17,6 +17,7 @@ from typing import Any
 
 from harness import costmodel
 from harness import simulate as sim
+from harness.simulate_cp import simulate_cp_phase_b
 
 __all__ = [
     "ASSUMPTIONS",
@@ -113,7 +114,7 @@ def paper_cp_records(cp: int = 16, P: int = 16384, S: int = 8192, N: int = 16) -
     sequence = _ring_s(S * kv * a["bytes_per_element"], cp, link, lat) + _ring_s(S * kv * 4, cp, link, lat)
     rows = []
     for prefetch, system in ((False, "prefixflow_cp_demand"), (True, "prefixflow")):
-        out = sim.simulate_cp_phase_b(layers.forward[0], layers.backward[0], n_microbatches=N, gather_s=gather,
+        out = simulate_cp_phase_b(layers.forward[0], layers.backward[0], n_microbatches=N, gather_s=gather,
                                       scatter_s=scatter, prefetch=prefetch,
                                       other_comm_s=shape.n_layers * sequence)  # fmt: skip
         rows.append(_record("fig6a", system, pp=1, tp=1, cp=cp, world_size=cp, n=N, prefix_len=P, suffix_len=S,

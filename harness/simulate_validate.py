@@ -14,7 +14,7 @@
   the simulator predicts the prefetch run's Phase B and its exposed communication.
 
 Each row holds the measured and predicted seconds, the relative error and which run calibrated it. Costs
-profiled in a separate single process (``harness.simulate.profile_layers``) are not used here: on this
+profiled in a separate single process (``harness.simulate_profile``) are not used here: on this
 2-core machine a stage shares the cores with the other ranks (and other jobs), so its operations run 1.3-2.7x
 slower than the same blocks profiled alone, the error that dominated the earlier check.
 """
@@ -29,6 +29,7 @@ import pandas as pd
 
 from harness import simulate as sim
 from harness.simulate_claim1 import stage_layers
+from harness.simulate_cp import simulate_cp_phase_b
 
 __all__ = ["validate_records", "timeline_costs", "FAMILY"]
 
@@ -159,7 +160,7 @@ def _cp_rows(cp: pd.DataFrame) -> list[dict]:
         n_mb, n_layers = _n_microbatches(d), int(d["n_layers"])
         compute = float(d["phase_b_s"]) - float(d["cp_exposed_s"]) - float(d["cp_sequence_phase_b_s"])
         per_layer = compute / (n_mb * n_layers)
-        out = sim.simulate_cp_phase_b(
+        out = simulate_cp_phase_b(
             [per_layer / 3] * n_layers,
             [2 * per_layer / 3] * n_layers,
             n_microbatches=n_mb,

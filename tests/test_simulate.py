@@ -8,6 +8,8 @@ from conftest import tiny_model
 
 import prefixflow as pf
 from harness import simulate as sim
+from harness.simulate_cp import simulate_cp_phase_b
+from harness.simulate_profile import profile_layers
 
 
 def _unit_costs(n_stages: int, n_mb: int, a=1.0, f=1.0, b=2.0, c=2.0, msg=0.0) -> sim.PipelineCosts:
@@ -66,27 +68,27 @@ def test_baseline_programs_have_no_prefix_phases():
 def test_cp_prefetch_leaves_only_the_first_layer_on_demand():
     kwargs = dict(n_microbatches=4, gather_s=0.5, scatter_s=0.1)
     fwd, bwd = [1.0] * 8, [2.0] * 8
-    demand = sim.simulate_cp_phase_b(fwd, bwd, prefetch=False, **kwargs)
-    ahead = sim.simulate_cp_phase_b(fwd, bwd, prefetch=True, **kwargs)
+    demand = simulate_cp_phase_b(fwd, bwd, prefetch=False, **kwargs)
+    ahead = simulate_cp_phase_b(fwd, bwd, prefetch=True, **kwargs)
     assert demand["demand_gathers"] == 32 and demand["prefetched_gathers"] == 0
     assert ahead["demand_gathers"] == 4 and ahead["prefetched_gathers"] == 28
     assert ahead["exposed_s"] == pytest.approx(4 * 0.5 + 32 * 0.1)
     assert ahead["overlapped_s"] == pytest.approx(28 * 0.5)
     assert ahead["phase_b_s"] < demand["phase_b_s"]
-    slow = sim.simulate_cp_phase_b(fwd, bwd, prefetch=True, n_microbatches=1, gather_s=3.0, scatter_s=0.0)
+    slow = simulate_cp_phase_b(fwd, bwd, prefetch=True, n_microbatches=1, gather_s=3.0, scatter_s=0.0)
     assert slow["exposed_s"] == pytest.approx(3.0 + 7 * 2.0)  # a gather longer than a layer is partly exposed
 
 
 def test_profile_layers_measures_every_block_of_every_operation():
     model = tiny_model("llama3", dtype=torch.float32)
     group = pf.synthetic_group(97, 24, [6, 9, 4], seed=0)
-    costs = sim.profile_layers(model, group, system="prefixflow", microbatch=1, repeats=1)
+    costs = profile_layers(model, group, system="prefixflow", microbatch=1, repeats=1)
     assert len(costs.forward) == len(costs.backward) == 3
     assert all(len(row) == 2 and min(row) > 0 for row in costs.forward + costs.backward)
     assert len(costs.prefix_forward) == 2 and min(costs.prefix_forward + costs.prefix_backward) > 0
     assert min(costs.head_forward + costs.head_backward) > 0
     assert all(p.grad is None for p in model.parameters())
-    base = sim.profile_layers(model, group, system="baseline", microbatch=2, repeats=1)
+    base = profile_layers(model, group, system="baseline", microbatch=2, repeats=1)
     assert base.prefix_forward == [] and len(base.forward) == 2
     stages = sim.pipeline_costs(costs, [[0], [1]], message_s=0.001)
     assert stages.n_stages == 2 and stages.n_microbatches == 3
