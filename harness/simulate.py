@@ -9,7 +9,7 @@ are labelled simulated).
   operation order the real schedule runs. An operation starts when its stage is free and its input has
   arrived: ``A``/``F m`` after the previous stage's ``A``/``F m`` plus one message, ``B m``/``C`` after the next
   stage's ``B m``/``C`` plus one message; a barrier releases every stage when the last arrives. Sends never
-  block (the real schedule's ``isend``).
+  block (the real schedule's ``isend``). Stages have a core each, or share ``cores`` (processor sharing).
 - **CP** (``harness/simulate_cp.py``): per suffix microbatch and layer, the prefix gather of layer ``l+1`` is
   issued when layer ``l`` reads its view and overlaps layer ``l``'s compute; layer 0 gathers on demand; gK/gV
   reduce-scatters in the backward block. Without prefetch every gather is exposed.
@@ -69,48 +69,72 @@ class SimResult:
         ]
 
 
-def simulate_pipeline(costs: PipelineCosts, switching: str, prefix: bool = True) -> SimResult:
-    """Replay the stage programs of ``switching`` ("stage_local" or "barrier") over ``costs``."""
+def simulate_pipeline(
+    costs: PipelineCosts, switching: str, prefix: bool = True, cores: float | None = None
+) -> SimResult:
+    """Replay the stage programs of ``switching`` ("stage_local" or "barrier") over ``costs``.
+
+    ``cores``: the processors the stages share (None: one each). While more stages compute than there are
+    cores, each progresses at ``cores / busy`` of its speed (processor sharing): on a machine with fewer free
+    cores than stages, work that overlaps in the schedule does not finish sooner."""
     from prefixflow.parallel.pp import stage_program
 
     n, m = costs.n_stages, costs.n_microbatches
     programs = [stage_program(switching, n, s, m, prefix) for s in range(n)]
-    pos, free = [0] * n, [0.0] * n
+    pos, free = [0] * n, [0.0] * n  # next operation; when the stage finished its last one
+    running: dict[int, list] = {}  # stage -> [key, start, seconds of work left]
     ends: dict[tuple, float] = {}
     timelines: list[list[dict]] = [[] for _ in range(n)]
     arrived: dict[int, dict[int, float]] = defaultdict(dict)  # barrier k -> {stage: arrival}
     passed = [0] * n
+    now = 0.0
     while any(pos[s] < len(programs[s]) for s in range(n)):
-        progress = False
-        for s in range(n):
-            while pos[s] < len(programs[s]):
-                op = programs[s][pos[s]]
-                if op[0] == "barrier":
-                    k = passed[s]
-                    arrived[k].setdefault(s, free[s])
-                    if len(arrived[k]) < n:
+        waiting: list[float] = []  # times at which an input arrives or a barrier releases
+        changed = True
+        while changed:  # a stage passing a barrier may let one scanned before it start
+            changed, waiting = False, []
+            for s in range(n):
+                while s not in running and pos[s] < len(programs[s]):
+                    op = programs[s][pos[s]]
+                    if op[0] == "barrier":
+                        k = passed[s]
+                        arrived[k].setdefault(s, free[s])
+                        if len(arrived[k]) < n:
+                            break
+                        ready = max(arrived[k].values()) + costs.barrier
+                    else:
+                        ready = _input_ready(op, s, n, ends, costs)
+                        if ready is None:
+                            break
+                    if ready > now:
+                        waiting.append(ready)
                         break
-                    release = max(arrived[k].values()) + costs.barrier
-                    timelines[s].append(
-                        dict(stage=s, op="barrier", mb=None, wait=free[s], start=release, end=release)
-                    )
-                    free[s], passed[s] = release, k + 1
-                    pos[s] += 1
-                    progress = True
-                    continue
-                ready = _input_ready(op, s, n, ends, costs)
-                if ready is None:
-                    break
-                start = max(free[s], ready)
-                end = start + _cost(op, s, costs)
-                key = (op[0], s, op[1] if len(op) > 1 else None)
+                    start = max(free[s], ready)
+                    if op[0] == "barrier":
+                        timelines[s].append(
+                            dict(stage=s, op="barrier", mb=None, wait=free[s], start=start, end=start)
+                        )
+                        free[s], passed[s] = start, passed[s] + 1
+                        pos[s] += 1
+                        changed = True
+                        continue
+                    running[s] = [(op[0], s, op[1] if len(op) > 1 else None), start, _cost(op, s, costs)]
+        if not running and not waiting:
+            raise RuntimeError("pipeline simulation deadlocked (inconsistent stage programs)")
+        rate = 1.0 if cores is None or len(running) <= cores else cores / len(running)
+        done = min((left / rate for _, _, left in running.values()), default=float("inf"))
+        step = min(done, min(waiting, default=float("inf")) - now)
+        now += step
+        for s in list(running):
+            key, start, left = running[s]
+            running[s][2] = left - step * rate
+            if left / rate <= step * (1 + 1e-12):  # this operation finished
+                end = start + _cost((key[0], key[2]), s, costs) if rate == 1.0 and cores is None else now
                 ends[key] = end
-                timelines[s].append(dict(stage=s, op=op[0], mb=key[2], wait=free[s], start=start, end=end))
+                timelines[s].append(dict(stage=s, op=key[0], mb=key[2], wait=free[s], start=start, end=end))
                 free[s] = end
                 pos[s] += 1
-                progress = True
-        if not progress:
-            raise RuntimeError("pipeline simulation deadlocked (inconsistent stage programs)")
+                del running[s]
     return SimResult(max(free), timelines)
 
 

@@ -5,17 +5,18 @@
   when the record keeps them, ``pp_timelines_steps``) give per-layer costs: each stage operation's median
   seconds over steps, microbatches and runs, shared evenly by the stage's layers (LM head and loss go with
   the last stage's, the embedding with the first's), and the message latency (median of ``start - end`` over
-  the transfers a stage waited for). A sum of medians misses the occasional slow operation that a step's
-  span includes, and load moves every operation alike, so one factor calibrates it: the median over the
-  other runs of measured step time / simulated span. The simulator then predicts the left-out run from its
-  own schedule and microbatch count.
+  the transfers a stage waited for). Two things are fitted to the other runs (smallest worst error over
+  them): the cores the stages share (processor sharing in ``simulate_pipeline``; an operation's cost is then
+  its work, its seconds weighted by ``min(1, cores / busy stages)``), and one load factor (median of measured
+  step time / simulated span: a sum of medians misses the occasional slow operation a step includes). The
+  simulator then predicts the left-out run from its own schedule and microbatch count.
 - **CP**: the on-demand run's Phase B gives the per-layer compute (Phase B minus its exposed and sequence
   communication), one prefix gather's and one gK/gV reduce-scatter's seconds and the sequence K/V exchange;
   the simulator predicts the prefetch run's Phase B and its exposed communication.
 
 Each row holds the measured and predicted seconds, the relative error and which run calibrated it. Costs
 profiled in a separate single process (``harness.simulate_profile``) are not used here: on this
-2-core machine a stage shares the cores with the other ranks (and other jobs), so its operations run 1.3-2.7x
+2-core machine a stage shares the cores with the other ranks (and other jobs), so its operations ran 1.3-2.7x
 slower than the same blocks profiled alone, the error that dominated the earlier check.
 """
 
@@ -46,12 +47,16 @@ def _steps(rec: pd.Series) -> list[list[list[dict]]]:
     return [json.loads(raw)] if isinstance(raw, str) else []
 
 
-def timeline_costs(steps: list[list[list[dict]]], n_layers: int, n_microbatches: int) -> tuple:
+def timeline_costs(
+    steps: list[list[list[dict]]], n_layers: int, n_microbatches: int, cores: float | None = None
+) -> tuple:
     """``(LayerCosts, message_s)`` from measured stage timelines (``steps[step][stage]``: events with ``op``,
     ``mb``, ``wait``, ``start``, ``end``, on one clock). A stage's operation costs the median of its durations
     over steps (and microbatches); each layer of the stage gets an equal share (the LM head and loss go with
     the last stage's layers, the embedding with the first's). A message costs the median gap between a
-    producer's end and its consumer's start, over the transfers the consumer was already waiting for."""
+    producer's end and its consumer's start, over the transfers the consumer was already waiting for. With
+    ``cores``, an operation's cost is its work: the seconds it ran, each counted at ``min(1, cores / busy)``
+    for the ``busy`` stages computing at the time (the processor sharing ``simulate_pipeline`` models)."""
     n_stages = len(steps[0])
     stages = stage_layers(n_stages, n_layers)
     seconds: dict[tuple, list[float]] = defaultdict(list)
@@ -62,7 +67,7 @@ def timeline_costs(steps: list[list[list[dict]]], n_layers: int, n_microbatches:
             for e in events:
                 if e["op"] == "barrier":
                     continue
-                seconds[(e["op"], s)].append(e["end"] - e["start"])
+                seconds[(e["op"], s)].append(_work(e, timeline, cores))
                 src = s - 1 if e["op"] in _DOWN else s + 1
                 produced = ends.get((e["op"], src, e["mb"]))
                 if produced is not None and e["wait"] < produced:  # waited for this message
@@ -81,6 +86,19 @@ def timeline_costs(steps: list[list[list[dict]]], n_layers: int, n_microbatches:
         source="measured",
     )
     return layers, statistics.median(gaps) if gaps else 0.0
+
+
+def _work(e: dict, timeline: list[list[dict]], cores: float | None) -> float:
+    """Seconds of work in operation ``e``: its duration, each instant weighted by ``min(1, cores / busy)``."""
+    if cores is None:
+        return e["end"] - e["start"]
+    ops = [(o["start"], o["end"]) for events in timeline for o in events if o["op"] != "barrier"]
+    cuts = sorted({e["start"], e["end"], *(t for o in ops for t in o if e["start"] < t < e["end"])})
+    work = 0.0
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        busy = sum(1 for lo, hi in ops if lo <= (a + b) / 2 < hi)
+        work += (b - a) * min(1.0, cores / max(busy, 1))
+    return work
 
 
 def _row(rec: pd.Series, quantity: str, predicted: float, measured: float, calibrated_on: str) -> dict:
@@ -113,7 +131,9 @@ def _switching(rec: pd.Series) -> str:
     return "barrier" if rec["system"] == "prefixflow_pp_barrier" else "stage_local"
 
 
-def _predict(layers: sim.LayerCosts, message: float, stages: list[list[int]], rec: pd.Series) -> float:
+def _predict(
+    layers: sim.LayerCosts, message: float, stages: list[list[int]], rec: pd.Series, cores: float | None
+) -> float:
     """The simulated span of ``rec``'s schedule and microbatch count over per-microbatch ``layers`` costs."""
     n_mb = _n_microbatches(rec)
     costs = sim.LayerCosts(
@@ -125,7 +145,25 @@ def _predict(layers: sim.LayerCosts, message: float, stages: list[list[int]], re
         [0.0] * n_mb,
     )
     piped = sim.pipeline_costs(costs, stages, message_s=message, prefix_message_s=message)  # fmt: skip
-    return sim.simulate_pipeline(piped, _switching(rec)).span_s
+    return sim.simulate_pipeline(piped, _switching(rec), cores=cores).span_s
+
+
+def _calibrate(others: list[pd.Series], n_layers: int, n_stages: int) -> tuple:
+    """Costs, message latency, load factor and shared cores fitted to ``others``: the cores (one per stage, or
+    fewer shared) whose costs and load factor predict the others' step times best (smallest worst error)."""
+    stages = stage_layers(n_stages, n_layers)
+    steps = [t for o in others for t in _steps(o)]
+    best = None
+    for cores in [None, *(1 + 0.25 * i for i in range(4 * (n_stages - 1)))]:
+        layers, message = timeline_costs(steps, n_layers, 1, cores)
+        predicted = [_predict(layers, message, stages, o, cores) for o in others]
+        load = statistics.median(float(o["step_time_s"]) / p for o, p in zip(others, predicted, strict=True))
+        worst = max(
+            abs(load * p / float(o["step_time_s"]) - 1) for o, p in zip(others, predicted, strict=True)
+        )
+        if best is None or worst < best[0] - 1e-9:
+            best = (worst, layers, message, load, cores)
+    return best[1:]
 
 
 def _pp_rows(pp: pd.DataFrame) -> list[dict]:
@@ -138,14 +176,11 @@ def _pp_rows(pp: pd.DataFrame) -> list[dict]:
             if not others:
                 continue
             n_layers, n_stages = int(rec["n_layers"]), int(rec["pp"])
-            layers, message = timeline_costs([t for o in others for t in _steps(o)], n_layers, 1)
-            stages = stage_layers(n_stages, n_layers)
-            load = statistics.median(
-                float(o["step_time_s"]) / _predict(layers, message, stages, o) for o in others
-            )
-            predicted = load * _predict(layers, message, stages, rec)
+            layers, message, load, cores = _calibrate(others, n_layers, n_stages)
+            predicted = load * _predict(layers, message, stage_layers(n_stages, n_layers), rec, cores)
             label = ", ".join(f"{o['system']} n={int(o['n'])}" for o in others)
-            rows.append(_row(rec, "step_time_s", predicted, float(rec["step_time_s"]), label))
+            row = _row(rec, "step_time_s", predicted, float(rec["step_time_s"]), label)
+            rows.append({**row, "sim_cores": float("nan") if cores is None else cores, "sim_load": load})
     return rows
 
 

@@ -41,6 +41,22 @@ def test_stage_local_gap_to_barrier_does_not_grow_with_n():
     assert max(gaps[1:]) - min(gaps[1:]) < 1e-9  # fixed once the pipeline has at least n microbatches
 
 
+def test_stages_sharing_one_core_finish_overlapped_work_no_sooner():
+    costs = _unit_costs(2, 4, msg=0.0)
+    work = 2 * (1.0 + 2.0) + 2 * 4 * (1.0 + 2.0)  # every operation of both stages
+    for switching in ("stage_local", "barrier"):
+        assert sim.simulate_pipeline(costs, switching, cores=1).span_s == pytest.approx(work)
+        # as many cores as stages: the dedicated-core model
+        ded = sim.simulate_pipeline(costs, switching)
+        assert sim.simulate_pipeline(costs, switching, cores=2).span_s == pytest.approx(ded.span_s)
+    local = sim.simulate_pipeline(costs, "stage_local", cores=1.5).span_s
+    barrier = sim.simulate_pipeline(costs, "barrier", cores=1.5).span_s
+    dedicated_gap = (
+        sim.simulate_pipeline(costs, "barrier").span_s - sim.simulate_pipeline(costs, "stage_local").span_s
+    )
+    assert 0 < barrier - local < dedicated_gap  # a shared core takes part of the overlap's gain away
+
+
 def test_simulated_timelines_follow_the_stage_programs_and_dependencies():
     from prefixflow.parallel.pp import stage_program
 
@@ -194,7 +210,8 @@ def test_pp_validation_predicts_each_run_from_the_others():
     rows = validate_records(df)
     assert len(rows) == 6 and {r["quantity"] for r in rows} == {"step_time_s"}
     for r in rows:  # the simulator reproduces its own runs, and no run is calibrated on itself
-        assert r["sim_error"] < 1e-9, r
+        assert r["sim_error"] < 1e-9 and r["sim_load"] == pytest.approx(1.0), r
+        assert r["sim_cores"] != r["sim_cores"]  # dedicated cores (NaN) fit runs simulated with them
         assert f"{r['system']} n={r['n']}" not in r["calibrated_on"].split(", ")
     # a run's own timelines do not enter its prediction: spoil them and its predicted time stays put, while
     # the run calibrated on them moves (two runs: each is the other's only calibration)
@@ -206,6 +223,28 @@ def test_pp_validation_predicts_each_run_from_the_others():
     before, after = validate_records(pair), validate_records(spoiled)
     assert after[0]["predicted_s"] == pytest.approx(before[0]["predicted_s"])
     assert after[1]["sim_error"] > 0.01
+
+
+def test_pp_validation_fits_the_cores_the_stages_shared():
+    import json
+
+    from harness.simulate_claim1 import stage_layers
+    from harness.simulate_validate import timeline_costs, validate_records
+
+    df = _family(dict(A=0.3, F=0.1, B=0.2, C=0.5))
+    stages = stage_layers(2, 4)
+    for i, rec in df.iterrows():  # rerun every record's schedule with the two stages on one core
+        n = int(rec["n"])
+        layers = sim.LayerCosts([0.3] * 4, [0.5] * 4, [[0.1] * 4] * n, [[0.2] * 4] * n, [0.0] * n, [0.0] * n)
+        costs = sim.pipeline_costs(layers, stages, message_s=0.01, prefix_message_s=0.01)
+        switching = "barrier" if rec["system"] == "prefixflow_pp_barrier" else "stage_local"
+        res = sim.simulate_pipeline(costs, switching, cores=1)
+        df.loc[i, "step_time_s"] = res.span_s
+        df.loc[i, "pp_timelines_steps"] = json.dumps([json.dumps(res.timelines)])
+    steps = [json.loads(t) for t in json.loads(df.loc[0, "pp_timelines_steps"])]
+    assert timeline_costs(steps, 4, 1, cores=1)[0].forward[0] == pytest.approx([0.1] * 4)  # work, not seconds
+    rows = validate_records(df)
+    assert all(r["sim_cores"] == 1 and r["sim_error"] < 1e-6 for r in rows), rows
 
 
 def test_timeline_costs_share_a_stage_between_its_layers_and_find_the_message_latency():
