@@ -81,18 +81,20 @@ def replay_records(
     device,
     base: dict[str, Any] | None = None,
     log: Callable[[str], None] = print,
+    fp64: bool = False,
 ):
-    """Replay one trace with ``system``; the rows of ``replay-<trace>-<system>.parquet``."""
+    """Replay one trace with ``system`` (``fp64``: in float64, see :func:`replay_trace`); the rows of
+    ``replay-<trace>-<system>[-fp64].parquet``."""
     trace = load_trace(trace_dir)
     m = trace.manifest
     base = dict(
         base or {"spec": "replay", "status": "ok", "git_rev": git_rev(), "host": socket.gethostname()}
     )
 
-    rows = replay_trace(trace, system, device)
+    rows = replay_trace(trace, system, device, fp64=fp64)
     last = rows[-1]
     log(
-        f"replay {trace.name} with {system}: after step {last['step']} max|dW| {last['max_abs']:.3e} "
+        f"replay {trace.name} with {system}{' in fp64' if fp64 else ''}: after step {last['step']} max|dW| {last['max_abs']:.3e} "
         f"(rel {last['max_rel']:.2e}) rmse {last['rmse']:.2e}, tau rule {'pass' if all(r['tau_pass'] for r in rows) else 'FAIL'}"
     )
     return [
@@ -114,10 +116,13 @@ def replay_records(
 
 
 def claim3_reference_records(
-    spec: RLSpec, device: torch.device, base: dict[str, Any], step: int
+    spec: RLSpec, device: torch.device, base: dict[str, Any], step: int, suffix_len: int | None = None
 ) -> list[dict[str, Any]]:
     """``train_group`` alone, Claim 3's way (``harness.runner.run_cell``: fresh models, warm repeats, systems
-    alternating), at the loop's P, S and N; measured after loop step ``step``, under the loop's machine load."""
+    alternating), at the loop's P, S and N; measured after loop step ``step``, under the loop's machine load.
+
+    ``suffix_len``: the S the loop's trainers actually ran (the padded layout pads each group to its longest
+    sampled response), so the reference times the same token slots; None: the task's answer length."""
     from harness.runner import run_cell
     from harness.spec import Cell, ModelSpec
 
@@ -128,7 +133,7 @@ def claim3_reference_records(
         spec=spec.name,
         model=ModelSpec(name=spec.model.name, overrides=model_overrides(spec, task), label=spec.model.label),
         prefix_len=task.prompt_len,
-        suffix_len=task.response_len,
+        suffix_len=suffix_len or task.response_len,
         n=loop.n,
         layout=loop.layout,
         microbatch=loop.microbatch,
@@ -148,6 +153,7 @@ def claim3_reference_records(
             **{k: base[k] for k in keep},
             "record_kind": "rl_claim3_ref",
             "step": step,
+            "task_suffix_len": task.response_len,
             "timestamp": _now(),
         }
         for r in rows

@@ -60,6 +60,10 @@ def register(app: typer.Typer) -> None:
         out: Annotated[Path, typer.Option(help="folder for replay-<trace>-<system>.parquet")],
         system: ReplaySystem = ReplaySystem.prefixflow,
         device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+        fp64: Annotated[
+            bool,
+            typer.Option(help="replay an fp32 trace in float64: the source run's own rounding (the floor)"),
+        ] = False,
     ) -> None:
         """Replay a frozen trace with SYSTEM; per-step weight differences to the trace's own run (Fig. 8b)."""
         import pandas as pd
@@ -72,10 +76,11 @@ def register(app: typer.Typer) -> None:
 
         try:
             dev = resolve_device(device)
-            rows = replay_records(trace_dir, system.value, dev, log=log)
-        except (TraceError, RuntimeError) as e:
+            rows = replay_records(trace_dir, system.value, dev, log=log, fp64=fp64)
+        except (TraceError, RuntimeError, ValueError) as e:
             _fail(escape(str(e)))
-        path = Path(out) / f"replay-{safe_name(trace_dir.name)}-{system.value}.parquet"
+        tag = f"{system.value}-fp64" if fp64 else system.value
+        path = Path(out) / f"replay-{safe_name(trace_dir.name)}-{tag}.parquet"
         try:
             write_rl_records(path, rows, out)
         except (OSError, UnsafePathError) as e:

@@ -230,6 +230,7 @@ class ClosedLoop:
             "prompt_tokens": sum(g.prompt_len for g in groups),
             "response_tokens": sum(lens),
             "response_len_mean": sum(lens) / len(lens),
+            "padded_suffix_len_mean": sum(max(g.response_lens) for g in groups) / len(groups),
             "truncated_frac": sum(t for ro in rollouts for t in ro.truncated) / len(lens),
             "trunk_tokens": stats.trunk_tokens,
             "sync_bytes": synced,

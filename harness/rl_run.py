@@ -16,7 +16,9 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import math
 import socket
+import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -355,7 +357,8 @@ def run_claim2(spec: RLSpec, preset: str | None, out: str | Path, log: Log = pri
                             f"{row['reward_mean']:.3f} loss {row['loss']:+.4f} step {row['step_s']:.2f}s "
                             f"(update {row['update_s']:.2f}s)"
                         )
-            reference.after(min(r.loop.step_done for r in runs if r.plan.role == "compare"))
+            compare = [r for r in runs if r.plan.role == "compare"]
+            reference.after(min(r.loop.step_done for r in compare), [row for r in compare for row in r.rows])
     for run in runs:  # a run resumed past its trace steps may have been killed before writing the manifest
         if run.trace is not None and not (run.trace_dir / "manifest.json").exists():
             run.trace.finish(run.plan.trace_steps)
@@ -365,14 +368,18 @@ def run_claim2(spec: RLSpec, preset: str | None, out: str | Path, log: Log = pri
     for run in runs:
         if run.trace is None:
             continue
-        for system in spec.trace.systems:
-            path = folder / f"replay-{run.trace_dir.name}-{system}.parquet"
+        # an fp32 trace is also replayed by the baseline in fp64: the source's own rounding, the floor for
+        # the other fp32 replays (Adam's sign-like first steps amplify rounding-level gradient differences)
+        floor = [("baseline", True)] if run.plan.dtype == "fp32" else []
+        for system, fp64 in [(s, False) for s in spec.trace.systems] + floor:
+            tag = f"{system}-fp64" if fp64 else system
+            path = folder / f"replay-{run.trace_dir.name}-{tag}.parquet"
             if path.exists() and read_records(path)["identity"].eq(base["identity"]).all():
                 continue
-            rows = replay_records(run.trace_dir, system, device, base, log)
+            rows = replay_records(run.trace_dir, system, device, base, log, fp64=fp64)
             rows = [{**r, "preset": base["preset"], "identity": base["identity"]} for r in rows]
             write_rl_records(path, rows, folder)
-    reference.after(spec.loop.steps)
+    reference.after(spec.loop.steps, [row for r in runs if r.plan.role == "compare" for row in r.rows])
     return folder
 
 
@@ -391,12 +398,18 @@ class _Claim3Reference:
             old = old[(old["identity"] == self.base["identity"]) & (old["step"] <= step)]
             self.rows = old.to_dict("records")
 
-    def after(self, step: int) -> None:
+    def after(self, step: int, loop_rows: list[dict[str, Any]]) -> None:
+        """Measure at checkpoint ``step``, at the suffix length the compared trainers ran since the previous
+        measurement (``loop_rows``: their step records; the median of each step's mean padded length)."""
         spec = self.spec
         due = step % spec.checkpoint_every == 0 or step == spec.loop.steps
         if not spec.claim3_reference.enabled or not due or any(r["step"] == step for r in self.rows):
             return
-        self.rows += claim3_reference_records(spec, self.device, self.base, step)
+        since = step - spec.checkpoint_every
+        padded = [r.get("padded_suffix_len_mean", math.nan) for r in loop_rows if since < r["step"] <= step]
+        padded = [v for v in padded if v == v]  # records from before the column existed hold NaN
+        suffix_len = round(statistics.median(padded)) if padded else None
+        self.rows += claim3_reference_records(spec, self.device, self.base, step, suffix_len)
         write_rl_records(self.path, self.rows, self.path.parent)
         t = {r["system"]: r["step_time_s"] for r in self.rows[-2:]}
         ratio = t.get("baseline", float("nan")) / min(v for k, v in t.items() if k != "baseline")

@@ -260,15 +260,22 @@ def _compare(
 
 
 def replay_trace(
-    trace: Trace, system: str, device: str | torch.device = "cpu", on_step=None
+    trace: Trace, system: str, device: str | torch.device = "cpu", on_step=None, fp64: bool = False
 ) -> list[dict[str, Any]]:
     """Replay every step of ``trace`` with ``system``; one dict per step with the weight differences to the
-    source run after that step (max / RMSE / mean absolute, relative max, the bf16 tau rule)."""
+    source run after that step (max / RMSE / mean absolute, relative max, the bf16 tau rule).
+
+    ``fp64``: replay in float64 (weights, AdamW state, compute) an fp32 trace: the difference is then the
+    source run's own fp32 rounding, amplified by the optimizer as any fp32 trainer's would be (the floor
+    against which another fp32 trainer's replay is read)."""
     from harness.rl_loop import DTYPES
 
     m = trace.manifest
     if system not in pf.SYSTEMS:
         raise ValueError(f"system {system!r} unknown; valid: {pf.SYSTEMS}")
+    if fp64 and m.dtype != "fp32":
+        raise ValueError(f"an fp64 replay measures an fp32 trace's rounding; {trace.name} is {m.dtype}")
+    weights_dtype = torch.float64 if fp64 else torch.float32
     device = torch.device(device)
     manifest_path = trace.folder / "manifest.json"
     try:  # on the meta device first: the trace's weights must fit the model it names before any allocation
@@ -281,12 +288,13 @@ def replay_trace(
     held = {k.removeprefix("w."): tuple(v.shape) for k, v in initial.items() if k.startswith("w.")}
     if held != shapes:
         raise TraceError(f"{initial_path}: its weights do not match the model {m.model} the manifest names")
-    model = pf.build_model(m.model, dtype=torch.float32, seed=m.seed, overrides=m.overrides, device=device)
+    model = pf.build_model(m.model, dtype=weights_dtype, seed=m.seed, overrides=m.overrides, device=device)
     pf.apply_prefixflow(model, pf.PrefixFlowConfig(attention=m.attention))
     o = m.optimizer
     opt = torch.optim.AdamW(
         model.parameters(), lr=m.steps[0].lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
     )
+    initial = {k: v.to(weights_dtype) if k.startswith("w.") else v for k, v in initial.items()}
     load_weights(model, initial, initial_path, prefix="w.")
     load_optimizer(model, opt, initial, initial_path)
     compute = DTYPES[m.dtype]
@@ -308,6 +316,7 @@ def replay_trace(
         after = trace.tensors(step.after)
         row = {
             "step": step.step,
+            "replay_dtype": "fp64" if fp64 else m.dtype,
             "lr": step.lr,
             "loss": stats.loss,
             "source_loss": step.loss,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
@@ -65,11 +67,20 @@ def test_smoke_preset_records_figures_and_resume(tmp_path):
     ):
         assert steps["baseline-s0"][col].notna().all()
     replays = sorted(p.name for p in folder.glob("replay-*.parquet"))
-    assert replays == [
-        f"replay-baseline-{d}-s0-{s}.parquet" for d in ("bf16", "fp32") for s in ("baseline", "prefixflow")
-    ]
+    assert sorted(replays) == sorted(
+        [f"replay-baseline-{d}-s0-{s}.parquet" for d in ("bf16", "fp32") for s in ("baseline", "prefixflow")]
+        + ["replay-baseline-fp32-s0-baseline-fp64.parquet"]  # the fp32 trace's own rounding (its floor)
+    )
     assert (read_records(folder / "replay-baseline-fp32-s0-baseline.parquet")["max_abs"] == 0).all()
+    floor = read_records(folder / "replay-baseline-fp32-s0-baseline-fp64.parquet")
+    assert (floor["replay_dtype"] == "fp64").all() and (floor["max_abs"] > 0).all()
     assert len(list((folder / "_state" / "runs" / "baseline-s0" / "checkpoints").glob("*.safetensors"))) == 2
+    # the Claim-3 reference times the suffix length the compared trainers ran (padded to each group's longest)
+    ref = read_records(folder / "claim3-reference.parquet")
+    loop = pd.concat([steps["baseline-s0"], steps["prefixflow-s0"]])
+    for step, s in ref.groupby("step")["suffix_len"].first().items():
+        window = loop[(loop["step"] > step - 2) & (loop["step"] <= step)]["padded_suffix_len_mean"]
+        assert s == round(statistics.median(window.tolist())) and (ref["task_suffix_len"] == 5).all()
     # every figure comes from the records alone; other sweeps' figures ignore these rows
     res = invoke("figures", "--results", out, "--out", out / "figures")
     assert res.exit_code == 0, res.output

@@ -119,6 +119,7 @@ def speedups(df: pd.DataFrame) -> dict[str, float]:
         others = [s for s in t.columns if s != "baseline"]
         if "baseline" in t.columns and others:
             out["claim3_speedup"] = float((t["baseline"] / t[others[0]]).median())  # median over checkpoints
+            out["claim3_suffix_len"] = float(ref["suffix_len"].median())
     return out
 
 
@@ -153,7 +154,11 @@ def figure7(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     ax.invert_yaxis()
     ax.set_xlabel("median time per GRPO step and phase (s)")
     n_steps = int(steps["step"].max())
-    extra = f"; Claim-3 ref {sp['claim3_speedup']:.2f}x" if "claim3_speedup" in sp else ""
+    extra = (
+        f"; Claim-3 ref {sp['claim3_speedup']:.2f}x at S={sp['claim3_suffix_len']:g}"
+        if "claim3_speedup" in sp
+        else ""
+    )
     ax.set_title(
         f"Figure 7: step {sp['e2e_speedup']:.2f}x, actor update {sp['update_speedup']:.2f}x{extra}\n"
         f"(update = {100 * sp['update_share']:.0f}% of the baseline step; {n_steps} steps, "
