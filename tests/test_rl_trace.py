@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from harness.cli import app
 from harness.records import read_records
 from harness.rl_io import TraceError, load_tensors, sha256_of
+from harness.rl_precision import step_gradients
 from harness.rl_run import run_claim2
 from harness.rl_trace import load_trace, replay_trace
 
@@ -51,6 +52,20 @@ def test_prefixflow_replay_within_fp32_noise(traced):
     rows = read_records(traced / "replay-baseline-fp32-s0-prefixflow.parquet")
     assert (rows["max_rel"] < 1e-5).all() and rows["tau_pass"].all()
     assert (rows["max_abs"] > 0).any()  # a different schedule: not bitwise, only close
+
+
+def test_fp64_replay_measures_the_fp32_source_rounding_and_prefixflow_gradients_match_it(traced):
+    floor = read_records(traced / "replay-baseline-fp32-s0-baseline-fp64.parquet")
+    assert (floor["replay_dtype"] == "fp64").all() and (floor["max_abs"] > 0).all()
+    trace = load_trace(trace_dir(traced))
+    truth = step_gradients(trace, 1, "baseline", torch.float64)
+    exact = step_gradients(trace, 1, "prefixflow", torch.float64)
+    fp32 = {s: step_gradients(trace, 1, s, torch.float32) for s in ("baseline", "prefixflow")}
+    for name, g in truth.items():
+        assert torch.allclose(exact[name], g, rtol=1e-10, atol=1e-14), name
+        base_err = float((fp32["baseline"][name] - g).norm())
+        # PrefixFlow's fp32 gradients are as close to fp64 as the baseline's own (rounding, no bias)
+        assert float((fp32["prefixflow"][name] - g).norm()) <= 4 * base_err + 1e-9 * float(g.norm()), name
 
 
 def test_trace_files_are_safetensors_and_json(traced):
