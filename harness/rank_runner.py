@@ -25,18 +25,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.measure import PhaseMeter
-from harness.runner import (
-    _cost_columns,
-    _model_columns,
-    _model_shape,
+from harness.cell_columns import (
     base_record,
-    build_cell_model,
     classify,
+    cost_columns,
     failed_records,
-    make_group,
-    resolve_device,
+    model_columns,
+    model_shape,
 )
+from harness.cell_setup import build_cell_model, make_group, resolve_device
+from harness.measure import PhaseMeter
 from harness.spec import Cell
 from harness.systems import get_system
 
@@ -139,7 +137,7 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
     for name in cell.systems:
         try:
             models[name], libraries[name] = _build(name, cell, device, dims, mesh)
-            extras[name] = _model_columns(models[name], cell, name)
+            extras[name] = model_columns(models[name], cell, name)
         except Exception as e:
             failures[name] = (classify(e), traceback.format_exc())
     groups = []
@@ -220,7 +218,7 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
             system = get_system(name)
             rec["attention"] = getattr(system, "attention_variant", lambda d: None)(device)
             lens = [g.response_lens for g in groups]
-            rec.update(_cost_columns(_model_shape(models[name], cell), cell, system, lens, device))
+            rec.update(cost_columns(model_shape(models[name], cell), cell, system, lens, device))
         records.append(rec)
     return records
 
@@ -305,7 +303,7 @@ def _report_steps(steps: int) -> list[int]:
 def run_alignment_cell(cell: Cell) -> list[dict[str, Any]] | None:
     """An alignment cell: Table 3 rows (one record per run, step and quantity) of PrefixFlow vs the baseline
     in the cell's layout. Multi-rank cells run on local ranks (rank 0 returns the rows, the others None)."""
-    from harness.runner import DTYPES
+    from harness.cell_setup import DTYPES
 
     if cell.world_size > 1 and os.environ.get("WORLD_SIZE") != str(cell.world_size):
         from harness.launch import run_cell_local_ranks
