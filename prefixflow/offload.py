@@ -44,26 +44,30 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import tempfile
 import threading
 import weakref
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
 from .adapters import adapter_for
+from .offload_storage import (
+    TIER_CPU,
+    TIER_CUDA,
+    FilePool,
+    Kept,
+    Packed,
+    PinnedPool,
+    Slot,
+    bytes_of,
+    check_version,
+)
 
 __all__ = ["OffloadStats", "PrefixOffload", "TIER_CPU", "TIER_CUDA", "DEFAULT_MIN_BYTES"]
 
-TIER_CUDA = "cuda-pinned"
-TIER_CPU = "cpu-file"
 DEFAULT_MIN_BYTES = 4096
-POOL_HEADROOM = 1.5
-MIN_PINNED_CHUNK = 64 << 20
 _FOOTPRINT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> last group's offloaded bytes
 
 
@@ -90,211 +94,6 @@ class OffloadStats:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "loaded_bytes": self.loaded_bytes}
-
-
-def _version_alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor that shares ``t``'s version counter (so an in-place change to ``t``, its base or any view of it
-    shows here) but holds no storage: the offloaded bytes can leave while the counter stays watched. The
-    storage swap bumps the shared counter once; it is set back, so ``t`` reads the same version as before."""
-    version = t._version
-    alias = t.detach()  # shares t's version counter
-    alias.set_(torch.UntypedStorage(0, device=t.device))
-    torch._C._autograd._unsafe_set_version_counter((alias,), (version,))
-    return alias
-
-
-def _check_version(watched: torch.Tensor, saved_version: int, t_desc: str, where: str) -> None:
-    """Raise as autograd does when a saved tensor was modified in place after it was saved."""
-    if watched._version != saved_version:
-        raise RuntimeError(
-            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"[{t_desc}], saved by the prefix forward ({where}), is at version {watched._version}; expected "
-            f"version {saved_version} instead. (Saved tensors of the prefix graph must stay unchanged until "
-            "Phase C's backward reads them.)"
-        )
-
-
-class _Kept:
-    """A saved tensor that stays resident, with the version it was saved at."""
-
-    __slots__ = ("tensor", "version", "layer")
-
-    def __init__(self, t: torch.Tensor, layer: int) -> None:
-        self.tensor, self.version, self.layer = t.detach(), t._version, layer
-
-
-class _Slot:
-    __slots__ = (
-        "index", "layer", "nbytes", "version", "alias", "desc", "handles", "where", "data", "pending", "loaded",
-    )  # fmt: skip
-
-    def __init__(self, index: int, layer: int, t: torch.Tensor) -> None:
-        self.index, self.layer = index, layer
-        self.nbytes, self.version = t.untyped_storage().nbytes(), t._version
-        self.alias = _version_alias(t)  # watches in-place changes while the bytes are out
-        self.desc = f"{t.dtype} {tuple(t.shape)}"
-        self.handles = 0
-        self.where = None  # tier location: file offset, or (pinned region, copy-out event)
-        self.data = None  # the storage's bytes back on the device (uint8)
-        self.pending = None  # an in-flight load (Future or CUDA event)
-        self.loaded = False
-
-
-class _Packed:
-    """What autograd stores instead of an offloaded tensor: its slot and its view geometry."""
-
-    __slots__ = ("owner", "slot", "dtype", "offset", "size", "stride")
-
-    def __init__(self, owner: PrefixOffload, slot: _Slot, t: torch.Tensor) -> None:
-        self.owner, self.slot, self.dtype = owner, slot, t.dtype
-        self.offset, self.size, self.stride = t.storage_offset(), tuple(t.shape), t.stride()
-        slot.handles += 1
-
-    def __del__(self) -> None:
-        self.owner._drop_handle(self.slot)
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """A uint8 tensor over the whole storage of ``t`` (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-
-
-class _FilePool:
-    """CPU tier: an unlinked temporary file, written and read by one worker thread."""
-
-    tier = TIER_CPU
-
-    def __init__(self) -> None:
-        fd, path = tempfile.mkstemp(prefix="prefixflow-offload-", suffix=".bin")
-        os.unlink(path)  # the name goes now; the space goes when the fd closes, even if the process dies
-        self.fd, self.path, self.size = fd, path, 0
-        self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixflow-offload")
-        self.writes: list = []
-
-    def _write(self, src: torch.Tensor, offset: int) -> None:
-        view, done = memoryview(src.numpy()), 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], offset + done)
-
-    def _read(self, dst: torch.Tensor, offset: int) -> None:
-        view, done = memoryview(dst.numpy()), 0
-        while done < len(view):
-            n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n == 0:
-                raise OSError(f"offload file {self.path} ended early at byte {offset + done}")
-            done += n
-
-    def store(self, slot: _Slot, src: torch.Tensor) -> None:
-        slot.where, self.size = self.size, self.size + slot.nbytes
-        self.writes.append(self.io.submit(self._write, src, slot.where))  # holds src until written
-
-    def finish_stores(self) -> None:
-        writes, self.writes = self.writes, []
-        for w in writes:
-            w.result()
-
-    def start_load(self, slot: _Slot) -> None:
-        slot.data = torch.empty(slot.nbytes, dtype=torch.uint8)  # allocated here, where meters see it
-        slot.pending = self.io.submit(self._read, slot.data, slot.where)
-
-    def complete_load(self, slot: _Slot) -> bool:
-        """Wait for a started load; run it here if the worker has not begun it. True = it was already done."""
-        if slot.pending.done():
-            slot.pending.result()
-            return True
-        if slot.pending.cancel():
-            self._read(slot.data, slot.where)
-        else:
-            slot.pending.result()
-        return False
-
-    def abandon(self, slot: _Slot) -> bool:
-        """A started load nobody will consume: cancel it if it has not begun. True = the bytes were read."""
-        if slot.pending.cancel():
-            return False
-        slot.pending.result()
-        return True
-
-    def load_now(self, slot: _Slot) -> None:
-        self.finish_stores()
-        slot.data = torch.empty(slot.nbytes, dtype=torch.uint8)
-        self._read(slot.data, slot.where)
-
-    def capacity(self) -> int:
-        return self.size
-
-    def close(self) -> None:
-        self.io.shutdown(wait=True, cancel_futures=True)
-        self.writes = []
-        os.close(self.fd)
-        self.fd = -1
-
-
-class _PinnedPool:
-    """CUDA tier: pinned host chunks (bump-allocated), copies on a side stream and a prefetch stream."""
-
-    tier = TIER_CUDA
-
-    def __init__(self, device: torch.device, hint: int) -> None:
-        self.device = device
-        self.out_stream = torch.cuda.Stream(device)
-        self.in_stream = torch.cuda.Stream(device)
-        self.chunks: list[list] = []  # [pinned uint8 tensor, bytes used]
-        self.first = max(int(hint * POOL_HEADROOM), MIN_PINNED_CHUNK)
-
-    def _region(self, nbytes: int) -> torch.Tensor:
-        need = (nbytes + 511) // 512 * 512
-        if not self.chunks or self.chunks[-1][1] + need > self.chunks[-1][0].numel():
-            grow = self.first if not self.chunks else int(self.capacity() * (POOL_HEADROOM - 1))
-            self.chunks.append([torch.empty(max(need, grow), dtype=torch.uint8, pin_memory=True), 0])
-        chunk = self.chunks[-1]
-        region, chunk[1] = chunk[0][chunk[1] : chunk[1] + nbytes], chunk[1] + need
-        return region
-
-    def store(self, slot: _Slot, src: torch.Tensor) -> None:
-        region = self._region(slot.nbytes)
-        self.out_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.out_stream):
-            region.copy_(src, non_blocking=True)
-            src.record_stream(self.out_stream)  # the allocator reuses src only after this copy
-            done = torch.cuda.Event()
-            done.record(self.out_stream)
-        slot.where = (region, done)
-
-    def finish_stores(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.out_stream)
-
-    def start_load(self, slot: _Slot) -> None:
-        region, copied_out = slot.where
-        with torch.cuda.stream(self.in_stream):
-            self.in_stream.wait_event(copied_out)
-            slot.data = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
-            slot.data.copy_(region, non_blocking=True)
-            slot.pending = torch.cuda.Event()
-            slot.pending.record(self.in_stream)
-
-    def complete_load(self, slot: _Slot) -> bool:
-        ready = slot.pending.query()
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(slot.pending)
-        slot.data.record_stream(current)
-        return ready
-
-    def abandon(self, slot: _Slot) -> bool:
-        return True  # the copy is already queued on the prefetch stream
-
-    def load_now(self, slot: _Slot) -> None:
-        region, copied_out = slot.where
-        torch.cuda.current_stream(self.device).wait_event(copied_out)
-        slot.data = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
-        slot.data.copy_(region, non_blocking=True)  # stream-ordered before the backward that reads it
-
-    def capacity(self) -> int:
-        return sum(c[0].numel() for c in self.chunks)
-
-    def close(self) -> None:
-        torch.cuda.synchronize(self.device)  # no copy may still read or write a chunk
-        self.chunks.clear()
 
 
 def _blocks_of(model: nn.Module) -> list[nn.Module]:
@@ -327,10 +126,10 @@ class PrefixOffload:
         self._blocks = _blocks_of(model)
         self._protected = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
         hint = _FOOTPRINT.get(model, 0)
-        self.pool = _PinnedPool(self.device, hint) if self.device.type == "cuda" else _FilePool()
+        self.pool = PinnedPool(self.device, hint) if self.device.type == "cuda" else FilePool()
         self.stats = OffloadStats(tier=self.pool.tier, prefetch=prefetch)
         self._lock = threading.RLock()
-        self._slots: list[_Slot] = []
+        self._slots: list[Slot] = []
         self._by_storage: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._layer = -1
         self._frontier: int | None = None  # lowest layer the backward has reached
@@ -381,18 +180,18 @@ class PrefixOffload:
             reason = self._keep_reason(t)
             if reason is not None:
                 self.stats.kept[reason] = self.stats.kept.get(reason, 0) + 1
-                return _Kept(t, self._layer)
+                return Kept(t, self._layer)
             storage = t.untyped_storage()
             slot = self._by_storage.get(storage)
             if slot is None or slot.version != t._version or slot.handles == 0:
-                slot = _Slot(len(self._slots), self._layer, t)
+                slot = Slot(len(self._slots), self._layer, t)
                 self._slots.append(slot)
                 self._by_storage[storage] = slot
-                self.pool.store(slot, _bytes_of(t.detach()))
+                self.pool.store(slot, bytes_of(t.detach()))
                 self.stats.offloaded_tensors += 1
                 self.stats.offloaded_bytes += slot.nbytes
                 self.stats.pool_capacity_bytes = self.pool.capacity()
-            return _Packed(self, slot, t)
+            return Packed(self, slot, t)
 
     # -- Phase C ------------------------------------------------------------------------------------
     def prefetch(self) -> None:
@@ -416,18 +215,16 @@ class PrefixOffload:
                     self.stats.prefetched_bytes += slot.nbytes
 
     def _unpack(self, packed) -> torch.Tensor:
-        if isinstance(packed, _Kept):
+        if isinstance(packed, Kept):
             t = packed.tensor
-            _check_version(
-                t, packed.version, f"{t.dtype} {tuple(t.shape)}", f"layer {packed.layer}, resident"
-            )
+            check_version(t, packed.version, f"{t.dtype} {tuple(t.shape)}", f"layer {packed.layer}, resident")
             return t
         slot = packed.slot
         with self._lock:
             if self.stats.released:
                 raise RuntimeError("PrefixOffload: a saved tensor was unpacked after the pool was released")
             # Before any load: a change made after the save (one racing the copy out too) voids the bytes.
-            _check_version(slot.alias, slot.version, slot.desc, f"layer {slot.layer}, offloaded")
+            check_version(slot.alias, slot.version, slot.desc, f"layer {slot.layer}, offloaded")
             if slot.data is None:  # never scheduled: demand-load
                 self.pool.load_now(slot)
                 slot.loaded = True
@@ -442,7 +239,7 @@ class PrefixOffload:
         out = torch.empty(0, dtype=packed.dtype, device=data.device)
         return out.set_(data.untyped_storage(), packed.offset, packed.size, packed.stride)
 
-    def _drop_handle(self, slot: _Slot) -> None:
+    def _drop_handle(self, slot: Slot) -> None:
         with self._lock:
             slot.handles -= 1
             if slot.handles > 0 or self.stats.released:
