@@ -13,7 +13,13 @@ from harness.records import read_records
 from harness.rl_loop import ClosedLoop, RunPlan, build_model_for, task_of
 from harness.rl_run import run_claim2
 from harness.rl_task import EOS, RetrievalTask
-from prefixflow.rl import group_advantages, response_logprobs, sample_responses, sync_weights
+from prefixflow.rl import (
+    actor_update,
+    group_advantages,
+    response_logprobs,
+    sample_responses,
+    sync_weights,
+)
 
 TIMING = (
     "generation_s",
@@ -79,6 +85,25 @@ def test_group_advantages():
     assert torch.equal(group_advantages(torch.tensor([0.3, 0.3])), torch.zeros(2))
     with pytest.raises(ValueError, match="finite"):
         group_advantages(torch.tensor([1.0, float("nan")]))
+
+
+def test_a_bad_group_leaves_gradients_learning_rate_and_weights_as_they_were():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    good = pf.RolloutGroup(
+        torch.arange(1, 9), [torch.tensor([3, 4]), torch.tensor([5])], torch.tensor([1.0, -1])
+    )
+    bad = pf.RolloutGroup(
+        torch.arange(1, 9), [torch.tensor([3, 99])], torch.tensor([1.0])
+    )  # id 99 >= vocab 61
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.25)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"responses\[0\] has token id 99 outside"):
+        actor_update(model, [good, bad], opt, system="prefixflow", lr=1e-3)
+    assert opt.param_groups[0]["lr"] == 0.5 and not opt.state
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.25)) for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
 def test_sync_weights_copies_and_casts():

@@ -103,33 +103,45 @@ def actor_update(
     ``seq-mean-token-mean`` over the batch), optional norm clipping, one ``optimizer.step()``.
 
     ``lr`` (if given) is set on every parameter group first; ``compute_dtype`` bf16/fp16 runs the groups
-    under autocast (mixed precision over fp32 master weights).
+    under autocast (mixed precision over fp32 master weights). Each group is validated by its
+    ``train_group`` call; if any call raises (bad input, non-finite gradient), the gradients and learning
+    rates are put back as they were before this call (references kept, no copies) and nothing is stepped.
     """
     if not groups:
         raise ValueError("actor_update needs at least one rollout group")
-    if lr is not None:
-        for pg in optimizer.param_groups:
-            pg["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
-    device = next(model.parameters()).device
+    all_params = list(model.parameters())
+    grads_before = [p.grad for p in all_params]
+    lrs_before = [pg["lr"] for pg in optimizer.param_groups]
+    device = all_params[0].device
     losses, times = [], {}
     suffix = trunk = 0
-    with autocast_for(device, compute_dtype):
-        for group in groups:
-            stats = train_group(
-                model,
-                group,
-                system=system,
-                layout=layout,
-                microbatch=microbatch,
-                loss="grpo",
-                loss_config=loss_config,
-            )
-            losses.append(stats.loss)
-            suffix += stats.suffix_tokens
-            trunk += stats.trunk_tokens
-            for phase, t in stats.phase_times.items():
-                times[phase] = times.get(phase, 0.0) + t
+    try:
+        if lr is not None:
+            for pg in optimizer.param_groups:
+                pg["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        with autocast_for(device, compute_dtype):
+            for group in groups:
+                stats = train_group(
+                    model,
+                    group,
+                    system=system,
+                    layout=layout,
+                    microbatch=microbatch,
+                    loss="grpo",
+                    loss_config=loss_config,
+                )
+                losses.append(stats.loss)
+                suffix += stats.suffix_tokens
+                trunk += stats.trunk_tokens
+                for phase, t in stats.phase_times.items():
+                    times[phase] = times.get(phase, 0.0) + t
+    except BaseException:
+        for p, g in zip(all_params, grads_before, strict=True):
+            p.grad = g
+        for pg, old in zip(optimizer.param_groups, lrs_before, strict=True):
+            pg["lr"] = old
+        raise
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
