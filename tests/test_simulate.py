@@ -260,3 +260,20 @@ def test_timeline_costs_share_a_stage_between_its_layers_and_find_the_message_la
         [0.2] * 4
     )
     assert message == pytest.approx(0.02)
+
+
+def test_figure6b_gap_noise_pairs_the_systems_steps():
+    import json
+
+    from harness.figures.fig6 import pp_gaps
+
+    df = _family(dict(A=0.3, F=0.1, B=0.2, C=0.5), ns=(4,))
+    df["source"], df["device"] = "measured", "cpu"
+    local = df["system"] == "prefixflow"
+    one = json.loads(df.loc[local, "pp_timelines_steps"].iloc[0])
+    slower = [json.dumps([[{**e, "end": e["end"] + 0.5} for e in ev] for ev in json.loads(t)]) for t in one]
+    df.loc[local, "pp_timelines_steps"] = json.dumps([one[0], slower[1], one[2], slower[0]])  # 4 paired steps
+    row = pp_gaps(df).iloc[0]
+    gap = row["gap_s"]  # from the medians (the records' step times)
+    # the per-step gaps are gap, gap - 0.5, gap (the 4th step has no barrier partner): quartiles of those
+    assert row["gap_q25_s"] == pytest.approx(gap - 0.5) and row["gap_q75_s"] == pytest.approx(gap)

@@ -9,6 +9,8 @@ figure compares the simulator's predictions with the measured points it was chec
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -118,7 +120,8 @@ def figure6a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
 
 
 def pp_gaps(df: pd.DataFrame) -> pd.DataFrame:
-    """Per (panel, N): median stage-local and barrier step times and their difference."""
+    """Per (panel, N): median stage-local and barrier step times, their difference and (measured) the
+    quartiles of the paired per-step differences."""
     rows = []
     for simulated, part in ((False, measured(df)), (True, _source(df, "simulated"))):
         if part.empty or "pp" not in part.columns:
@@ -132,9 +135,28 @@ def pp_gaps(df: pd.DataFrame) -> pd.DataFrame:
             title = _title(g.iloc[0], simulated)
             for n, r in steps.dropna().iterrows():
                 local, barrier = float(r["prefixflow"]), float(r["prefixflow_pp_barrier"])
+                lo, hi = _paired_spread(g[g["n"] == n])
                 rows.append(dict(panel=title, simulated=simulated, pp=int(g["pp"].iloc[0]), n=int(n),
-                                 stage_local_s=local, barrier_s=barrier, gap_s=barrier - local))  # fmt: skip
+                                 stage_local_s=local, barrier_s=barrier, gap_s=barrier - local,
+                                 gap_q25_s=lo, gap_q75_s=hi))  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def _paired_spread(g: pd.DataFrame) -> tuple[float, float]:
+    """Quartiles of barrier − stage-local over the timed steps, paired in the order they ran (the systems
+    alternate step by step), from each step's stage timelines (``pp_timelines_steps``); NaN without them."""
+    spans = {}
+    for system in PP_MODES:
+        rec = g[g["system"] == system]
+        raw = rec["pp_timelines_steps"].iloc[0] if "pp_timelines_steps" in rec and len(rec) else None
+        if not isinstance(raw, str):
+            return math.nan, math.nan
+        spans[system] = [max(e["end"] for ev in json.loads(t) for e in ev) for t in json.loads(raw) if t]
+    diffs = [b - a for a, b in zip(spans["prefixflow"], spans["prefixflow_pp_barrier"], strict=False)]
+    if len(diffs) < 2:
+        return math.nan, math.nan
+    q = statistics.quantiles(diffs, n=4)
+    return q[0], q[2]
 
 
 def figure6b(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
@@ -148,20 +170,30 @@ def figure6b(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     for ax, panel in zip(axes[0], panels, strict=True):
         t = table[table["panel"] == panel].sort_values("n")
         ax.plot(t["n"], t["gap_s"], marker="o", color="#c44e52", label="barrier − stage-local")
+        if t["gap_q25_s"].notna().any():  # measured: the paired per-step gaps' quartiles
+            ax.vlines(t["n"], t["gap_q25_s"], t["gap_q75_s"], color="#c44e52", alpha=0.5, lw=3)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N (responses per group)")
         ax.set_ylabel("step-time gap (s)")
-        ax.set_ylim(min(t["gap_s"].min() * 1.3, 0.0), max(t["gap_s"].max() * 1.3, 1e-6))  # noise can be < 0
+        lo = min(t["gap_s"].min(), t["gap_q25_s"].min(skipna=True) if t["gap_q25_s"].notna().any() else 0.0)
+        hi = max(t["gap_s"].max(), t["gap_q75_s"].max(skipna=True) if t["gap_q75_s"].notna().any() else 0.0)
+        ax.set_ylim(min(lo * 1.3, 0.0), max(hi * 1.3, 1e-6))  # noise can be < 0
         ax.axhline(0, color="k", lw=0.6)
         twin = ax.twinx()
         twin.plot(t["n"], t["stage_local_s"], ls="--", color="#4c72b0", label="stage-local step")
         twin.set_ylabel("stage-local step (s)", color="#4c72b0")
         twin.grid(False)
         ax.set_title(panel, fontsize=8)
-    handles = axes[0][0].get_legend_handles_labels()[0] + [plt.Line2D([], [], ls="--", color="#4c72b0")]
-    axes[0][0].legend(
-        handles, ["barrier − stage-local", "stage-local step (right axis)"], fontsize=7, loc="upper left"
-    )
+    handles = axes[0][0].get_legend_handles_labels()[0] + [
+        plt.Line2D([], [], color="#c44e52", alpha=0.5, lw=3),
+        plt.Line2D([], [], ls="--", color="#4c72b0"),
+    ]
+    labels = [
+        "barrier − stage-local (median)",
+        "paired per-step gaps, quartiles",
+        "stage-local step (right axis)",
+    ]
+    axes[0][0].legend(handles, labels, fontsize=7, loc="upper left")
     fig.suptitle("Figure 6b: PP global barrier minus stage-local phase switching", fontsize=10)
     return [save(fig, out_dir, "fig6b_pp_switching")]
 
