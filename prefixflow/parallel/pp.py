@@ -84,7 +84,7 @@ class Pipeline:
     group: dist.ProcessGroup
     switching: str = "stage_local"
     timeline: list[dict] = field(default_factory=list)  # this stage's events of the last group
-    timelines: list[list[dict]] = field(default_factory=list)  # every stage's, gathered after the group
+    timelines: list[list[dict]] = field(default_factory=list)  # every stage's, on one clock (after the group)
 
     @property
     def first(self) -> bool:
