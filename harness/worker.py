@@ -76,8 +76,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cell, record_path = read_job(argv[0])
     status = run_job(cell, record_path)
+    _close_process_group()
     print(f"cell {cell.cell_id}: {status}")
     return 0
+
+
+def _close_process_group() -> None:
+    """End a multi-rank cell's process group before the interpreter exits: gloo aborts the process
+    ("terminate called without an active exception") when a group is torn down at exit instead."""
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
