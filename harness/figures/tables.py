@@ -85,7 +85,7 @@ def speedup_frame(df: pd.DataFrame) -> pd.DataFrame:
         "model": "model", "parallel_layout": "parallel", "groups_per_step": "groups",
         "system": "system", "attention": "attention", "compile": "compiled",
         "offload": "offload", "prefix_len": "P", "suffix_len": "S", "prefix_ratio": "r", "n": "N",
-        "baseline_s": "baseline s", "system_s": "system s", "speedup": "speedup", "ideal_speedup": "ideal",
+        "microbatch": "microbatch", "baseline_s": "baseline s", "system_s": "system s", "speedup": "speedup", "ideal_speedup": "ideal",
         "paper_ideal_speedup": "paper ideal", "peak_mib": "peak MiB", "peak_ratio": "peak ÷ base",
         "b_peak_mib": "B peak MiB",
     }  # fmt: skip
@@ -98,11 +98,19 @@ def speedup_frame(df: pd.DataFrame) -> pd.DataFrame:
         table["vs single"] = _vs_single(sp).to_numpy()
     for c in ("P", "S", "N"):
         table[c] = table[c].astype(int)
+    if "microbatch" in table.columns:  # None = the whole group in one microbatch
+        table["microbatch"] = table["microbatch"].map(_microbatch_label)
     if "groups" in table.columns:
         table["groups"] = table["groups"].map(lambda g: "-" if g != g else str(int(g)))
     table = table.dropna(axis=1, how="all")
     table.attrs["git_rev"] = sp["git_rev"] if "git_rev" in sp.columns else None
     return table.reset_index(drop=True)
+
+
+def _microbatch_label(m) -> str:
+    if m is None or m != m:
+        return "all"
+    return str(int(m)) if isinstance(m, (int, float)) else str(m)
 
 
 PARALLEL_COLUMNS = (
