@@ -145,7 +145,7 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
         vocab = next(iter(extras.values())).get("vocab_size")
         groups = [make_group(cell, vocab, i) for i in range(cell.groups_per_step)]
     samples: dict[str, list[dict]] = {name: [] for name in cell.systems}
-    last: dict[str, Any] = {}
+    timed: dict[str, list] = {name: [] for name in cell.systems}  # (stats, timelines) per timed step
     every_timeline: dict[str, list] = {name: [] for name in cell.systems}
 
     def step(name: str, track_memory: bool):
@@ -181,8 +181,8 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
                 extras[name]["first_step_s"] = res["step_time_s"]
             if it >= cell.warmup:
                 samples[name].append(res)
-                last[name] = (stats, _timelines(models[name]))  # not the memory step's below
-                every_timeline[name].append(last[name][1])
+                timed[name].append((stats, _timelines(models[name])))  # not the memory step's below
+                every_timeline[name].append(timed[name][-1][1])
     memory: dict[str, dict] = {}
     if device.type == "cpu" and not cell.compile:
         for name in cell.systems:
@@ -200,7 +200,9 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
         if name in failures:
             rec["status"], rec["error"] = failures[name]
         else:
-            st, timelines = last[name]
+            # the hooks' counters and timelines of one step, the median one: communication times vary from
+            # step to step like the step time, and one step's columns stay consistent with each other
+            st, timelines = timed[name][median_step(samples[name])]
             rec.update(status="ok", error=None, loss=float(st.loss), **_step_columns(st))
             rec.update(_hook_columns(st, timelines))
             if timelines is not None:  # every timed step's, for the simulator's calibration
@@ -221,6 +223,12 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
             rec.update(cost_columns(model_shape(models[name], cell), cell, system, lens, device))
         records.append(rec)
     return records
+
+
+def median_step(samples: list[dict[str, Any]]) -> int:
+    """Index of the timed step with the median step time (the lower middle one for an even count)."""
+    order = sorted(range(len(samples)), key=lambda i: samples[i]["step_time_s"])
+    return order[(len(order) - 1) // 2]
 
 
 def _median(values: list[float]) -> float:

@@ -201,3 +201,11 @@ def test_split_helpers_derive_the_owners_prefix_kv_geometry_and_a_wrong_one_is_r
     ):
         with pytest.raises(RuntimeError, match="split group: the owner captured"):
             check_captured(cache, wrong)
+
+
+def test_hook_columns_come_from_the_median_timed_step_not_the_last_one():
+    from harness.rank_runner import median_step
+
+    assert median_step([{"step_time_s": t} for t in (0.2, 0.3, 0.1)]) == 0
+    assert median_step([{"step_time_s": t} for t in (0.5, 0.1, 0.2, 0.4)]) == 2
+    assert median_step([{"step_time_s": 0.7}]) == 0

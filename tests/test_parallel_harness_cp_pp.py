@@ -80,7 +80,7 @@ def test_pp_records_hold_every_stage_timeline_and_the_bubbles(records):
             ops = [e["op"] for e in events]
             assert ops[0] == "A" and ops[-1] == "C" and ops.count("F") == ops.count("B") == N
             assert ("barrier" in ops) == (switching == "barrier")
-        # the timelines are the last timed step's, the one whose span and bubbles the record holds
+        # the timelines are the median timed step's, the one whose span and bubbles the record holds
         assert max(e["end"] for events in stages for e in events) == row["pp_span_s"]
         assert row["pp_bubble_max_s"] >= row["pp_bubble_mean_s"] >= 0
         assert row["pp_span_s"] > 0 and row["step_time_s"] > 0
