@@ -156,8 +156,12 @@ def figure8b(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     rep = replay_rows(rep)
     theme()
     keys = sorted(rep.groupby(["trace", "system", "replayed_in"]).groups)
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
-    for ax, (trace, system, replayed_in) in zip(axes[0], keys, strict=True):
+    ncols = min(4, len(keys))
+    nrows = -(-len(keys) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), squeeze=False)
+    for ax in axes.flat[len(keys) :]:
+        ax.set_visible(False)
+    for ax, (trace, system, replayed_in) in zip(axes.flat, keys, strict=False):
         g = rep[(rep["trace"] == trace) & (rep["system"] == system) & (rep["replayed_in"] == replayed_in)]
         g = g.sort_values("step")
         if replayed_in != g["dtype"].iloc[0]:
@@ -170,6 +174,10 @@ def figure8b(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
                 ax.plot([], [], label=f"{label} = 0 (bitwise)")
         if (g[["max_abs", "rmse", "mean_abs"]].to_numpy(dtype=float) > 0).any():
             ax.set_yscale("log")
+        else:
+            ax.set_xlim(g["step"].min() - 0.5, g["step"].max() + 0.5)
+            ax.set_yticks([])
+            ax.text(0.5, 0.5, "bitwise equal at every step", transform=ax.transAxes, ha="center", va="center")
         last = g.iloc[-1]
         verdict = "tau rule PASS" if bool(g["tau_pass"].all()) else "tau rule FAIL"
         ax.set_title(
