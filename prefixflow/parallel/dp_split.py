@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..apply import runtime_of
+from ..attention import PrefixAwareAttention
 from ..budget import FixedPlan
 from ..group import RolloutGroup
 from ..hooks import hooks_of
@@ -29,6 +30,7 @@ from ..schedule import (
 )
 from . import parallel_state
 from .dp_placement import Work
+from .sequence import SequenceLayout
 
 __all__ = ["PrefixKVGeometry", "prefix_kv_geometry", "check_captured", "PrefixExchange", "train_split_part"]
 
@@ -59,9 +61,6 @@ def prefix_kv_geometry(model: nn.Module, group: RolloutGroup) -> PrefixKVGeometr
     """The prefix K/V this rank's model captures for ``group`` in Phase A: every wrapped layer, the local KV
     heads (TP shards heads), ``prompt_len - 1`` tokens (this rank's balanced shard under CP), the compute
     dtype (FSDP2's ``param_dtype`` when set)."""
-    from ..attention import PrefixAwareAttention
-    from .sequence import SequenceLayout
-
     args = model_args(model)
     state = parallel_state(model)
     tp = state.dims.tp if state is not None else 1
