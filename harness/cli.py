@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from rich.markup import escape
 from rich.text import Text
 
-from harness.cli_align import align, report_steps_for
+from harness.cli_align import align
 from harness.cli_common import (
     AC,
     Cp,
@@ -39,6 +39,7 @@ from harness.cli_common import (
 from harness.cli_figures import figures, simulate, tables
 from harness.cli_sweep import collect, status, sweep
 from harness.spec import Cell, ModelSpec, Parallel
+from harness.spec_cell import report_steps_for
 
 # Re-exported: `harness.rl_cli` and the tests import these from here.
 __all__ = ["app", "console", "err_console", "parse_overrides", "report_steps_for", "_fail", "_table"]

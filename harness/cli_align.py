@@ -30,11 +30,7 @@ from harness.cli_common import (
     parse_overrides,
 )
 from harness.spec import Parallel
-
-
-def report_steps_for(steps: int) -> list[int]:
-    """The paper's reported steps (1, 10, 20) that fall within ``steps``, plus the last step."""
-    return sorted({s for s in (1, 10, 20) if s <= steps} | {steps})
+from harness.spec_cell import report_steps_for
 
 
 def align(

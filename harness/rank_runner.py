@@ -36,6 +36,7 @@ from harness.cell_columns import (
 from harness.cell_setup import build_cell_model, make_group, resolve_device
 from harness.measure import PhaseMeter
 from harness.spec import Cell
+from harness.spec_cell import report_steps_for
 from harness.systems import get_system
 
 __all__ = ["run_cell_ranks", "merge_rank_samples", "run_alignment_cell", "alignment_rows"]
@@ -146,7 +147,6 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
         groups = [make_group(cell, vocab, i) for i in range(cell.groups_per_step)]
     samples: dict[str, list[dict]] = {name: [] for name in cell.systems}
     timed: dict[str, list] = {name: [] for name in cell.systems}  # (stats, timelines) per timed step
-    every_timeline: dict[str, list] = {name: [] for name in cell.systems}
 
     def step(name: str, track_memory: bool):
         model = models[name]
@@ -182,7 +182,6 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
             if it >= cell.warmup:
                 samples[name].append(res)
                 timed[name].append((stats, _timelines(models[name])))  # not the memory step's below
-                every_timeline[name].append(timed[name][-1][1])
     memory: dict[str, dict] = {}
     if device.type == "cpu" and not cell.compile:
         for name in cell.systems:
@@ -206,7 +205,7 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
             rec.update(status="ok", error=None, loss=float(st.loss), **_step_columns(st))
             rec.update(_hook_columns(st, timelines))
             if timelines is not None:  # every timed step's, for the simulator's calibration
-                rec["pp_timelines_steps"] = json.dumps(every_timeline[name])
+                rec["pp_timelines_steps"] = json.dumps([t for _, t in timed[name]])
             rec["samples"] = samples[name]
             mem = memory.get(name) or samples[name][0]
             for col in MEMORY:
@@ -304,10 +303,6 @@ def run_cell_ranks(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]
     return merge_rank_samples(gathered) if dist.get_rank() == 0 else None
 
 
-def _report_steps(steps: int) -> list[int]:
-    return sorted({s for s in (1, 10, 20) if s <= steps} | {steps})
-
-
 def run_alignment_cell(cell: Cell) -> list[dict[str, Any]] | None:
     """An alignment cell: Table 3 rows (one record per run, step and quantity) of PrefixFlow vs the baseline
     in the cell's layout. Multi-rank cells run on local ranks (rank 0 returns the rows, the others None)."""
@@ -322,7 +317,7 @@ def run_alignment_cell(cell: Cell) -> list[dict[str, Any]] | None:
         overrides=dict(cell.model.overrides),
         dtype=DTYPES[cell.dtype],
         steps=settings.steps,
-        report_steps=_report_steps(settings.steps),
+        report_steps=report_steps_for(settings.steps),
         prefix_len=cell.prefix_len,
         suffix_len=cell.suffix_len,
         n=cell.n,

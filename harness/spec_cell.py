@@ -144,6 +144,11 @@ class FrontierSearch(StrictModel):
         return self
 
 
+def report_steps_for(steps: int) -> list[int]:
+    """The paper's reported steps (1, 10, 20) that fall within ``steps``, plus the last step."""
+    return sorted({s for s in (1, 10, 20) if s <= steps} | {steps})
+
+
 class AlignmentSettings(StrictModel):
     """What an alignment cell (Table 3) needs besides the cell: AdamW steps and learning rate."""
 
