@@ -157,7 +157,9 @@ def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
 def load_optimizer(
     model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], source: str | Path
 ) -> None:
-    """Restore AdamW state written by :func:`optimizer_tensors` (all parameters or none)."""
+    """Restore AdamW state written by :func:`optimizer_tensors` (all parameters or none). A fused AdamW keeps
+    its step counts on the parameters' device, the others on the CPU (as ``torch.optim.AdamW`` does)."""
+    fused = bool(optimizer.param_groups[0].get("fused"))
     params = named_parameters(model)
     present = [name for name in params if f"opt.step.{name}" in tensors]
     if not present:
@@ -175,5 +177,8 @@ def load_optimizer(
                 raise TraceError(
                     f"{source}: opt.{key}.{name} has shape {tuple(t.shape)} (want {want}) or non-finite values"
                 )
-            state[key] = t.to(torch.float32 if key == "step" else p.dtype).clone()
+            if key == "step":
+                state[key] = t.to(torch.float32).to(p.device if fused else "cpu").clone()
+            else:
+                state[key] = t.to(p.dtype).clone()
         optimizer.state[p] = state

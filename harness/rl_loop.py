@@ -144,6 +144,7 @@ class ClosedLoop:
             betas=loop.betas,
             eps=loop.eps,
             weight_decay=loop.weight_decay,
+            fused=loop.fused_adamw,
         )
         self.init = {k: v.clone() for k, v in state_tensors(self.actor).items()}
         self.step_done = 0

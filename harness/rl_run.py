@@ -247,6 +247,7 @@ def _trace_header(spec: RLSpec, plan: RunPlan) -> dict[str, Any]:
             "betas": list(loop.betas),
             "eps": loop.eps,
             "weight_decay": loop.weight_decay,
+            "fused": loop.fused_adamw,
             "max_grad_norm": loop.max_grad_norm,
         },
     }

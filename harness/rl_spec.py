@@ -61,6 +61,9 @@ class LoopSpec(_Strict):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.0, ge=0)
+    fused_adamw: bool = Field(
+        True, description="torch.optim.AdamW(fused=True): one kernel for all parameters (CPU and CUDA)"
+    )
     max_grad_norm: float | None = Field(1.0, gt=0)
     clip_eps_low: float = Field(0.2, ge=0)
     clip_eps_high: float = Field(0.2, ge=0)

@@ -76,6 +76,7 @@ class OptimizerRef(_Strict):
     betas: tuple[float, float]
     eps: float = Field(gt=0)
     weight_decay: float = Field(ge=0)
+    fused: bool = False  # torch.optim.AdamW(fused=...): the kernel changes the last bits of every step
     max_grad_norm: float | None = Field(None, gt=0)
 
 
@@ -292,7 +293,12 @@ def replay_trace(
     pf.apply_prefixflow(model, pf.PrefixFlowConfig(attention=m.attention))
     o = m.optimizer
     opt = torch.optim.AdamW(
-        model.parameters(), lr=m.steps[0].lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        model.parameters(),
+        lr=m.steps[0].lr,
+        betas=o.betas,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        fused=o.fused,
     )
     initial = {k: v.to(weights_dtype) if k.startswith("w.") else v for k, v in initial.items()}
     load_weights(model, initial, initial_path, prefix="w.")

@@ -5,6 +5,10 @@ pointer swap, no copy) and the call's gradients are added to them only once the 
 every new gradient is finite (one fused check). On any error, or a non-finite gradient, the old tensors are
 put back untouched. Cost: one add per parameter that already had a gradient, and, only then, one extra
 gradient buffer while the call runs (a caller that zeroes with ``set_to_none=True`` pays neither).
+
+The guard nests: inside an enclosing ``keep_grads_on_failure`` on the same model, an inner one is a no-op,
+and the enclosing one checks and merges once for everything its body accumulated (``actor_update`` wraps
+its ``train_group`` calls this way: one check per optimizer step, not one check and merge per group).
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     return not bounds or bool(torch.isfinite(torch.stack([b.double() for b in bounds])).all())
 
 
+_ACTIVE = "_prefixflow_grad_guard_active"  # set on the model while its outermost guard's body runs
+
+
 def _local(grad: torch.Tensor) -> torch.Tensor:
     """This rank's values of a (possibly sharded DTensor) gradient: checking them needs no collective."""
     return grad.to_local() if hasattr(grad, "to_local") else grad
@@ -47,11 +54,16 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def keep_grads_on_failure(model: nn.Module) -> Iterator[None]:
     """Run the body into fresh ``.grad`` tensors; merge them into the previous ones only if all are finite.
-    On an exception, or a non-finite new gradient (NonFiniteError), the previous gradients are restored."""
+    On an exception, or a non-finite new gradient (NonFiniteError), the previous gradients are restored.
+    Nested on the same model, only the outermost guard acts (see the module docstring)."""
+    if getattr(model, _ACTIVE, False):
+        yield
+        return
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     before = [p.grad for _, p in named]
     for _, p in named:
         p.grad = None
+    setattr(model, _ACTIVE, True)
     try:
         yield
         new = [(name, _local(p.grad)) for name, p in named if p.grad is not None]
@@ -65,6 +77,8 @@ def keep_grads_on_failure(model: nn.Module) -> Iterator[None]:
         for (_, p), old in zip(named, before, strict=True):
             p.grad = old
         raise
+    finally:
+        setattr(model, _ACTIVE, False)
     for (_, p), old in zip(named, before, strict=True):
         if old is None:
             continue

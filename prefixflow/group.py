@@ -18,7 +18,35 @@ def _check_has_values(field: str, t: torch.Tensor) -> None:
         )
 
 
-def _check_tokens(field: str, t) -> torch.Tensor:
+def _first_failing(tensors: list[torch.Tensor], holds) -> int | None:
+    """The index of the first tensor for which ``holds(t)`` (a 0-d bool tensor) is false, or None. Tensors on
+    one device are tested together first (one kernel and one host sync for a whole group; a group's
+    responses are many small tensors); only a failure is then located tensor by tensor."""
+    if not tensors:
+        return None
+    if len(tensors) > 1 and len({t.device for t in tensors}) == 1:
+        if bool(holds(torch.cat([t.reshape(-1) for t in tensors]))):
+            return None
+    return next((i for i, t in enumerate(tensors) if not bool(holds(t))), None)
+
+
+def _non_negative(t: torch.Tensor) -> torch.Tensor:
+    return (t >= 0).all()
+
+
+def _all_finite(t: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(t).all()
+
+
+def _check_token_ids(fields: list[str], tensors: list[torch.Tensor]) -> None:
+    bad = _first_failing(tensors, _non_negative)
+    if bad is not None:
+        raise ValueError(
+            f"{fields[bad]} has negative token ids (min {int(tensors[bad].min())}); token ids must be >= 0"
+        )
+
+
+def _check_tokens(field: str, t, values: bool = True) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{field} must be a torch.LongTensor of token ids, got {type(t).__name__}")
     _check_has_values(field, t)
@@ -28,8 +56,8 @@ def _check_tokens(field: str, t) -> torch.Tensor:
         raise ValueError(f"{field} must be 1-D (a token sequence), got shape {tuple(t.shape)}")
     if t.numel() == 0:
         raise ValueError(f"{field} is empty; every prompt and response needs at least one token")
-    if (t < 0).any():
-        raise ValueError(f"{field} has negative token ids (min {int(t.min())}); token ids must be >= 0")
+    if values:
+        _check_token_ids([field], [t])
     return t.long()
 
 
@@ -57,7 +85,9 @@ class RolloutGroup:
             raise TypeError("responses must be a list of 1-D LongTensors (one per response)")
         if len(self.responses) == 0:
             raise ValueError("responses is empty; a rollout group needs at least one response")
-        self.responses = [_check_tokens(f"responses[{i}]", r) for i, r in enumerate(self.responses)]
+        names = [f"responses[{i}]" for i in range(len(self.responses))]
+        self.responses = [_check_tokens(f, r, values=False) for f, r in zip(names, self.responses, strict=True)]
+        _check_token_ids(names, self.responses)
         n = len(self.responses)
         adv = self.advantages
         if not isinstance(adv, torch.Tensor):
@@ -90,9 +120,10 @@ class RolloutGroup:
                     raise ValueError(
                         f"{field}[{i}] has shape {tuple(lp.shape)} but responses[{i}] has {tuple(resp.shape)}"
                     )
-                if not torch.isfinite(lp).all():
-                    raise ValueError(f"{field}[{i}] must be finite (found NaN or inf)")
                 checked.append(lp)
+            bad = _first_failing(checked, _all_finite)
+            if bad is not None:
+                raise ValueError(f"{field}[{bad}] must be finite (found NaN or inf)")
             setattr(self, field, checked)
         if self.routing is not None:
             self.routing = check_routing_masks(self.routing, self.prompt_len, self.response_lens)
@@ -115,25 +146,24 @@ class RolloutGroup:
         fields = [("advantages", self.advantages)]
         for name in ("old_logprobs", "ref_logprobs"):
             fields += [(f"{name}[{i}]", t) for i, t in enumerate(getattr(self, name) or [])]
-        for field, t in fields:
-            finite = torch.isfinite(t.to(dtype))
-            if not bool(finite.all()):
-                i = int((~finite).flatten().nonzero()[0])
-                raise ValueError(
-                    f"{field} holds {float(t.flatten()[i])!r} (index {i}), which overflows {dtype}, the loss's "
-                    "compute dtype; rescale it"
-                )
+        bad = _first_failing([t for _, t in fields], lambda t: torch.isfinite(t.to(dtype)).all())
+        if bad is not None:
+            field, t = fields[bad]
+            i = int((~torch.isfinite(t.to(dtype))).flatten().nonzero()[0])
+            raise ValueError(
+                f"{field} holds {float(t.flatten()[i])!r} (index {i}), which overflows {dtype}, the loss's "
+                "compute dtype; rescale it"
+            )
 
     def check_fits(self, vocab_size: int, max_seq_len: int) -> None:
         """Raise ValueError if a token id is outside the vocabulary or a sequence exceeds ``max_seq_len``."""
-        for field, t in [("prompt", self.prompt)] + [
-            (f"responses[{i}]", r) for i, r in enumerate(self.responses)
-        ]:
-            top = int(t.max())
-            if top >= vocab_size:
-                raise ValueError(
-                    f"{field} has token id {top} outside the model's vocabulary [0, {vocab_size})"
-                )
+        tokens = [self.prompt, *self.responses]
+        bad = _first_failing(tokens, lambda t: t.max() < vocab_size)
+        if bad is not None:
+            field = "prompt" if bad == 0 else f"responses[{bad - 1}]"
+            raise ValueError(
+                f"{field} has token id {int(tokens[bad].max())} outside the model's vocabulary [0, {vocab_size})"
+            )
         longest = self.prompt_len + max(self.response_lens)
         if longest > max_seq_len:
             raise ValueError(

@@ -26,6 +26,11 @@ A = torch.tensor([0.5, -0.5])
             ValueError,
             r"responses\[0\] has negative",
         ),
+        (  # the group's responses are checked together; the error still names the one at fault
+            {"responses": [torch.tensor([5, 6]), torch.tensor([7, -2], dtype=torch.int32)]},
+            ValueError,
+            r"responses\[1\] has negative token ids \(min -2\)",
+        ),
         ({"responses": torch.tensor([[5, 6]])}, TypeError, "responses must be a list"),
         ({"advantages": torch.tensor([1.0, 2.0, 3.0])}, ValueError, r"advantages must have shape \(2,\)"),
         ({"advantages": torch.tensor([1.0, float("nan")])}, ValueError, "advantages must be finite"),
@@ -39,6 +44,11 @@ A = torch.tensor([0.5, -0.5])
             {"ref_logprobs": [torch.zeros(2), torch.tensor([float("inf")])]},
             ValueError,
             r"ref_logprobs\[1\] must be finite",
+        ),
+        (
+            {"old_logprobs": [torch.tensor([0.0, float("nan")]), torch.zeros(1, dtype=torch.float64)]},
+            ValueError,
+            r"old_logprobs\[0\] must be finite",
         ),
     ],
 )
@@ -63,6 +73,11 @@ def trained_model():
             {"responses": [torch.tensor([5, 97]), torch.tensor([7])]},
             {},
             r"responses\[0\] has token id 97 outside",
+        ),
+        (
+            {"responses": [torch.tensor([5, 6]), torch.tensor([98])]},
+            {},
+            r"responses\[1\] has token id 98 outside",
         ),
         ({"prompt": torch.tensor([100, 2])}, {}, "prompt has token id 100 outside"),
         ({}, {"system": "fast"}, "system 'fast' unknown"),

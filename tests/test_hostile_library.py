@@ -120,6 +120,37 @@ def test_non_finite_gradient_is_never_merged():
     assert _same(_grads(lin), before)
 
 
+def test_nested_guards_check_and_merge_once_for_the_outermost(monkeypatch):
+    import prefixflow.grad_guard as guard
+
+    checks = []
+    monkeypatch.setattr(guard, "all_finite", lambda ts: checks.append(len(ts)) or all_finite(ts))
+    lin = torch.nn.Linear(3, 2)
+    lin(torch.ones(1, 3)).sum().backward()
+    before = _grads(lin)
+    with keep_grads_on_failure(lin):
+        for _ in range(2):
+            with keep_grads_on_failure(lin):
+                lin(torch.ones(1, 3)).sum().backward()
+    assert checks == [2]  # weight and bias, checked once
+    assert all(torch.allclose(g, 3 * b) for g, b in zip(_grads(lin), before, strict=True))
+    lin.zero_grad(set_to_none=True)
+    lin(torch.ones(1, 3)).sum().backward()
+    checks.clear()
+    with pytest.raises(NonFiniteError, match="gradient of weight is not finite"):
+        with keep_grads_on_failure(lin):
+            with keep_grads_on_failure(lin):  # a no-op inside: its bad gradient is caught by the outer one
+                (lin(torch.ones(1, 3)).sum() * torch.tensor(float("inf"))).backward()
+            with keep_grads_on_failure(lin):
+                lin(torch.ones(1, 3)).sum().backward()
+    assert checks == [2] and _same(_grads(lin), before)
+    checks.clear()
+    with keep_grads_on_failure(lin):  # the failure left no guard marked active: this one acts again
+        lin(torch.ones(1, 3)).sum().backward()
+    assert checks == [2]
+    assert all(torch.allclose(g, 2 * b) for g, b in zip(_grads(lin), before, strict=True))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_all_finite_finds_any_non_finite_value(bad, dtype):

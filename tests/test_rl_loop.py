@@ -106,6 +106,35 @@ def test_a_bad_group_leaves_gradients_learning_rate_and_weights_as_they_were():
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
+def test_a_non_finite_gradient_in_any_group_undoes_the_whole_update(monkeypatch):
+    import prefixflow.grad_guard as guard
+
+    checks = []
+    real = guard.all_finite
+    monkeypatch.setattr(guard, "all_finite", lambda ts: checks.append(1) or real(ts))
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    groups = [
+        pf.RolloutGroup(torch.arange(1, 9), [torch.tensor([3, 4]), torch.tensor([5])], torch.tensor([a, -a]))
+        for a in (1.0, 2.0, 0.5)
+    ]
+    actor_update(model, groups, opt, system="prefixflow", lr=1e-3)
+    assert checks == [1]  # one finiteness check for the three groups (train_group's guard nests)
+    calls = []  # the second group's Phase B backward (finite loss) leaves an inf in one weight's gradient
+    weight = model.tok_embeddings.weight
+    weight.register_hook(lambda g: calls.append(1) or (g * math.inf if len(calls) == 3 else g))
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.25)
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {k: v["exp_avg"].clone() for k, v in opt.state.items()}
+    with pytest.raises(pf.NonFiniteError, match=r"gradient of tok_embeddings\.weight is not finite"):
+        actor_update(model, groups, opt, system="prefixflow", lr=1e-4)
+    assert len(calls) == 6 and opt.param_groups[0]["lr"] == 1e-3  # Phases B and C per group; lr as it was
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.25)) for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(torch.equal(opt.state[k]["exp_avg"], v) for k, v in state.items())
+
+
 def test_sync_weights_copies_and_casts():
     src, dst = _model(torch.float32, seed=0), _model(torch.bfloat16, seed=1)
     written = sync_weights(src, dst)

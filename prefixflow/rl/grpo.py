@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..grad_guard import keep_grads_on_failure
 from ..group import RolloutGroup
 from ..layouts import build_microbatch, full_sequence_segments
 from ..loss import LossConfig, token_logprobs
@@ -104,7 +105,8 @@ def actor_update(
 
     ``lr`` (if given) is set on every parameter group first; ``compute_dtype`` bf16/fp16 runs the groups
     under autocast (mixed precision over fp32 master weights). Each group is validated by its
-    ``train_group`` call; if any call raises (bad input, non-finite gradient), the gradients and learning
+    ``train_group`` call; if any call raises (bad input, non-finite loss), or the summed gradient is not
+    finite (:class:`prefixflow.NonFiniteError`, checked once for all groups), the gradients and learning
     rates are put back as they were before this call (references kept, no copies) and nothing is stepped.
     """
     if not groups:
@@ -120,7 +122,8 @@ def actor_update(
             for pg in optimizer.param_groups:
                 pg["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        with autocast_for(device, compute_dtype):
+        # One finiteness check for the whole update (the guard nests: train_group's own is then a no-op).
+        with autocast_for(device, compute_dtype), keep_grads_on_failure(model):
             for group in groups:
                 stats = train_group(
                     model,
