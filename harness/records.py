@@ -251,9 +251,10 @@ def collect(
         if col not in df.columns:
             df[col] = None
     df = df.sort_values("timestamp", kind="stable")
-    # an alignment cell has one row per system, step and quantity (Table 3); a Claim-2 record one per system
-    # and step, under one file name in every preset
-    key = ["spec", "cell_id", "system", *(c for c in ("step", "quantity", "preset") if c in df.columns)]
+    # an alignment cell has one row per system, step and quantity (Table 3); a Claim-2 record one per system,
+    # step and run (a divergence record's run is its pair of runs), under one file name in every preset
+    extra = ("step", "quantity", "preset", "run")
+    key = ["spec", "cell_id", "system", *(c for c in extra if c in df.columns)]
     df = df.drop_duplicates(subset=key, keep="last")
     return df.reset_index(drop=True)
 

@@ -3,7 +3,9 @@ Claim-3 style reference timing of ``train_group`` alone at the loop's P, S and N
 
 from __future__ import annotations
 
+import math
 import socket
+import statistics
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -11,26 +13,52 @@ from typing import Any
 
 import torch
 
-from harness.rl_io import load_tensors
-from harness.rl_loop import model_overrides, task_of
+from harness.records import read_records
+from harness.rl_io import load_tensors, write_rl_records
+from harness.rl_loop import RunPlan, model_overrides, task_of
 from harness.rl_spec import RLSpec
 from harness.rl_trace import load_trace, replay_trace
 from harness.runner import git_rev
 
-__all__ = ["divergence_records", "replay_records", "claim3_reference_records"]
+__all__ = [
+    "pair_kind",
+    "run_pairs",
+    "divergence_records",
+    "replay_records",
+    "claim3_reference_records",
+    "Claim3Reference",
+]
 
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
+def pair_kind(a: RunPlan, b: RunPlan) -> str:
+    """``seed-change`` (one trainer, two sampling seeds), ``cross-system`` (two trainers, one seed: their
+    rollouts fork only where rounding flips a sampled token) or ``cross-system+seed`` (two trainers, two
+    seeds: rollouts forked from the first step, the paper's closed-loop condition)."""
+    if a.system == b.system:
+        return "seed-change"
+    return "cross-system" if a.seed == b.seed else "cross-system+seed"
+
+
+def run_pairs(plans: list[RunPlan]) -> list[tuple[RunPlan, RunPlan]]:
+    """Every pair of closed-loop runs (compared and reference), the baseline first in a cross-system pair."""
+    runs = [p for p in plans if p.role in ("compare", "reference")]
+    pairs = []
+    for i, a in enumerate(runs):
+        for b in runs[i + 1 :]:
+            pairs.append((b, a) if a.system != "baseline" and b.system == "baseline" else (a, b))
+    return pairs
+
+
 def divergence_records(spec, folder, plans, init, base) -> list[dict[str, Any]]:
-    """RMSE between two runs' weights at each common checkpoint, and each run's drift from the warm start."""
-    main = f"baseline-s{spec.seed}"
-    pairs = [(main, p.name) for p in plans if p.role == "compare" and p.name != main]
-    pairs += [(main, p.name) for p in plans if p.role == "reference"]
+    """RMSE between two runs' weights at each common checkpoint, and each run's drift from the warm start,
+    for every pair of :func:`run_pairs` (kinds: :func:`pair_kind`)."""
     rows = []
-    for a, b in pairs:
+    for plan_a, plan_b in run_pairs(plans):
+        a, b = plan_a.name, plan_b.name
         da, db = (
             folder / "_state" / "runs" / a / "checkpoints",
             folder / "_state" / "runs" / b / "checkpoints",
@@ -51,13 +79,13 @@ def divergence_records(spec, folder, plans, init, base) -> list[dict[str, Any]]:
                 n += x.numel()
             step = int(path.stem.split("_")[1])
             rmse, drift_a, drift_b = (sq / n) ** 0.5, (sa / n) ** 0.5, (sb / n) ** 0.5
-            kind = "reference" if b.startswith("baseline-") else "cross-system"
+            kind = pair_kind(plan_a, plan_b)
             rows.append(
                 {
                     **base,
                     "record_kind": "rl_divergence",
-                    "system": b.split("-")[0],
-                    "run": b,
+                    "system": plan_b.system,
+                    "run": f"{a}~{b}",  # one row per pair and step
                     "run_a": a,
                     "run_b": b,
                     "pair": kind,
@@ -158,3 +186,38 @@ def claim3_reference_records(
         }
         for r in rows
     ]
+
+
+class Claim3Reference:
+    """Claim 3's measurement of ``train_group`` alone at the loop's P, S, N, taken at every checkpoint step
+    between loop steps (so under the same machine load as the loop), kept in ``claim3-reference.parquet``."""
+
+    def __init__(
+        self, spec: RLSpec, folder: Path, device, base: dict[str, Any], log: Callable[[str], None]
+    ) -> None:
+        self.spec, self.device, self.base, self.log = spec, device, base, log
+        self.path = folder / "claim3-reference.parquet"
+        self.rows: list[dict[str, Any]] = []
+
+    def resume(self, step: int) -> None:
+        if self.path.exists():
+            old = read_records(self.path)
+            old = old[(old["identity"] == self.base["identity"]) & (old["step"] <= step)]
+            self.rows = old.to_dict("records")
+
+    def after(self, step: int, loop_rows: list[dict[str, Any]]) -> None:
+        """Measure at checkpoint ``step``, at the suffix length the compared trainers ran since the previous
+        measurement (``loop_rows``: their step records; the median of each step's mean padded length)."""
+        spec = self.spec
+        due = step % spec.checkpoint_every == 0 or step == spec.loop.steps
+        if not spec.claim3_reference.enabled or not due or any(r["step"] == step for r in self.rows):
+            return
+        since = step - spec.checkpoint_every
+        padded = [r.get("padded_suffix_len_mean", math.nan) for r in loop_rows if since < r["step"] <= step]
+        padded = [v for v in padded if v == v]  # records from before the column existed hold NaN
+        suffix_len = round(statistics.median(padded)) if padded else None
+        self.rows += claim3_reference_records(spec, self.device, self.base, step, suffix_len)
+        write_rl_records(self.path, self.rows, self.path.parent)
+        t = {r["system"]: r["step_time_s"] for r in self.rows[-2:]}
+        ratio = t.get("baseline", float("nan")) / min(v for k, v in t.items() if k != "baseline")
+        self.log(f"claim-3 reference at step {step}: train_group alone {ratio:.2f}x")

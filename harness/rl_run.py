@@ -16,9 +16,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
-import math
 import socket
-import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -29,7 +27,7 @@ import pandas as pd
 import torch
 
 from harness.records import read_records
-from harness.rl_analysis import claim3_reference_records, divergence_records, replay_records
+from harness.rl_analysis import Claim3Reference, divergence_records, replay_records
 from harness.rl_io import (
     TraceError,
     load_tensors,
@@ -83,7 +81,7 @@ def trace_name(dtype: str, lr: float | None, seed: int) -> str:
 
 
 def plans_of(spec: RLSpec) -> list[RunPlan]:
-    """The compared trainers at ``seed``, the baseline at ``reference_seed``, and short trace runs."""
+    """The compared trainers at ``seed``, every trainer again at ``reference_seed``, and short trace runs."""
     loop, trace = spec.loop, spec.trace
     traces = trace.runs if trace is not None else []
     main = next((r for r in traces if spec.is_main_trace(r)), None)
@@ -105,7 +103,7 @@ def plans_of(spec: RLSpec) -> list[RunPlan]:
         )
     if spec.reference_seed is not None:
         s = spec.reference_seed
-        plans.append(RunPlan(f"baseline-s{s}", "baseline", s, loop.dtype, loop.steps, "reference"))
+        plans += [RunPlan(f"{t}-s{s}", t, s, loop.dtype, loop.steps, "reference") for t in spec.trainers]
     for r in traces:
         if r is not main:
             name = trace_name(r.dtype, r.lr, spec.seed)
@@ -343,7 +341,7 @@ def run_claim2(spec: RLSpec, preset: str | None, out: str | Path, log: Log = pri
     write_rl_records(folder / "warmstart.parquet", [ws_record], folder)
     plans = plans_of(spec)
     runs = [_Run(spec, task, p, folder, init, device, base, log) for p in plans]
-    reference = _Claim3Reference(spec, folder, device, base, log)
+    reference = Claim3Reference(spec, folder, device, base, log)
     reference.resume(min(r.loop.step_done for r in runs if r.plan.role == "compare"))
     with _collect_between_steps():
         while not all(r.done for r in runs):
@@ -382,39 +380,6 @@ def run_claim2(spec: RLSpec, preset: str | None, out: str | Path, log: Log = pri
             write_rl_records(path, rows, folder)
     reference.after(spec.loop.steps, [row for r in runs if r.plan.role == "compare" for row in r.rows])
     return folder
-
-
-class _Claim3Reference:
-    """Claim 3's measurement of ``train_group`` alone at the loop's P, S, N, taken at every checkpoint step
-    between loop steps (so under the same machine load as the loop), kept in ``claim3-reference.parquet``."""
-
-    def __init__(self, spec: RLSpec, folder: Path, device, base: dict[str, Any], log: Log) -> None:
-        self.spec, self.device, self.base, self.log = spec, device, base, log
-        self.path = folder / "claim3-reference.parquet"
-        self.rows: list[dict[str, Any]] = []
-
-    def resume(self, step: int) -> None:
-        if self.path.exists():
-            old = read_records(self.path)
-            old = old[(old["identity"] == self.base["identity"]) & (old["step"] <= step)]
-            self.rows = old.to_dict("records")
-
-    def after(self, step: int, loop_rows: list[dict[str, Any]]) -> None:
-        """Measure at checkpoint ``step``, at the suffix length the compared trainers ran since the previous
-        measurement (``loop_rows``: their step records; the median of each step's mean padded length)."""
-        spec = self.spec
-        due = step % spec.checkpoint_every == 0 or step == spec.loop.steps
-        if not spec.claim3_reference.enabled or not due or any(r["step"] == step for r in self.rows):
-            return
-        since = step - spec.checkpoint_every
-        padded = [r.get("padded_suffix_len_mean", math.nan) for r in loop_rows if since < r["step"] <= step]
-        padded = [v for v in padded if v == v]  # records from before the column existed hold NaN
-        suffix_len = round(statistics.median(padded)) if padded else None
-        self.rows += claim3_reference_records(spec, self.device, self.base, step, suffix_len)
-        write_rl_records(self.path, self.rows, self.path.parent)
-        t = {r["system"]: r["step_time_s"] for r in self.rows[-2:]}
-        ratio = t.get("baseline", float("nan")) / min(v for k, v in t.items() if k != "baseline")
-        self.log(f"claim-3 reference at step {step}: train_group alone {ratio:.2f}x")
 
 
 def collected(folder: Path) -> pd.DataFrame:

@@ -140,7 +140,10 @@ class RLSpec(_Strict):
     trainers: list[Literal["baseline", "prefixflow"]] = Field(default_factory=lambda: list(TRAINERS))
     seed: int = Field(0, ge=0, description="sampling seed of the compared runs (also the model init)")
     reference_seed: int | None = Field(
-        1, ge=0, description="a second baseline run: the seed-change reference"
+        1,
+        ge=0,
+        description="every trainer again at this sampling seed: the seed-change reference (same trainer) and "
+        "the cross-system pairs whose rollouts are forked (other trainer), as the paper's were",
     )
     data_seed: int = Field(0, ge=0, description="prompt stream (the same for every run)")
     checkpoint_every: int = Field(10, ge=1)

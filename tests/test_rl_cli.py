@@ -54,7 +54,19 @@ def test_smoke_preset_records_figures_and_resume(tmp_path):
     assert res.exit_code == 0, res.output
     folder = out / "claim2" / "smoke"
     steps = {p.stem: read_records(p) for p in (folder / "records").glob("*.parquet")}
-    assert sorted(steps) == ["baseline-s0", "baseline-s1", "prefixflow-s0", "trace-fp32-s0"]
+    assert sorted(steps) == ["baseline-s0", "baseline-s1", "prefixflow-s0", "prefixflow-s1", "trace-fp32-s0"]
+    # every pair of the 2x2 (trainer x seed) runs at every checkpoint, the baseline first across systems
+    div = read_records(folder / "divergence.parquet")
+    pairs = {(r.pair, r.run_a, r.run_b) for r in div.itertuples()}
+    assert pairs == {
+        ("seed-change", "baseline-s0", "baseline-s1"),
+        ("seed-change", "prefixflow-s0", "prefixflow-s1"),
+        ("cross-system", "baseline-s0", "prefixflow-s0"),
+        ("cross-system", "baseline-s1", "prefixflow-s1"),
+        ("cross-system+seed", "baseline-s0", "prefixflow-s1"),
+        ("cross-system+seed", "baseline-s1", "prefixflow-s0"),
+    }
+    assert sorted(div["step"].unique()) == [2, 4] and (div["rmse"] > 0).all()
     assert list(steps["prefixflow-s0"]["step"]) == [1, 2, 3, 4]
     for col in (
         "generation_s",
@@ -87,6 +99,16 @@ def test_smoke_preset_records_figures_and_resume(tmp_path):
     made = {p.name for p in (out / "figures").iterdir()}
     assert {"fig7_step_breakdown.png", "fig8a_training_quality.png", "fig8b_trace_replay.png"} <= made
     assert "claim2_summary.md" in made and "smoke_overview.png" not in made
+    from harness.figures.fig8 import divergence_ratios
+
+    ratios = divergence_ratios(collect(out))  # collecting keeps every pair: two pairs, four ratios per kind
+    assert {k: len(v) for k, (_, v) in ratios.items()} == {
+        "seed-change": 4,
+        "cross-system": 4,
+        "cross-system+seed": 4,
+    }
+    summary = (out / "figures" / "claim2_summary.md").read_text()
+    assert "cross-system, rollouts forked" in summary and "seed change (one trainer" in summary
     before = collect(out)
     res = invoke("rl", CLAIM2, "--preset", "smoke", "--out", out)  # resumable: nothing left to run
     assert res.exit_code == 0 and "step 2/" not in res.output and "warm start: 20 steps" not in res.output
