@@ -129,9 +129,9 @@ def figure8a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
             step, seed = ratios["seed-change"]
             parts = [f"seed change {np.mean(seed):.2f}"]
             parts += [f"{k} {np.mean(ratios[k][1]):.2f}" for k in PAIR_KINDS[1:] if k in ratios]
-            ax.set_title(f"step {step}: " + ", ".join(parts), fontsize=8)
+            ax.set_title(f"step {step}:\n" + ", ".join(parts), fontsize=8)
     ax.set_xlabel("GRPO step (checkpoints)")
-    ax.set_ylabel("weight RMSE between runs / RMS drift from warm start\n(mean over the pair's two runs)")
+    ax.set_ylabel("weight RMSE between runs / own drift\n(mean over the pair's two runs)")
     ax.legend(fontsize=6)
     fig.suptitle(
         f"Figure 8a: closed-loop GRPO, baseline vs PrefixFlow ({steps['model'].iloc[0]}, "
