@@ -14,7 +14,6 @@ machine load. A killed run resumes from its last checkpoint and reproduces the s
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import socket
 from collections.abc import Callable, Iterator
@@ -58,13 +57,13 @@ def preflight(spec: RLSpec, preset: str | None) -> torch.device:
     """Refuse, before any work, what this build cannot run; returns the device."""
     par = spec.parallel
     if par.world_size > 1:
-        have = importlib.util.find_spec("prefixflow.parallel") is not None
         layout = ", ".join(f"{k}={v}" for k, v in par.model_dump().items() if v > 1)
         raise RLRunError(
-            f"preset {preset or '-'} needs a multi-rank closed loop ({layout}, world size {par.world_size}); "
-            f"missing: {'' if have else 'prefixflow.parallel (TP/FSDP issue 8, CP/PP issue 9), '}"
-            "a torchrun launch of harness.rl_run with sharded rollout, evaluation and actor update. "
-            "This build runs the loop on one device: use --preset cpu or --preset smoke"
+            f"preset {preset or '-'} needs a multi-rank closed loop ({layout}, world size {par.world_size}). "
+            "The actor update, evaluation and weight sync run on a TP/CP-parallel actor "
+            "(tests/test_rl_parallel.py), but this build's loop, warm start and replay run in one process "
+            "(no launch across ranks, rank-0 file writes or rollout broadcast yet): use --preset cpu or "
+            "--preset smoke"
         )
     try:
         return resolve_device(spec.device)

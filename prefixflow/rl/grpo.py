@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..grad_guard import keep_grads_on_failure
 from ..group import RolloutGroup
@@ -173,7 +174,8 @@ def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 @torch.no_grad()
 def sync_weights(source: nn.Module, target: nn.Module) -> int:
     """Copy ``source``'s parameters into ``target``'s (cast to its dtype); returns the bytes written.
-    The colocated weight sync: actor (training copy) -> rollout model (generation copy)."""
+    The colocated weight sync: actor (training copy) -> rollout model (generation copy). A sharded (DTensor)
+    actor parameter, under TP or FSDP2, is gathered whole first: every rank of the actor must call this."""
     src, dst = named_parameters(source), named_parameters(target)
     if src.keys() != dst.keys():
         missing = sorted(src.keys() ^ dst.keys())[:3]
@@ -183,6 +185,6 @@ def sync_weights(source: nn.Module, target: nn.Module) -> int:
         q = dst[name]
         if p.shape != q.shape:
             raise ValueError(f"sync_weights: {name} has shape {tuple(p.shape)} vs {tuple(q.shape)}")
-        q.copy_(p)
+        q.copy_(p.full_tensor() if isinstance(p, DTensor) else p)
         written += q.numel() * q.element_size()
     return written
