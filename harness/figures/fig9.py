@@ -66,7 +66,7 @@ def figure9(
     resolved = sp["attention"].dropna().unique() if "attention" in sp.columns else []
     variant = f" [{system}" + (f", {'/'.join(map(str, resolved))} attention" if len(resolved) else "") + "]"
     ax.set_title(
-        f"Figure 9{'b' if compiled else 'a'}: {tag} speedup{variant} ({model}; dashed = ideal)", fontsize=9
+        f"Figure 9{'b' if compiled else 'a'}: {tag} speedup{variant}\n({model}; dashed = ideal)", fontsize=9
     )
     ax.legend(title="prefix ratio (P/S)", fontsize=7)
     mark_revisions(fig, sp, f"Figure 9{'b' if compiled else 'a'}")
