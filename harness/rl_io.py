@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from harness.records import RECORD_SUFFIX, write_records
 from harness.safe_fs import atomic_write
@@ -111,16 +112,30 @@ def load_tensors(
     return tensors, metadata
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) tensor gathered whole (a collective: every rank calls it), else ``t``."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _placed_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A whole tensor ``t`` laid out as ``p``: sharded like a DTensor ``p`` (every rank passes the same ``t``)."""
+    if isinstance(p, DTensor):
+        return distribute_tensor(t.to(p.device_mesh.device_type), p.device_mesh, p.placements)
+    return t
+
+
 def state_tensors(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
-    """The model's parameters by clean name (fp32 master weights as they are)."""
-    return {prefix + name: p.detach() for name, p in named_parameters(model).items()}
+    """The model's parameters by clean name (fp32 master weights as they are). A parallel (TP/FSDP2) model's
+    sharded parameters are gathered whole: every rank must call this."""
+    return {prefix + name: _whole(p.detach()) for name, p in named_parameters(model).items()}
 
 
 @torch.no_grad()
 def load_weights(
     model: nn.Module, tensors: dict[str, torch.Tensor], source: str | Path, prefix: str = ""
 ) -> None:
-    """Copy ``prefix + name`` tensors into the model's parameters; every name, shape and dtype must match."""
+    """Copy ``prefix + name`` tensors into the model's parameters; every name, shape and dtype must match. A
+    parallel model's sharded parameters take their shard of the whole tensor (every rank passes the same)."""
     params = named_parameters(model)
     for name, p in params.items():
         t = tensors.get(prefix + name)
@@ -132,14 +147,15 @@ def load_weights(
             )
         if not torch.isfinite(t).all():
             raise TraceError(f"{source}: {prefix + name} holds NaN or inf")
-        p.copy_(t)
+        p.copy_(_placed_like(t, p))
 
 
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
 def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """AdamW state as ``opt.<key>.<param name>`` tensors (empty before the first step)."""
+    """AdamW state as ``opt.<key>.<param name>`` tensors (empty before the first step); a parallel model's
+    sharded state is gathered whole, like :func:`state_tensors`."""
     out = {}
     for name, p in named_parameters(model).items():
         state = optimizer.state.get(p)
@@ -148,7 +164,7 @@ def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
         for key in _ADAM_KEYS:
             value = state[key]
             out[f"opt.{key}.{name}"] = (
-                value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+                _whole(value) if isinstance(value, torch.Tensor) else torch.tensor(float(value))
             )
     return out
 
@@ -180,5 +196,5 @@ def load_optimizer(
             if key == "step":
                 state[key] = t.to(torch.float32).to(p.device if fused else "cpu").clone()
             else:
-                state[key] = t.to(p.dtype).clone()
+                state[key] = _placed_like(t.to(p.dtype).clone(), p)
         optimizer.state[p] = state

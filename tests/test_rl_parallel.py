@@ -3,8 +3,9 @@
 One launch of 2 local ranks. Per layout and system, every rank evaluates response log-probs with the
 parallelized actor, takes two ``actor_update`` steps (2 groups each, GRPO loss with KL, norm clipping, fused
 AdamW), and syncs the actor into a full rollout replica (``sync_weights`` gathers sharded parameters); each
-is compared with the same calls on an unparallelized copy. These are the pieces a multi-rank closed loop
-runs on every rank (README, "Not yet").
+is compared with the same calls on an unparallelized copy. Then the actor's weights and AdamW state are
+saved whole (``harness.rl_io``, as checkpoints and traces do), restored into a fresh parallel actor, and one
+more update must match. These are the pieces a multi-rank closed loop runs on every rank (README, "Not yet").
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def test_parallel_actor_matches_one_process(results, name):
     assert res["loss_rel"] < BOUND and res["grad_norm_rel"] < BOUND, res
     assert res["weight_rel"] < BOUND, res
     assert res["synced_rel"] < BOUND and res["sharded_params"] == (name.startswith("tp")), res
+    # checkpoint and resume: weights and AdamW state gathered whole, then restored into a fresh parallel actor
+    assert res["same_keys"] and res["saved_rel"] < BOUND, res
+    assert res["resumed_rel"] < BOUND, res
 
 
 # --- worker (runs on every rank) ----------------------------------------------------------------------------
@@ -95,6 +99,24 @@ def _case(dims: dict, system: str, clip: str) -> dict:
     sync_weights(actor, replica)
     out["synced_rel"] = max_rel(
         [p.detach() for p in replica.parameters()], [p.detach() for p in single.parameters()]
+    )
+    from harness.rl_io import load_optimizer, load_weights, optimizer_tensors, state_tensors
+
+    saved = {**state_tensors(actor, "w."), **optimizer_tensors(actor, opts[1])}
+    want = {**state_tensors(single, "w."), **optimizer_tensors(single, opts[0])}
+    out["same_keys"] = sorted(saved) == sorted(want) and not any(
+        hasattr(t, "full_tensor") for t in saved.values()
+    )
+    out["saved_rel"] = max_rel([saved[k] for k in sorted(want)], [want[k] for k in sorted(want)])
+    resumed = parallelize(pf.apply_prefixflow(pf.build_model("llama3:debugmodel", **{**kw, "seed": 2})), dims)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2, fused=True)
+    load_weights(resumed, saved, "saved", prefix="w.")
+    load_optimizer(resumed, resumed_opt, saved, "saved")
+    for m, o in ((single, opts[0]), (resumed, resumed_opt)):
+        actor_update(m, groups, o, system=system, loss_config=config, max_grad_norm=0.5)
+    out["resumed_rel"] = max_rel(
+        [p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach() for p in resumed.parameters()],
+        [p.detach() for p in single.parameters()],
     )
     return out
 
