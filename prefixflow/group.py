@@ -46,7 +46,8 @@ def _check_token_ids(fields: list[str], tensors: list[torch.Tensor]) -> None:
         )
 
 
-def _check_tokens(field: str, t, values: bool = True) -> torch.Tensor:
+def _check_tokens(field: str, t) -> torch.Tensor:
+    """Type, dtype, shape and emptiness of one token tensor (values: :func:`_check_token_ids`)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{field} must be a torch.LongTensor of token ids, got {type(t).__name__}")
     _check_has_values(field, t)
@@ -56,8 +57,6 @@ def _check_tokens(field: str, t, values: bool = True) -> torch.Tensor:
         raise ValueError(f"{field} must be 1-D (a token sequence), got shape {tuple(t.shape)}")
     if t.numel() == 0:
         raise ValueError(f"{field} is empty; every prompt and response needs at least one token")
-    if values:
-        _check_token_ids([field], [t])
     return t.long()
 
 
@@ -86,8 +85,8 @@ class RolloutGroup:
         if len(self.responses) == 0:
             raise ValueError("responses is empty; a rollout group needs at least one response")
         names = [f"responses[{i}]" for i in range(len(self.responses))]
-        self.responses = [_check_tokens(f, r, values=False) for f, r in zip(names, self.responses, strict=True)]
-        _check_token_ids(names, self.responses)
+        self.responses = [_check_tokens(f, r) for f, r in zip(names, self.responses, strict=True)]
+        _check_token_ids(["prompt", *names], [self.prompt, *self.responses])
         n = len(self.responses)
         adv = self.advantages
         if not isinstance(adv, torch.Tensor):
