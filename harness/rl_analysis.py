@@ -110,16 +110,17 @@ def replay_records(
     base: dict[str, Any] | None = None,
     log: Callable[[str], None] = print,
     fp64: bool = False,
+    ranks=None,
 ):
-    """Replay one trace with ``system`` (``fp64``: in float64, see :func:`replay_trace`); the rows of
-    ``replay-<trace>-<system>[-fp64].parquet``."""
+    """Replay one trace with ``system`` (``fp64``: in float64; ``ranks``: on the loop's parallel layout; see
+    :func:`replay_trace`); the rows of ``replay-<trace>-<system>[-fp64].parquet``."""
     trace = load_trace(trace_dir)
     m = trace.manifest
     base = dict(
         base or {"spec": "replay", "status": "ok", "git_rev": git_rev(), "host": socket.gethostname()}
     )
 
-    rows = replay_trace(trace, system, device, fp64=fp64)
+    rows = replay_trace(trace, system, device, fp64=fp64, ranks=ranks)
     last = rows[-1]
     log(
         f"replay {trace.name} with {system}{' in fp64' if fp64 else ''}: after step {last['step']} max|dW| {last['max_abs']:.3e} "
@@ -150,7 +151,10 @@ def claim3_reference_records(
     alternating), at the loop's P, S and N; measured after loop step ``step``, under the loop's machine load.
 
     ``suffix_len``: the S the loop's trainers actually ran (the padded layout pads each group to its longest
-    sampled response), so the reference times the same token slots; None: the task's answer length."""
+    sampled response), so the reference times the same token slots; None: the task's answer length.
+
+    On the loop's ranks (a multi-rank ``spec.parallel``) every rank measures, as a multi-rank Claim-3 cell
+    does (``harness.rank_runner``: the slowest rank's time per step); ranks other than 0 return no rows."""
     from harness.runner import run_cell
     from harness.spec import Cell, ModelSpec
 
@@ -172,8 +176,9 @@ def claim3_reference_records(
         seed=spec.seed,
         warmup=spec.claim3_reference.warmup,
         repeats=spec.claim3_reference.repeats,
+        parallel=spec.parallel,
     )
-    rows = run_cell(cell)
+    rows = run_cell(cell) or []
     keep = {"spec", "preset", "identity"}
     return [
         {
@@ -193,9 +198,9 @@ class Claim3Reference:
     between loop steps (so under the same machine load as the loop), kept in ``claim3-reference.parquet``."""
 
     def __init__(
-        self, spec: RLSpec, folder: Path, device, base: dict[str, Any], log: Callable[[str], None]
+        self, spec: RLSpec, folder: Path, device, base: dict[str, Any], log: Callable[[str], None], ranks=None
     ) -> None:
-        self.spec, self.device, self.base, self.log = spec, device, base, log
+        self.spec, self.device, self.base, self.log, self.ranks = spec, device, base, log, ranks
         self.path = folder / "claim3-reference.parquet"
         self.rows: list[dict[str, Any]] = []
 
@@ -216,8 +221,11 @@ class Claim3Reference:
         padded = [r.get("padded_suffix_len_mean", math.nan) for r in loop_rows if since < r["step"] <= step]
         padded = [v for v in padded if v == v]  # records from before the column existed hold NaN
         suffix_len = round(statistics.median(padded)) if padded else None
-        self.rows += claim3_reference_records(spec, self.device, self.base, step, suffix_len)
+        new = claim3_reference_records(spec, self.device, self.base, step, suffix_len)
+        if self.ranks is not None:
+            new = self.ranks.from_main(new)  # the merged records are rank 0's
+        self.rows += new
         write_rl_records(self.path, self.rows, self.path.parent)
-        t = {r["system"]: r["step_time_s"] for r in self.rows[-2:]}
+        t = {r["system"]: r.get("step_time_s", math.nan) for r in self.rows[-2:]}
         ratio = t.get("baseline", float("nan")) / min(v for k, v in t.items() if k != "baseline")
         self.log(f"claim-3 reference at step {step}: train_group alone {ratio:.2f}x")

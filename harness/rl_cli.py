@@ -18,6 +18,11 @@ class RLPreset(StrEnum):
     paper = "paper"
 
 
+class RLExecutor(StrEnum):
+    local = "local"
+    slurm = "slurm"
+
+
 class ReplaySystem(StrEnum):
     baseline = "baseline"
     prefixflow = "prefixflow"
@@ -36,18 +41,29 @@ def register(app: typer.Typer) -> None:
         preset: Annotated[
             RLPreset | None, typer.Option(help="smoke | cpu | paper (default: the top level)")
         ] = None,
+        executor: Annotated[
+            RLExecutor,
+            typer.Option(help="where a multi-rank spec's ranks run: local (this machine) or slurm (one job)"),
+        ] = RLExecutor.local,
     ) -> None:
-        """Closed-loop GRPO with every trainer of SPEC (resumable), trace export and replay (Claim 2)."""
+        """Closed-loop GRPO with every trainer of SPEC (resumable), trace export and replay (Claim 2). A spec
+        with a parallel layout runs on that many ranks (TP/CP actor; rank 0 writes the records)."""
         from harness.figures.fig8 import claim2_summary
         from harness.rl_io import TraceError
+        from harness.rl_ranks import run_on_ranks
         from harness.rl_run import RLRunError, collected, run_claim2
         from harness.rl_spec import load_rl_spec
+        from harness.safe_fs import UnsafePathError
         from harness.spec import SpecError
 
+        name = preset.value if preset else None
         try:
-            s = load_rl_spec(spec, preset.value if preset else None)
-            folder = run_claim2(s, preset.value if preset else None, out, log=log)
-        except (SpecError, RLRunError, TraceError) as e:
+            s = load_rl_spec(spec, name)
+            if s.parallel.world_size > 1:
+                folder = run_on_ranks(s, name, out, executor.value, log)
+            else:
+                folder = run_claim2(s, name, out, log=log)
+        except (SpecError, RLRunError, TraceError, UnsafePathError, RuntimeError) as e:
             _fail(escape(str(e)))
         summary = claim2_summary(collected(folder))
         if not summary.empty:

@@ -1,5 +1,9 @@
 """Checkpoints and trace files: safetensors + JSON only, written atomically, verified on read.
 
+Under ``torch.distributed`` only global rank 0 writes (the others return the path and write nothing): the
+loop's ranks hold the same gathered tensors and records, and every rank still calls the gathers
+(:func:`state_tensors`, :func:`optimizer_tensors`) that precede a write.
+
 Everything read back here is untrusted data: no pickle, a file is refused with a one-line
 :class:`TraceError` naming it when it is unreadable, truncated, not what its manifest's SHA-256 says, or
 holds tensors of the wrong name, dtype or shape.
@@ -13,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save
 from torch import nn
@@ -24,6 +29,7 @@ from prefixflow.rl import named_parameters
 
 __all__ = [
     "TraceError",
+    "writes_here",
     "atomic_write_bytes",
     "save_tensors",
     "load_tensors",
@@ -44,9 +50,16 @@ class TraceError(ValueError):
     """A trace or checkpoint file is missing, damaged or inconsistent; the message names the file."""
 
 
+def writes_here() -> bool:
+    """Whether this process writes files: one process, or global rank 0 of a process group."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def atomic_write_bytes(path: str | Path, data: bytes, root: str | Path | None = None) -> Path:
     """Write ``data`` atomically (harness.safe_fs: a fresh temp file, fsync, rename; no link below ``root``
-    is followed)."""
+    is followed). On a rank other than 0, nothing."""
+    if not writes_here():
+        return Path(path)
     return atomic_write(path, lambda fh: fh.write(data), root=root)
 
 
@@ -74,6 +87,8 @@ def save_tensors(
 ) -> Path:
     """Write ``tensors`` (contiguous CPU copies) to a safetensors file atomically (see
     :func:`atomic_write_bytes`)."""
+    if not writes_here():
+        return Path(path)
     data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata=metadata)
     return atomic_write_bytes(path, data, root)
 
@@ -82,6 +97,8 @@ def write_rl_records(path: str | Path, rows: list[dict[str, Any]], root: str | P
     """Write Claim-2 rows as one pf-bench record file: its cell id is the file name (as
     :func:`harness.records.read_records` verifies), rows told apart by ``step``/``system``."""
     path = Path(path)
+    if not writes_here():
+        return path
     cell = path.name.removesuffix(RECORD_SUFFIX)
     return write_records(path, [{**r, "cell_id": cell} for r in rows], root)
 

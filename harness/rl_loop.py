@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import prefixflow as pf
 from harness.rl_io import (
@@ -36,12 +37,15 @@ from harness.rl_io import (
     save_tensors,
     state_tensors,
 )
+from harness.rl_ranks import Ranks
 from harness.rl_spec import RLSpec
 from harness.rl_task import EOS, RetrievalTask
+from prefixflow.parallel import parallel_state
 from prefixflow.rl import (
     actor_update,
     autocast_for,
     group_advantages,
+    named_parameters,
     response_logprobs,
     sample_responses,
     sync_weights,
@@ -51,6 +55,7 @@ __all__ = ["DTYPES", "RunPlan", "ClosedLoop", "build_model_for", "task_of", "mix
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PHASES = ("generation", "reward", "evaluation", "update", "sync")
+TRAIN_PHASES = ("A", "B", "C", "full")  # train_group's phase_times: A/B/C (PrefixFlow) or full (baseline)
 
 
 def mix_seed(*parts: int) -> int:
@@ -65,11 +70,18 @@ def task_of(spec: RLSpec) -> RetrievalTask:
 
 
 def model_overrides(spec: RLSpec, task: RetrievalTask) -> dict[str, Any]:
+    """The model's overrides; the vocabulary is the task's (rounded up to a multiple of ``parallel.tp``, which
+    shards it) unless given."""
     overrides = dict(spec.model.overrides)
-    vocab = overrides.setdefault("vocab_size", task.vocab_size)
+    tp = spec.parallel.tp
+    vocab = overrides.setdefault("vocab_size", -(-task.vocab_size // tp) * tp)
     if vocab < task.vocab_size:
         raise ValueError(
             f"model.overrides.vocab_size={vocab} is smaller than the task's {task.vocab_size} tokens"
+        )
+    if vocab % tp:
+        raise ValueError(
+            f"model.overrides.vocab_size={vocab} must be a multiple of parallel.tp={tp} (TP shards the vocabulary)"
         )
     return overrides
 
@@ -114,7 +126,13 @@ class _Clock:
 
 
 def _rms(xs: list[torch.Tensor]) -> float:
-    total = sum(float(x.double().pow(2).sum()) for x in xs)
+    """Root mean square over all elements; a sharded (DTensor) tensor's sum is reduced over its mesh."""
+
+    def sum_sq(x: torch.Tensor) -> float:
+        s = x.double().pow(2).sum()
+        return float(s.full_tensor() if isinstance(s, DTensor) else s)
+
+    total = sum(sum_sq(x) for x in xs)
     return (total / max(1, sum(x.numel() for x in xs))) ** 0.5
 
 
@@ -122,21 +140,30 @@ class ClosedLoop:
     """The models, optimizer and step counter of one run; :meth:`step` runs one GRPO step."""
 
     def __init__(
-        self, spec: RLSpec, task: RetrievalTask, plan: RunPlan, init: dict[str, torch.Tensor], device
+        self,
+        spec: RLSpec,
+        task: RetrievalTask,
+        plan: RunPlan,
+        init: dict[str, torch.Tensor],
+        device,
+        ranks: Ranks | None = None,
     ) -> None:
         self.spec, self.task, self.plan, self.device = spec, task, plan, torch.device(device)
+        self.ranks = ranks or Ranks.single()
         compute = DTYPES[plan.dtype]
         self.compute_dtype = compute if compute != torch.float32 else None
-        self.actor = build_model_for(spec, task, torch.float32, self.device)
-        load_weights(self.actor, init, "warm start")
+        actor = build_model_for(spec, task, torch.float32, self.device)
+        load_weights(actor, init, "warm start")
         self.rollout = build_model_for(spec, task, compute, self.device)
-        sync_weights(self.actor, self.rollout)
+        sync_weights(actor, self.rollout)
         self.ref = None
         if spec.loop.kl_coef > 0:
-            self.ref = build_model_for(spec, task, compute, self.device)
-            sync_weights(self.actor, self.ref)
-            self.ref.requires_grad_(False)
+            ref = build_model_for(spec, task, compute, self.device)
+            sync_weights(actor, ref)
+            ref.requires_grad_(False)
+            self.ref = self.ranks.parallelize(ref)
         self.rollout.requires_grad_(False)
+        self.actor = self.ranks.parallelize(actor)  # loaded first: every rank holds the same whole weights
         loop = spec.loop
         self.optimizer = torch.optim.AdamW(
             self.actor.parameters(),
@@ -146,8 +173,15 @@ class ClosedLoop:
             weight_decay=loop.weight_decay,
             fused=loop.fused_adamw,
         )
-        self.init = {k: v.clone() for k, v in state_tensors(self.actor).items()}
+        # the warm start, laid out like the actor (a sharded copy on many ranks): each step's drift from it
+        self.init = {k: p.detach().clone() for k, p in named_parameters(self.actor).items()}
+        state = parallel_state(self.actor)
+        self.actor_layout = state.dims.label if state is not None else "single"
         self.step_done = 0
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The actor's weights, whole (on many ranks a gather: every rank calls it)."""
+        return state_tensors(self.actor)
 
     # ---- one step -------------------------------------------------------------------------------------
     def prompts(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -160,20 +194,7 @@ class ClosedLoop:
         clock = _Clock(self.device)
         prompts = self.prompts(step)
         with clock("generation"):
-            rollouts = []
-            for i, (prompt, _) in enumerate(prompts):
-                gen = torch.Generator(self.device).manual_seed(mix_seed(self.plan.seed, step, i))
-                rollouts.append(
-                    sample_responses(
-                        self.rollout,
-                        prompt,
-                        loop.n,
-                        max_new_tokens=loop.max_new_tokens,
-                        eos_id=EOS,
-                        temperature=loop.temperature,
-                        generator=gen,
-                    )
-                )
+            rollouts = self.ranks.share(lambda i: self._sample(step, i, prompts[i][0]), len(prompts))
         with clock("reward"):
             rewards = [
                 torch.tensor([self.task.reward(r.cpu(), answer) for r in ro.responses], dtype=torch.float64)
@@ -212,16 +233,18 @@ class ClosedLoop:
         with clock("sync"):
             synced = sync_weights(self.actor, self.rollout)
         self.step_done = step
-        weights = state_tensors(self.actor)
+        # the same keys on every rank, in one order (a rank may have trained no group of some phase)
+        own = {**clock.times, **{k: stats.phase_times.get(k, 0.0) for k in TRAIN_PHASES}}
+        times = self.ranks.slowest({**own, "optimizer": stats.optimizer_s})
         lens = [n for g in groups for n in g.response_lens]
         all_rewards = torch.cat(rewards)
         record = {
             "step": step,
-            **{f"{phase}_s": clock.times[phase] for phase in PHASES},
-            "step_s": sum(clock.times.values()),
-            "update_train_s": sum(stats.phase_times.values()),
-            "update_optimizer_s": stats.optimizer_s,
-            **{f"phase_{k.lower()}_s": v for k, v in stats.phase_times.items()},
+            **{f"{phase}_s": times[phase] for phase in PHASES},
+            "step_s": sum(times[phase] for phase in PHASES),
+            "update_train_s": sum(times[k] for k in TRAIN_PHASES),
+            "update_optimizer_s": times["optimizer"],
+            **{f"phase_{k.lower()}_s": times[k] for k in stats.phase_times},
             "reward_mean": float(all_rewards.mean()),
             "reward_std": float(all_rewards.std()) if all_rewards.numel() > 1 else 0.0,
             "exact_match": float((all_rewards == 1.0).double().mean()),
@@ -235,11 +258,26 @@ class ClosedLoop:
             "truncated_frac": sum(t for ro in rollouts for t in ro.truncated) / len(lens),
             "trunk_tokens": stats.trunk_tokens,
             "sync_bytes": synced,
-            "drift_rms": _rms([weights[k] - self.init[k] for k in weights]),
-            "weight_rms": _rms(list(weights.values())),
+            "actor_layout": self.actor_layout,
+            "drift_rms": _rms([p.detach() - self.init[k] for k, p in named_parameters(self.actor).items()]),
+            "weight_rms": _rms([p.detach() for p in self.actor.parameters()]),
         }
-        trace = {"lr": lr, "groups": groups, "weights": weights}
+        trace = {"lr": lr, "groups": groups}
         return record, trace
+
+    def _sample(self, step: int, i: int, prompt: torch.Tensor):
+        """Prompt ``i``'s N responses, noise seeded by (run seed, step, prompt): the same on any rank."""
+        loop = self.spec.loop
+        gen = torch.Generator(self.device).manual_seed(mix_seed(self.plan.seed, step, i))
+        return sample_responses(
+            self.rollout,
+            prompt,
+            loop.n,
+            max_new_tokens=loop.max_new_tokens,
+            eos_id=EOS,
+            temperature=loop.temperature,
+            generator=gen,
+        )
 
     # ---- state ----------------------------------------------------------------------------------------
     def save_resume(self, path: Path, identity: str, root: Path | None = None) -> None:

@@ -24,25 +24,24 @@ from typing import Any
 
 import pandas as pd
 import torch
+import torch.distributed as dist
 
 from harness.records import read_records
 from harness.rl_analysis import Claim3Reference, divergence_records, replay_records
 from harness.rl_io import (
     TraceError,
-    load_tensors,
     save_tensors,
-    state_tensors,
     write_json,
     write_rl_records,
 )
-from harness.rl_loop import DTYPES, ClosedLoop, RunPlan, build_model_for, model_overrides, task_of
+from harness.rl_loop import ClosedLoop, RunPlan, model_overrides, task_of
+from harness.rl_ranks import Ranks, check_loop_layout
 from harness.rl_spec import RLSpec
-from harness.rl_task import mean_reward, warm_start
 from harness.rl_trace import TraceWriter
+from harness.rl_warmstart import warm_start_state
 from harness.runner import git_rev, resolve_device
 from harness.safe_fs import UnsafePathError, check_writable
 from harness.spec import safe_name
-from prefixflow.rl import sync_weights
 
 __all__ = ["RLRunError", "preflight", "run_claim2", "plans_of", "folder_of", "collected"]
 
@@ -53,17 +52,19 @@ class RLRunError(RuntimeError):
     """The spec cannot run here; the message says what is missing."""
 
 
-def preflight(spec: RLSpec, preset: str | None) -> torch.device:
-    """Refuse, before any work, what this build cannot run; returns the device."""
+def preflight(spec: RLSpec, preset: str | None, launched: bool = False) -> torch.device:
+    """Refuse, before any work, what this build cannot run; returns the device. ``launched``: this process
+    is one rank of the spec's multi-rank job (``harness.rl_ranks``)."""
     par = spec.parallel
-    if par.world_size > 1:
-        layout = ", ".join(f"{k}={v}" for k, v in par.model_dump().items() if v > 1)
+    try:
+        check_loop_layout(par.model_dump())
+        model_overrides(spec, task_of(spec))
+    except ValueError as e:
+        raise RLRunError(f"preset {preset or '-'}: {e}") from None
+    if par.world_size > 1 and not launched:
         raise RLRunError(
-            f"preset {preset or '-'} needs a multi-rank closed loop ({layout}, world size {par.world_size}). "
-            "The actor update, evaluation and weight sync run on a TP/CP-parallel actor "
-            "(tests/test_rl_parallel.py), but this build's loop, warm start and replay run in one process "
-            "(no launch across ranks, rank-0 file writes or rollout broadcast yet): use --preset cpu or "
-            "--preset smoke"
+            f"preset {preset or '-'} runs on {par.world_size} ranks ({par.label}): start it with `pf-bench rl` "
+            "(it launches the ranks), not in this process"
         )
     try:
         return resolve_device(spec.device)
@@ -154,77 +155,6 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
-def warm_start_state(
-    spec: RLSpec, state: Path, device: torch.device, base: dict[str, Any], log: Log
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The shared initial weights (the warm-started model, cached under ``state``) and the record of its
-    reward on the RL task (the level every run starts from)."""
-    path = state / "warmstart.safetensors"
-    identity = spec.warm_start_identity()
-    task = task_of(spec)
-    tensors = None
-    if path.exists():
-        tensors, meta = load_tensors(path)
-        if meta.get("identity") != identity:
-            log(f"warm start at {path} is from another configuration; recomputing")
-            tensors = None
-    ws, loop = spec.warm_start, spec.loop
-    if tensors is None:
-        model = build_model_for(spec, task, torch.float32, device)
-        log(
-            f"warm start: {ws.steps} steps x {ws.batch} prompts of {ws.passages} passages (the RL prompts "
-            f"have {task.n_passages}: P={task.prompt_len}, S={task.response_len}, r={task.prefix_ratio:.3f})"
-        )
-        losses = warm_start(
-            model,
-            task,
-            steps=ws.steps,
-            batch=ws.batch,
-            lr=ws.lr,
-            seed=spec.data_seed + 1,
-            passages=ws.passages,
-            label_smoothing=ws.label_smoothing,
-        )
-        tensors = state_tensors(model, "w.")
-        rollout = build_model_for(spec, task, DTYPES[loop.dtype], device)
-        sync_weights(model, rollout)
-        reward, exact = mean_reward(
-            rollout,
-            task,
-            prompts=ws.eval_prompts,
-            n=loop.n,
-            max_new_tokens=loop.max_new_tokens,
-            temperature=loop.temperature,
-            seed=spec.data_seed + 2,
-        )
-        meta = {
-            "identity": identity,
-            "final_loss": repr(losses[-1] if losses else float("nan")),
-            "reward": repr(reward),
-            "exact_match": repr(exact),
-        }
-        save_tensors(path, tensors, meta, root=state.parent)
-    record = {
-        **base,
-        "record_kind": "rl_warmstart",
-        "system": "baseline",
-        "dtype": loop.dtype,
-        "run": "warmstart",
-        "step": 0,
-        "reward_mean": float(meta["reward"]),
-        "exact_match": float(meta["exact_match"]),
-        "loss": float(meta["final_loss"]),
-        "warm_start_steps": ws.steps,
-        "warm_start_passages": ws.passages,
-        "timestamp": _now(),
-    }
-    log(
-        f"warm start: reward {record['reward_mean']:.3f} (exact {record['exact_match']:.3f}) on "
-        f"{ws.eval_prompts} RL prompts x {loop.n} samples"
-    )
-    return {k.removeprefix("w."): v for k, v in tensors.items()}, record
-
-
 def _trace_header(spec: RLSpec, plan: RunPlan) -> dict[str, Any]:
     loop, task = spec.loop, task_of(spec)
     return {
@@ -253,12 +183,12 @@ def _trace_header(spec: RLSpec, plan: RunPlan) -> dict[str, Any]:
 class _Run:
     """One plan's loop, its record rows and files."""
 
-    def __init__(self, spec, task, plan, folder, init, device, base, log) -> None:
-        self.spec, self.plan, self.log, self.root = spec, plan, log, folder
+    def __init__(self, spec, task, plan, folder, init, device, base, log, ranks: Ranks) -> None:
+        self.spec, self.plan, self.log, self.root, self.ranks = spec, plan, log, folder, ranks
         self.dir = folder / "_state" / "runs" / plan.name
         self.records = folder / "records" / f"{plan.name}.parquet"
         self.identity = spec.identity(run=plan.name, dtype=plan.dtype, steps=plan.steps, lr=plan.lr)
-        self.loop = ClosedLoop(spec, task, plan, init, device)
+        self.loop = ClosedLoop(spec, task, plan, init, device, ranks)
         self.base = {
             **base,
             "system": plan.system,
@@ -274,7 +204,7 @@ class _Run:
             self.trace_dir = folder / "_state" / "traces" / plan.trace_name
             self.trace = TraceWriter(self.trace_dir, _trace_header(spec, plan), root=folder)
         resume = self.dir / "resume.safetensors"
-        if resume.exists():
+        if ranks.from_main(resume.exists()):
             self.loop.load_resume(resume, self.identity)
             if self.records.exists():
                 old = read_records(self.records)
@@ -296,14 +226,17 @@ class _Run:
         step = record["step"]
         row = {**self.base, **record, "timestamp": _now()}
         self.rows.append(row)
-        if self.trace is not None and step <= self.plan.trace_steps:
-            self.trace.write_step(step, trace, record["loss"])
+        traced = self.trace is not None and step <= self.plan.trace_steps
+        checkpoint = step % self.spec.checkpoint_every == 0 or step == self.plan.steps
+        weights = self.loop.weights() if traced or checkpoint else None  # a gather on many ranks
+        if traced:
+            self.trace.write_step(step, {**trace, "weights": weights}, record["loss"])
             if step == self.plan.trace_steps:
                 self.trace.finish(step)
-        if step % self.spec.checkpoint_every == 0 or step == self.plan.steps:
+        if checkpoint:
             save_tensors(
                 self.dir / "checkpoints" / f"step_{step:05d}.safetensors",
-                trace["weights"],
+                weights,
                 {"step": str(step), "run": self.plan.name},
                 root=self.root,
             )
@@ -325,22 +258,35 @@ def _collect_between_steps() -> Iterator[None]:
             gc.enable()
 
 
-def run_claim2(spec: RLSpec, preset: str | None, out: str | Path, log: Log = print) -> Path:
-    """Everything Claim 2 records, resumably; returns the records folder."""
-    device = preflight(spec, preset)
+def check_out(spec: RLSpec, preset: str | None, out: str | Path) -> Path:
+    """The records folder under ``out``, checked writable (no link between them) before any work."""
     folder = folder_of(out, spec, preset)
     try:  # no link between OUT and the records folder; a clear error before any work
         check_writable(folder / "_state", out)
     except (OSError, UnsafePathError) as e:
         raise RLRunError(f"--out: cannot write under {folder}: {getattr(e, 'strerror', None) or e}") from None
+    return folder
+
+
+def run_claim2(
+    spec: RLSpec, preset: str | None, out: str | Path, log: Log = print, device: torch.device | None = None
+) -> Path:
+    """Everything Claim 2 records, resumably; returns the records folder. In a process group (every rank
+    runs this, ``harness.rl_ranks``) the actor is parallelized over ``spec.parallel`` and rank 0 writes."""
+    launched = dist.is_available() and dist.is_initialized()
+    dev = preflight(spec, preset, launched)
+    device = device or dev
+    ranks = Ranks.joined(spec.parallel.model_dump(), device) if launched else Ranks.single()
+    folder = check_out(spec, preset, out) if ranks.main else folder_of(out, spec, preset)
+    ranks.barrier()
     task = task_of(spec)
     base = _base(spec, preset, device)
     write_json(folder / "_state" / "spec.json", spec.model_dump(mode="json"), root=folder)
-    init, ws_record = warm_start_state(spec, folder / "_state", device, base, log)
+    init, ws_record = warm_start_state(spec, folder / "_state", device, base, log, ranks)
     write_rl_records(folder / "warmstart.parquet", [ws_record], folder)
     plans = plans_of(spec)
-    runs = [_Run(spec, task, p, folder, init, device, base, log) for p in plans]
-    reference = Claim3Reference(spec, folder, device, base, log)
+    runs = [_Run(spec, task, p, folder, init, device, base, log, ranks) for p in plans]
+    reference = Claim3Reference(spec, folder, device, base, log, ranks)
     reference.resume(min(r.loop.step_done for r in runs if r.plan.role == "compare"))
     with _collect_between_steps():
         while not all(r.done for r in runs):
@@ -360,7 +306,8 @@ def run_claim2(spec: RLSpec, preset: str | None, out: str | Path, log: Log = pri
     for run in runs:  # a run resumed past its trace steps may have been killed before writing the manifest
         if run.trace is not None and not (run.trace_dir / "manifest.json").exists():
             run.trace.finish(run.plan.trace_steps)
-    div = divergence_records(spec, folder, plans, init, base)
+    ranks.barrier()  # rank 0's checkpoints and traces are on disk for every rank from here
+    div = divergence_records(spec, folder, plans, init, base) if ranks.main else []
     if div:
         write_rl_records(folder / "divergence.parquet", div, folder)
     for run in runs:
@@ -372,9 +319,9 @@ def run_claim2(spec: RLSpec, preset: str | None, out: str | Path, log: Log = pri
         for system, fp64 in [(s, False) for s in spec.trace.systems] + floor:
             tag = f"{system}-fp64" if fp64 else system
             path = folder / f"replay-{run.trace_dir.name}-{tag}.parquet"
-            if path.exists() and read_records(path)["identity"].eq(base["identity"]).all():
+            if ranks.from_main(path.exists() and read_records(path)["identity"].eq(base["identity"]).all()):
                 continue
-            rows = replay_records(run.trace_dir, system, device, base, log, fp64=fp64)
+            rows = replay_records(run.trace_dir, system, device, base, log, fp64=fp64, ranks=ranks)
             rows = [{**r, "preset": base["preset"], "identity": base["identity"]} for r in rows]
             write_rl_records(path, rows, folder)
     reference.after(spec.loop.steps, [row for r in runs if r.plan.role == "compare" for row in r.rows])

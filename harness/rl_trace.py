@@ -34,6 +34,7 @@ from harness.rl_io import (
     sha256_of,
     state_tensors,
     write_json,
+    writes_here,
 )
 from prefixflow.rl import actor_update, named_parameters
 
@@ -125,7 +126,10 @@ class TraceWriter:
         save_tensors(self.folder / f"after_{step:05d}.safetensors", weights, root=self.root)
 
     def finish(self, steps: int) -> Path:
-        """Hash every file and write ``manifest.json`` last (a trace without it is incomplete)."""
+        """Hash every file and write ``manifest.json`` last (a trace without it is incomplete). On a rank
+        other than 0 (which wrote nothing), nothing."""
+        if not writes_here():
+            return self.folder / "manifest.json"
         refs = []
         for step in range(1, steps + 1):
             inputs = self.folder / f"step_{step:05d}.safetensors"
@@ -261,14 +265,20 @@ def _compare(
 
 
 def replay_trace(
-    trace: Trace, system: str, device: str | torch.device = "cpu", on_step=None, fp64: bool = False
+    trace: Trace,
+    system: str,
+    device: str | torch.device = "cpu",
+    on_step=None,
+    fp64: bool = False,
+    ranks=None,
 ) -> list[dict[str, Any]]:
     """Replay every step of ``trace`` with ``system``; one dict per step with the weight differences to the
     source run after that step (max / RMSE / mean absolute, relative max, the bf16 tau rule).
 
     ``fp64``: replay in float64 (weights, AdamW state, compute) an fp32 trace: the difference is then the
     source run's own fp32 rounding, amplified by the optimizer as any fp32 trainer's would be (the floor
-    against which another fp32 trainer's replay is read)."""
+    against which another fp32 trainer's replay is read). ``ranks`` (``harness.rl_ranks.Ranks``): replay
+    on the loop's parallel layout, every rank calling this (each returns the same rows)."""
     from harness.rl_loop import DTYPES
 
     m = trace.manifest
@@ -291,6 +301,8 @@ def replay_trace(
         raise TraceError(f"{initial_path}: its weights do not match the model {m.model} the manifest names")
     model = pf.build_model(m.model, dtype=weights_dtype, seed=m.seed, overrides=m.overrides, device=device)
     pf.apply_prefixflow(model, pf.PrefixFlowConfig(attention=m.attention))
+    if ranks is not None:
+        model = ranks.parallelize(model)
     o = m.optimizer
     opt = torch.optim.AdamW(
         model.parameters(),
