@@ -69,7 +69,8 @@ def preflight(spec: RLSpec, preset: str | None, launched: bool = False) -> torch
     try:
         return resolve_device(spec.device)
     except RuntimeError as e:
-        raise RLRunError(f"device: {e}") from None
+        hint = " (on a Slurm GPU cluster: --executor slurm)" if par.world_size > 1 else ""
+        raise RLRunError(f"device: {e}{hint}") from None
 
 
 def folder_of(out: str | Path, spec: RLSpec, preset: str | None) -> Path:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from harness.cli import app
@@ -28,15 +29,14 @@ def test_claim2_presets_are_valid(preset):
     assert spec.trainers == ["baseline", "prefixflow"] and spec.reference_seed is not None
 
 
-def test_paper_preset_is_refused_naming_what_is_missing(tmp_path):
+def test_paper_preset_needs_its_gpus_and_says_where_to_run_it(tmp_path):
+    spec = load_rl_spec(CLAIM2, "paper")
+    assert spec.parallel.tp == 2 and spec.parallel.cp == 4 and spec.device == "cuda"
+    if torch.cuda.device_count() >= spec.parallel.world_size:
+        pytest.skip("this machine has the paper preset's GPUs")
     res = invoke("rl", CLAIM2, "--preset", "paper", "--out", tmp_path / "out")
     assert res.exit_code == 2
-    assert (
-        "tp=2" in res.output
-        and "cp=4" in res.output
-        and "multi-rank" in res.output
-        and "--preset cpu" in res.output
-    )
+    assert "device 'cuda'" in res.output and "--executor slurm" in res.output, res.output
     assert "Traceback" not in res.output and not (tmp_path / "out").exists()
 
 
