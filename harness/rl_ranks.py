@@ -174,12 +174,13 @@ class _RankJob:
         return main([job])
 
 
-def submit_slurm(job: Path, world: int, settings, jobs: Path, name: str, log: Callable[[str], None]) -> int:
-    """Run the loop as one Slurm job of ``world`` tasks (``settings``: the spec's ``executor``); waits for it
-    (at most its time limit plus 10 minutes) and returns 0 when every task succeeded."""
+def submit_slurm(job: Path, world: int, settings, folder: Path, name: str, log: Callable[[str], None]) -> int:
+    """Run the loop as one Slurm job of ``world`` tasks (``settings``: the spec's ``executor``; submitit's
+    files in the private jobs folder of the records ``folder``); waits for it (at most its time limit plus
+    10 minutes) and returns 0 when every task succeeded."""
     from harness.executors import SlurmExecutor
 
-    ex = SlurmExecutor(settings)._executor(jobs, name, world)
+    ex = SlurmExecutor(settings)._executor(folder, name, world)
     handle = ex.submit(_RankJob(), str(job))
     log(f"submitted Slurm job {handle.job_id} ({world} tasks); logs: {handle.paths.stdout.parent}")
     deadline = time.monotonic() + max(1, math.ceil(settings.timeout_min)) * 60 + 600
@@ -194,7 +195,11 @@ def submit_slurm(job: Path, world: int, settings, jobs: Path, name: str, log: Ca
     except Exception as e:  # submitit raises the failing task's error with its log tail
         log(f"Slurm job {handle.job_id} failed ({handle.state}): {str(e)[-2000:]}")
         return 1
-    return max((int(c) for c in codes), default=0)
+    code = max((int(c) for c in codes), default=0)
+    if code:
+        tail = (handle.stderr() or "").strip().splitlines()[-5:]
+        log(f"Slurm job {handle.job_id}: a task exited {code}; its stderr ends:\n" + "\n".join(tail))
+    return code
 
 
 def run_on_ranks(
@@ -223,11 +228,12 @@ def run_on_ranks(
     if executor == "local":
         code = run_local(job, world, timeout_s=spec.executor.timeout_min * 60)
     elif executor == "slurm":
-        code = submit_slurm(job, world, spec.executor, jobs, f"pf-{spec.name}", log)
+        code = submit_slurm(job, world, spec.executor, folder, f"pf-{spec.name}", log)
     else:
         raise RLRunError(f"--executor {executor!r}: use local or slurm")
     if code != 0:
-        raise RLRunError(f"the loop's {world} ranks failed (exit status {code}); their messages are above")
+        where = "above" if executor == "local" else f"in the job's logs under {jobs / 'slurm'}"
+        raise RLRunError(f"the loop's {world} ranks failed (exit status {code}); their messages are {where}")
     return folder
 
 

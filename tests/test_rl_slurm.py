@@ -1,0 +1,54 @@
+"""`pf-bench rl --executor slurm`: a TP2 closed loop as one two-task job of the local Slurm (one task per rank)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from harness.cli import app
+from harness.records import read_records
+from harness.safe_fs import jobs_folder
+
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        shutil.which("sinfo") is None,
+        reason="no Slurm client (sinfo) on PATH; start one with `bash scripts/slurm_up.sh`",
+    ),
+]
+
+SPEC = {
+    "name": "rlslurm",
+    "model": {
+        "name": "llama3:debugmodel",
+        "overrides": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128},
+    },
+    "task": {"prefix_ratio": 0.9, "value_len": 2, "choices": 2},
+    "warm_start": {"steps": 2, "batch": 4, "passages": 3, "eval_prompts": 2},
+    "loop": {"steps": 2, "prompts_per_step": 2, "n": 3, "max_new_tokens": 4, "lr": 1e-3},
+    "reference_seed": None,
+    "checkpoint_every": 2,
+    "trace": None,
+    "claim3_reference": {"enabled": False},
+    "device": "cpu",
+    "parallel": {"tp": 2},
+    "executor": {"timeout_min": 10, "overcommit": True, "mem_gb": 4},
+}
+
+
+def test_the_loop_runs_as_one_slurm_job_of_one_task_per_rank(tmp_path):
+    spec = tmp_path / "rl.yaml"
+    spec.write_text(yaml.safe_dump(SPEC))
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["rl", str(spec), "--out", str(out), "--executor", "slurm"])
+    assert res.exit_code == 0, res.output
+    folder = out / "rlslurm" / "default"
+    for run in ("baseline-s0", "prefixflow-s0"):
+        rows = read_records(folder / "records" / f"{run}.parquet")
+        assert list(rows["step"]) == [1, 2] and set(rows["actor_layout"]) == {"tp2"}
+    logs = sorted(p.name for p in (jobs_folder(folder) / "slurm").glob("*_log.out"))
+    assert len(logs) == 2 and {n.split("_")[-2] for n in logs} == {"0", "1"}, logs
