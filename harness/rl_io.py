@@ -130,8 +130,9 @@ def load_tensors(
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A sharded (DTensor) tensor gathered whole (a collective: every rank calls it), else ``t``."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """``t`` whole and on the CPU: a sharded (DTensor) tensor is gathered (a collective: every rank calls
+    it) one tensor at a time, so a GPU never holds more than one whole parameter for a checkpoint."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).cpu()
 
 
 def _placed_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -142,8 +143,8 @@ def _placed_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def state_tensors(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
-    """The model's parameters by clean name (fp32 master weights as they are). A parallel (TP/FSDP2) model's
-    sharded parameters are gathered whole: every rank must call this."""
+    """The model's parameters by clean name, on the CPU (fp32 master weights as they are). A parallel
+    (TP/FSDP2) model's sharded parameters are gathered whole: every rank must call this."""
     return {prefix + name: _whole(p.detach()) for name, p in named_parameters(model).items()}
 
 

@@ -222,6 +222,14 @@ class _Run:
     def done(self) -> bool:
         return self.loop.step_done >= self.plan.steps
 
+    def release(self) -> None:
+        """Free the run's models and optimizer state (its records, trace and step count stay)."""
+        loop = self.loop
+        loop.actor = loop.rollout = loop.ref = loop.optimizer = loop.init = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def step(self) -> dict[str, Any]:
         record, trace = self.loop.step()
         step = record["step"]
@@ -269,6 +277,21 @@ def check_out(spec: RLSpec, preset: str | None, out: str | Path) -> Path:
     return folder
 
 
+def _step_round(runs: list[_Run], spec: RLSpec, log: Log) -> None:
+    """One step of every unfinished run (Python's collection between steps, untimed)."""
+    for run in runs:
+        if not run.done:
+            row = run.step()
+            checkpoint = row["step"] % spec.checkpoint_every == 0 or run.done
+            gc.collect(2 if checkpoint else 1)  # untimed, between steps: no pause in a timed phase
+            if checkpoint:
+                log(
+                    f"{run.plan.name}: step {row['step']}/{run.plan.steps} reward "
+                    f"{row['reward_mean']:.3f} loss {row['loss']:+.4f} step {row['step_s']:.2f}s "
+                    f"(update {row['update_s']:.2f}s)"
+                )
+
+
 def run_claim2(
     spec: RLSpec, preset: str | None, out: str | Path, log: Log = print, device: torch.device | None = None
 ) -> Path:
@@ -286,24 +309,31 @@ def run_claim2(
     init, ws_record = warm_start_state(spec, folder / "_state", device, base, log, ranks)
     write_rl_records(folder / "warmstart.parquet", [ws_record], folder)
     plans = plans_of(spec)
-    runs = [_Run(spec, task, p, folder, init, device, base, log, ranks) for p in plans]
     reference = Claim3Reference(spec, folder, device, base, log, ranks)
-    reference.resume(min(r.loop.step_done for r in runs if r.plan.role == "compare"))
+    compare_done = spec.loop.steps  # sequential: the reference is measured after the runs
+    if spec.schedule == "lockstep":
+        runs = [_Run(spec, task, p, folder, init, device, base, log, ranks) for p in plans]
+        compare_done = min(r.loop.step_done for r in runs if r.plan.role == "compare")
+    reference.resume(compare_done)
     with _collect_between_steps():
-        while not all(r.done for r in runs):
-            for run in runs:
-                if not run.done:
-                    row = run.step()
-                    checkpoint = row["step"] % spec.checkpoint_every == 0 or run.done
-                    gc.collect(2 if checkpoint else 1)  # untimed, between steps: no pause in a timed phase
-                    if checkpoint:
-                        log(
-                            f"{run.plan.name}: step {row['step']}/{run.plan.steps} reward "
-                            f"{row['reward_mean']:.3f} loss {row['loss']:+.4f} step {row['step_s']:.2f}s "
-                            f"(update {row['update_s']:.2f}s)"
-                        )
-            compare = [r for r in runs if r.plan.role == "compare"]
-            reference.after(min(r.loop.step_done for r in compare), [row for r in compare for row in r.rows])
+        if spec.schedule == "lockstep":
+            while not all(r.done for r in runs):
+                _step_round(runs, spec, log)
+                compare = [r for r in runs if r.plan.role == "compare"]
+                reference.after(
+                    min(r.loop.step_done for r in compare), [row for r in compare for row in r.rows]
+                )
+        else:  # one run at a time, its models freed before the next is built (a large model's memory)
+            runs = []
+            for plan in plans:
+                run = _Run(spec, task, plan, folder, init, device, base, log, ranks)
+                while not run.done:
+                    _step_round([run], spec, log)
+                run.release()
+                runs.append(run)
+            rows = [row for r in runs if r.plan.role == "compare" for row in r.rows]
+            for step in range(spec.checkpoint_every, spec.loop.steps, spec.checkpoint_every):
+                reference.after(step, rows)
     for run in runs:  # a run resumed past its trace steps may have been killed before writing the manifest
         if run.trace is not None and not (run.trace_dir / "manifest.json").exists():
             run.trace.finish(run.plan.trace_steps)

@@ -147,6 +147,12 @@ class RLSpec(_Strict):
     )
     data_seed: int = Field(0, ge=0, description="prompt stream (the same for every run)")
     checkpoint_every: int = Field(10, ge=1)
+    schedule: Literal["lockstep", "sequential"] = Field(
+        "lockstep",
+        description="lockstep: step t of every run before step t+1 of any (every trainer timed under the same "
+        "machine load; every run's models held at once); sequential: one run after another, each run's models "
+        "freed before the next is built (a large model), the Claim-3 reference measured after the runs",
+    )
     trace: TraceSpec | None = Field(default_factory=TraceSpec)
     claim3_reference: Claim3Reference = Field(default_factory=Claim3Reference)
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -192,8 +198,11 @@ class RLSpec(_Strict):
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     def identity(self, **extra: Any) -> str:
-        """A 12-hex digest of everything that changes a run's numbers (names and executors excluded)."""
-        ident = self.model_dump(mode="json", exclude={"name", "description", "executor", "presets"})
+        """A 12-hex digest of everything that changes a run's numbers (names, executors and the schedule
+        excluded)."""
+        ident = self.model_dump(
+            mode="json", exclude={"name", "description", "executor", "presets", "schedule"}
+        )
         blob = json.dumps({**ident, **extra}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

@@ -214,3 +214,39 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, monkeypatch):
     b = read_records(resumed / "records" / "baseline-s0.parquet")
     cols = ["step", "reward_mean", "loss", "grad_norm", "drift_rms", "response_tokens"]
     assert a[cols].equals(b[cols]) and list(a["step"]) == [1, 2, 3, 4]
+
+
+def test_sequential_schedule_gives_the_lockstep_numbers_and_frees_each_run(tmp_path, monkeypatch):
+    import harness.rl_run as rl_run
+
+    spec = tiny_spec(reference_seed=1, claim3_reference={"enabled": True, "warmup": 0, "repeats": 1})
+    lockstep = run_claim2(spec, None, tmp_path / "lockstep", log=lambda _: None)
+    built, released = [], []
+    original_init, original_release = rl_run._Run.__init__, rl_run._Run.release
+
+    def init(self, *a, **k):
+        assert len(built) == len(released), "a run was built while another still held its models"
+        built.append(a[2].name)
+        original_init(self, *a, **k)
+
+    def release(self):
+        released.append(self.plan.name)
+        original_release(self)
+        assert self.loop.actor is None and self.loop.rollout is None and self.loop.optimizer is None
+
+    monkeypatch.setattr(rl_run._Run, "__init__", init)
+    monkeypatch.setattr(rl_run._Run, "release", release)
+    sequential = run_claim2(
+        spec.model_copy(update={"schedule": "sequential"}), None, tmp_path / "seq", log=print
+    )
+    assert built == released == [p.name for p in rl_run.plans_of(spec)] and len(built) == 4
+    cols = ["step", "reward_mean", "loss", "grad_norm", "drift_rms", "response_tokens"]
+    for run in built:
+        a = read_records(lockstep / "records" / f"{run}.parquet")
+        b = read_records(sequential / "records" / f"{run}.parquet")
+        assert a[cols].equals(b[cols]), run
+    ref = read_records(sequential / "claim3-reference.parquet")  # at every checkpoint, after the runs
+    assert sorted(set(ref["step"])) == [1, 2, 3]
+    assert read_records(sequential / "divergence.parquet")[["run", "step", "rmse"]].equals(
+        read_records(lockstep / "divergence.parquet")[["run", "step", "rmse"]]
+    )

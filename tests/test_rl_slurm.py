@@ -35,6 +35,7 @@ SPEC = {
     "trace": None,
     "claim3_reference": {"enabled": False},
     "device": "cpu",
+    "schedule": "sequential",
     "parallel": {"tp": 2},
     "executor": {"timeout_min": 10, "overcommit": True, "mem_gb": 4},
 }
