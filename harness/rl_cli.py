@@ -14,6 +14,7 @@ __all__ = ["register"]
 
 class RLPreset(StrEnum):
     smoke = "smoke"
+    ranks = "ranks"
     cpu = "cpu"
     paper = "paper"
 
@@ -39,7 +40,7 @@ def register(app: typer.Typer) -> None:
         spec: Annotated[Path, typer.Argument(help="Claim-2 spec (YAML), e.g. experiments/claim2.yaml")],
         out: Annotated[Path, typer.Option(help="results folder; records go to OUT/<spec>/<preset>/")],
         preset: Annotated[
-            RLPreset | None, typer.Option(help="smoke | cpu | paper (default: the top level)")
+            RLPreset | None, typer.Option(help="smoke | ranks | cpu | paper (default: the top level)")
         ] = None,
         executor: Annotated[
             RLExecutor,
