@@ -9,6 +9,14 @@ gradient buffer while the call runs (a caller that zeroes with ``set_to_none=Tru
 The guard nests: inside an enclosing ``keep_grads_on_failure`` on the same model, an inner one is a no-op,
 and the enclosing one checks and merges once for everything its body accumulated (``actor_update`` wraps
 its ``train_group`` calls this way: one check per optimizer step, not one check and merge per group).
+
+On a parallelized model (``prefixflow.parallel``) the verdict is collective: each rank checks its own
+gradient shards, then one all-reduce of the flag over every rank of the model's mesh (gloo on CPU, NCCL on
+CUDA), so either every rank raises NonFiniteError (gradients restored) or every rank proceeds. Under TP or
+FSDP one rank's shard may hold an inf that another's does not; a local verdict would let that rank raise
+while another steps into the next collective, and hang. Every rank of the mesh must therefore enter the
+outermost guard equally often (it does: ``train_group`` on every rank, or ``actor_update`` /
+``train_step`` once per step, whose inner guards are no-ops). An unparallelized model pays no collective.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 __all__ = ["NonFiniteError", "keep_grads_on_failure", "check_finite_loss", "all_finite"]
@@ -51,6 +60,16 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
+def _agreed(model: nn.Module, finite: bool) -> bool:
+    """``finite`` on every rank of a parallelized ``model``'s mesh (one all-reduce), else this rank's own."""
+    state = getattr(model, "prefixflow_parallel", None)  # what prefixflow.parallel.parallelize attaches
+    if state is None or state.mesh.size() == 1:
+        return finite
+    flag = torch.tensor([0 if finite else 1], dtype=torch.int32, device=state.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.model_group)
+    return not bool(flag.item())
+
+
 @contextlib.contextmanager
 def keep_grads_on_failure(model: nn.Module) -> Iterator[None]:
     """Run the body into fresh ``.grad`` tensors; merge them into the previous ones only if all are finite.
@@ -67,10 +86,12 @@ def keep_grads_on_failure(model: nn.Module) -> Iterator[None]:
     try:
         yield
         new = [(name, _local(p.grad)) for name, p in named if p.grad is not None]
-        if not all_finite([g for _, g in new]):
-            bad = next(name for name, g in new if not bool(torch.isfinite(g).all()))
+        local = all_finite([g for _, g in new])
+        if not _agreed(model, local):
+            bad = next((name for name, g in new if not bool(torch.isfinite(g).all())), None)
+            where = f"the gradient of {bad}" if bad is not None else "a gradient shard on another rank"
             raise NonFiniteError(
-                f"the gradient of {bad} is not finite (overflow in the backward); param.grad is as before this "
+                f"{where} is not finite (overflow in the backward); param.grad is as before this "
                 "call. Check the advantages and loss_config for extreme values."
             )
     except BaseException:

@@ -45,6 +45,9 @@ class ScheduleHooks:
       backward; what Phase A produced joins Phase C's prefix backward.
     - ``full_prefix_forward()``: True when Phase A must run every block to its end instead of stopping at
       the last layer's K/V (the hook reads prefix work past them).
+    - ``forward_only()``: a context around a forward with no backward after it (policy evaluation, e.g.
+      ``prefixflow.rl.response_logprobs``); its exit leaves the model as a finished step would (FSDP2:
+      every unit resharded, no per-iteration state left).
 
     Where the work of a microbatch runs (context parallelism, say) enters through three more methods:
 
@@ -74,6 +77,9 @@ class ScheduleHooks:
 
     def full_prefix_forward(self) -> bool:
         return False
+
+    def forward_only(self):
+        return contextlib.nullcontext()
 
     def shard(self, mb: Microbatch) -> Microbatch:
         return mb
@@ -118,6 +124,9 @@ class HookChain:
 
     def microbatch(self, mb: Microbatch):
         return self._enter("microbatch", mb)
+
+    def forward_only(self):
+        return self._enter("forward_only")
 
     def extra_loss(self) -> torch.Tensor | None:
         """The sum of every hook's ``extra_loss()`` (None when none has one)."""

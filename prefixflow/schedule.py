@@ -379,5 +379,5 @@ def _trunk_tokens(group: RolloutGroup, chunks, layout: str, lead: int) -> int:
     """Token slots the trunk runs: each sequence is ``lead`` context tokens + its response minus one."""
     lens = [lead + s - 1 for s in group.response_lens]
     if layout == "packed":
-        return sum(lens)
+        return sum(lens[i] for c in chunks for i in c)
     return sum(len(c) * max(lens[i] for i in c) for c in chunks)

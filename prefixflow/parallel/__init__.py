@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -54,6 +55,7 @@ class ParallelState:
     fsdp: bool
     expert_mesh: DeviceMesh | None = None  # (efsdp, ep) under expert parallelism
     compute_dtype: torch.dtype | None = None  # what blocks compute in (FSDP2's param_dtype, else the params')
+    model_group: dist.ProcessGroup | None = None  # every rank of ``mesh`` (collective verdicts: grad_guard)
 
     def coordinate(self, name: str) -> int:
         """This rank's index along mesh dimension ``name`` (``batch`` = its data-parallel rank)."""
@@ -67,6 +69,13 @@ class ParallelState:
 def parallel_state(model: nn.Module) -> ParallelState | None:
     """The model's ``ParallelState`` (None for a single-process model)."""
     return getattr(model, "prefixflow_parallel", None)
+
+
+def _model_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group of every rank of ``mesh``: the world when the mesh spans it (no new group)."""
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    return mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
 
 
 def check_supported(dims: ParallelDims) -> None:
@@ -156,6 +165,6 @@ def parallelize(
     param_dtype = getattr(fsdp, "param_dtype", None) if dims.dp_shard > 1 else None
     compute_dtype = param_dtype or next(model.parameters()).dtype
     model.prefixflow_parallel = ParallelState(
-        dims, mesh, device, dims.dp_shard > 1, expert_mesh, compute_dtype
+        dims, mesh, device, dims.dp_shard > 1, expert_mesh, compute_dtype, _model_group(mesh)
     )
     return model

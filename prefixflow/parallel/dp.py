@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..grad_guard import keep_grads_on_failure
 from ..group import RolloutGroup
 from ..schedule import GroupStats, train_group
 from . import fsdp as fsdp_mod
@@ -70,12 +71,15 @@ def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup) -> int:
 @dataclass
 class StepStats:
     """One optimizer step's worth of groups. ``loss``: the sum of the step's group losses (all ranks);
-    ``groups``: this rank's :class:`GroupStats`; ``grad_sync``: how gradients were reduced and how often."""
+    ``suffix_tokens``/``trunk_tokens``: summed over all ranks; ``groups``: this rank's :class:`GroupStats`;
+    ``grad_sync``: how gradients were reduced and how often."""
 
     system: str
     loss: float
     placement: Placement
     dp_rank: int
+    suffix_tokens: int = 0
+    trunk_tokens: int = 0
     groups: list[GroupStats] = field(default_factory=list)
     exchange: dict[str, int] = field(default_factory=dict)
     grad_sync: dict = field(default_factory=dict)
@@ -120,6 +124,8 @@ def train_step(
 
     Every rank passes the same groups (all ranks compute the same placement). On a model without
     ``parallelize`` this trains every group locally. Accumulates into ``param.grad``; no optimizer step.
+    Gradients are summed (no division by the number of groups). A non-finite gradient after the sync
+    raises :class:`prefixflow.NonFiniteError` on every rank, with ``param.grad`` as before the call.
     """
     if not groups:
         raise ValueError("train_step needs at least one group")
@@ -159,25 +165,32 @@ def train_step(
     )
     stats = StepStats(system, math.nan, placement, me)
     start = time.perf_counter()
-    with sync:
-        for work in placement.work[me]:
-            if work.split:
-                stats.groups.append(train_split_part(model, groups[work.group], work, me, exchange, **kwargs))
-            else:
-                stats.groups.append(train_group(model, groups[work.group], **kwargs))
     all_reduces = 0
-    if mode == "all-reduce":
-        all_reduces = all_reduce_gradients(model, state.mesh["dp_replicate"].get_group())
+    # One gradient guard for the step (the groups' own are then no-ops): its verdict, after the gradient
+    # sync, is collective on a parallel model, and every rank enters it once whatever its share of groups.
+    with keep_grads_on_failure(model):
+        with sync:
+            for work in placement.work[me]:
+                if work.split:
+                    part = train_split_part(model, groups[work.group], work, me, exchange, **kwargs)
+                    stats.groups.append(part)
+                else:
+                    stats.groups.append(train_group(model, groups[work.group], **kwargs))
+        if mode == "all-reduce":
+            all_reduces = all_reduce_gradients(model, state.mesh["dp_replicate"].get_group())
     stats.time_s = time.perf_counter() - start
-    local = torch.tensor([sum(g.loss for g in stats.groups)], dtype=torch.float64)
+    device = state.device if state is not None else torch.device("cpu")  # NCCL reduces device tensors
+    local = torch.tensor([sum(g.loss for g in stats.groups)], dtype=torch.float64, device=device)
     if n_ranks > 1:
         dist.all_reduce(local, group=state.mesh["batch"].get_group())
     stats.loss = float(local)
     keys = ("kv_bytes", "grad_kv_bytes", "expected_kv_bytes", "expected_grad_kv_bytes")
-    counts = torch.tensor([getattr(exchange, k) for k in keys], dtype=torch.int64)
+    tokens = [sum(g.suffix_tokens for g in stats.groups), sum(g.trunk_tokens for g in stats.groups)]
+    counts = torch.tensor([getattr(exchange, k) for k in keys] + tokens, dtype=torch.int64, device=device)
     if n_ranks > 1:  # each transfer is counted once, by the rank that sends (or receives) it
         dist.all_reduce(counts, group=state.mesh["batch"].get_group())
-    stats.exchange = dict(zip(keys, counts.tolist(), strict=True))
+    *exchanged, stats.suffix_tokens, stats.trunk_tokens = counts.tolist()
+    stats.exchange = dict(zip(keys, exchanged, strict=True))
     stats.grad_sync = {"mode": mode, "all_reduces": all_reduces}
     if fsdp_on:
         counts = fsdp_mod.collective_counts(model)

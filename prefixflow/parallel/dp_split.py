@@ -23,6 +23,7 @@ from ..schedule import (
     GroupStats,
     _baseline,
     _PhaseClock,
+    _trunk_tokens,
     _validate,
     phase_a_prefix_forward,
     phase_b_suffix_microbatches,
@@ -194,7 +195,8 @@ def train_split_part(
             value = (
                 _baseline(model, runtime, group, FixedPlan.of(chunks), layout, loss, cfg) if chunks else 0.0
             )
-        return GroupStats(system, layout, value, len(chunks), 0, suffix_tokens, 0, clock.times)
+        trunk = _trunk_tokens(group, chunks, layout, group.prompt_len)
+        return GroupStats(system, layout, value, len(chunks), 0, suffix_tokens, trunk, clock.times)
     cache = PrefixKVCache(runtime.grad_kv_dtype(model))
     geometry = prefix_kv_geometry(model, group)
     owner = me == work.owner
@@ -218,4 +220,5 @@ def train_split_part(
     finally:
         cache.release()
     prefix = group.prompt_len - 1 if owner else 0
-    return GroupStats(system, layout, value, len(chunks), prefix, suffix_tokens, 0, clock.times)
+    trunk = prefix + _trunk_tokens(group, chunks, layout, 1)
+    return GroupStats(system, layout, value, len(chunks), prefix, suffix_tokens, trunk, clock.times)

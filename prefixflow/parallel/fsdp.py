@@ -16,6 +16,8 @@ PrefixFlow's schedule calls FSDP's own hooks in an order FSDP was not written fo
   cached K/V, never through its output (where FSDP's pre-backward hook would gather it), so Phase C gathers
   it before the prefix backward reads its weights (or an activation-checkpoint recompute runs it).
 - An error anywhere in a group resets FSDP (``reset_iter_state``) and drops the unreduced gradients.
+- A forward with no backward (``hooks.forward_only``: policy evaluation) resets FSDP on exit, so every unit
+  is resharded (the LM head stays gathered after its forward otherwise).
 
 :func:`fsdp_residue` lists whatever FSDP state outlives a group (tests assert it is empty), and the
 reduce-scatters/all-gathers per unit are counted (:func:`collective_counts`).
@@ -288,6 +290,16 @@ class FSDPSchedule(ScheduleHooks):
         yield
         if name == "A":
             self._interrupted = _close_interrupted_forwards(self.model)
+
+    @contextlib.contextmanager
+    def forward_only(self) -> Iterator[None]:
+        # No backward follows (policy evaluation): nothing would reshard the units kept gathered after their
+        # forward (the LM head) or clear the forward's bookkeeping, and the module would keep its unsharded
+        # parameters registered (an optimizer built then would hold the wrong tensors). FSDP's own reset.
+        try:
+            yield
+        finally:
+            self.model.reset_iter_state()
 
 
 def _schedule(model: nn.Module) -> FSDPSchedule:

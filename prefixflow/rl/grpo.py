@@ -18,8 +18,10 @@ from torch.distributed.tensor import DTensor
 
 from ..grad_guard import keep_grads_on_failure
 from ..group import RolloutGroup
+from ..hooks import hooks_of
 from ..layouts import build_microbatch, full_sequence_segments
 from ..loss import LossConfig, token_logprobs
+from ..parallel import parallel_state
 from ..schedule import forward_hidden, train_group
 
 _AC_PREFIX = "_checkpoint_wrapped_module."
@@ -66,12 +68,13 @@ def response_logprobs(
     segments = full_sequence_segments(probe)
     size = probe.n if microbatch is None else microbatch
     flat = []
-    for start in range(0, probe.n, size):
-        mb = build_microbatch(
-            probe, segments[start : start + size], "padded", cached_prefix_len=None, device=device
-        )
-        hidden = forward_hidden(model, mb.tokens, mb.positions)
-        flat.append(token_logprobs(model.output(hidden[mb.loss_rows, mb.loss_cols]), mb.targets))
+    with hooks_of(model).forward_only():  # e.g. FSDP2 reshards everything after it
+        for start in range(0, probe.n, size):
+            mb = build_microbatch(
+                probe, segments[start : start + size], "padded", cached_prefix_len=None, device=device
+            )
+            hidden = forward_hidden(model, mb.tokens, mb.positions)
+            flat.append(token_logprobs(model.output(hidden[mb.loss_rows, mb.loss_cols]), mb.targets))
     out = torch.cat(flat).float()
     return [t.clone() for t in torch.split(out, probe.response_lens)]
 
@@ -80,11 +83,11 @@ def response_logprobs(
 class UpdateStats:
     """One optimizer step over several rollout groups."""
 
-    loss: float  # mean of the groups' losses
+    loss: float  # mean of the groups' losses (all data-parallel ranks' groups)
     grad_norm: float  # total gradient norm before clipping
-    suffix_tokens: int
+    suffix_tokens: int  # all data-parallel ranks' groups, as trunk_tokens
     trunk_tokens: int
-    phase_times: dict[str, float] = field(default_factory=dict)  # summed over groups
+    phase_times: dict[str, float] = field(default_factory=dict)  # summed over this rank's groups
     optimizer_s: float = 0.0  # gradient averaging, clipping and the optimizer step (wall clock)
 
 
@@ -109,6 +112,11 @@ def actor_update(
     ``train_group`` call; if any call raises (bad input, non-finite loss), or the summed gradient is not
     finite (:class:`prefixflow.NonFiniteError`, checked once for all groups), the gradients and learning
     rates are put back as they were before this call (references kept, no copies) and nothing is stepped.
+
+    On an actor parallelized with ``dp_replicate``/``dp_shard``, every rank passes the same ``groups``: each
+    trains its share (``prefixflow.parallel.train_step``), gradients are summed over the ranks once, then
+    averaged, clipped and stepped as on one process. ``loss`` and token counts then cover every rank's
+    groups, ``phase_times`` this rank's. On a parallel actor the finiteness verdict is every rank's.
     """
     if not groups:
         raise ValueError("actor_update needs at least one rollout group")
@@ -116,8 +124,6 @@ def actor_update(
     grads_before = [p.grad for p in all_params]
     lrs_before = [pg["lr"] for pg in optimizer.param_groups]
     device = all_params[0].device
-    losses, times = [], {}
-    suffix = trunk = 0
     try:
         if lr is not None:
             for pg in optimizer.param_groups:
@@ -125,21 +131,9 @@ def actor_update(
         optimizer.zero_grad(set_to_none=True)
         # One finiteness check for the whole update (the guard nests: train_group's own is then a no-op).
         with autocast_for(device, compute_dtype), keep_grads_on_failure(model):
-            for group in groups:
-                stats = train_group(
-                    model,
-                    group,
-                    system=system,
-                    layout=layout,
-                    microbatch=microbatch,
-                    loss="grpo",
-                    loss_config=loss_config,
-                )
-                losses.append(stats.loss)
-                suffix += stats.suffix_tokens
-                trunk += stats.trunk_tokens
-                for phase, t in stats.phase_times.items():
-                    times[phase] = times.get(phase, 0.0) + t
+            loss, suffix, trunk, times = _train_groups(model)(
+                model, groups, system=system, layout=layout, microbatch=microbatch, loss_config=loss_config
+            )
     except BaseException:
         for p, g in zip(all_params, grads_before, strict=True):
             p.grad = g
@@ -162,7 +156,41 @@ def actor_update(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     spent = time.perf_counter() - start
-    return UpdateStats(sum(losses) / len(losses), norm, suffix, trunk, times, spent)
+    return UpdateStats(loss, norm, suffix, trunk, times, spent)
+
+
+_Trained = tuple[float, int, int, dict[str, float]]  # mean loss over all groups, suffix/trunk tokens, times
+
+
+def _train_groups(model: nn.Module):
+    """How ``actor_update`` trains a step's groups into ``param.grad`` (summed, not yet averaged): placed
+    across the data-parallel ranks when the actor has them, else every group here, in order."""
+    state = parallel_state(model)
+    return _train_groups_dp if state is not None and state.dims.batch > 1 else _train_groups_here
+
+
+def _train_groups_here(model: nn.Module, groups: list[RolloutGroup], **kwargs) -> _Trained:
+    """Every group on this rank (one process, or a TP/CP/PP actor whose ranks all train every group)."""
+    losses, times = [], {}
+    suffix = trunk = 0
+    for group in groups:
+        stats = train_group(model, group, loss="grpo", **kwargs)
+        losses.append(stats.loss)
+        suffix += stats.suffix_tokens
+        trunk += stats.trunk_tokens
+        for phase, t in stats.phase_times.items():
+            times[phase] = times.get(phase, 0.0) + t
+    return sum(losses) / len(losses), suffix, trunk, times
+
+
+def _train_groups_dp(model: nn.Module, groups: list[RolloutGroup], **kwargs) -> _Trained:
+    """The groups placed across the ``dp_replicate x dp_shard`` ranks (``prefixflow.parallel.train_step``:
+    every rank passes all groups, trains its share; gradients are summed over the ranks once). The loss and
+    token counts cover all ranks' groups; the phase times are this rank's."""
+    from ..parallel.dp import train_step
+
+    stats = train_step(model, groups, loss="grpo", **kwargs)
+    return stats.loss / len(groups), stats.suffix_tokens, stats.trunk_tokens, stats.phase_times
 
 
 def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
