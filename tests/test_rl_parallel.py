@@ -65,7 +65,7 @@ def test_parallel_actor_matches_one_process(results, name):
     # all groups' tokens on every layout; a split group pads its parts separately (fewer padded slots)
     assert res["suffix_tokens"][0] == res["suffix_tokens"][1], res
     trunk = res["trunk_tokens"]
-    assert trunk[1] == trunk[0] if not res["split_groups"] else 0 < trunk[1] <= trunk[0], res
+    assert trunk[1] == trunk[0] if res["n_groups"] > 1 else 0 < trunk[1] <= trunk[0], res
     assert res["weight_rel"] < BOUND, res
     sharded = name.startswith(("tp", "dp_shard"))
     assert res["synced_rel"] < BOUND and res["sharded_params"] == sharded, res
@@ -75,13 +75,12 @@ def test_parallel_actor_matches_one_process(results, name):
 
 
 def test_dp_actor_places_groups_across_ranks(results):
-    """Under DP each rank trains a share of the groups (not all of them), and 3 groups on 2 ranks split one."""
+    """Under DP every response is trained once, on one rank, and every rank trains some (1 group: split)."""
     for name in (n for n in CASES if n.startswith("dp_")):
         res = results[name]
         assert "error" not in res, res.get("error")
-        assert 0 < res["local_groups"] < res["n_groups"] or res["split_groups"], (name, res)
-    assert results["dp_shard2-1groups-prefixflow-clip"]["split_groups"]
-    assert results["dp_replicate2-1groups-prefixflow-noclip"]["split_groups"]
+        per_rank = res["responses_per_rank"]
+        assert sum(per_rank) == res["n_responses"] and min(per_rank) > 0, (name, res)
 
 
 @pytest.mark.parametrize("name", sorted(INF_CASES))
@@ -144,15 +143,15 @@ def _case(dims: dict, system: str, clip: str, n_groups: int = 2) -> dict:
     from prefixflow.hooks import ScheduleHooks, add_hooks
     from prefixflow.rl import actor_update, response_logprobs, sync_weights
 
-    class CountGroups(ScheduleHooks):  # how many groups (or parts of a split group) this rank trains
+    class CountResponses(ScheduleHooks):  # how many responses this rank trains (its microbatches' rows)
         n = 0
 
-        def group(self, model, group, system):
-            self.n += 1
-            return super().group(model, group, system)
+        def microbatch(self, mb):
+            self.n += len(mb.responses)
+            return super().microbatch(mb)
 
     single, actor, replica = _build(0), _build(0, dims), _build(1)
-    counter = add_hooks(actor, CountGroups())
+    counter = add_hooks(actor, CountResponses())
     groups = _groups(n_groups)
     got = response_logprobs(actor, groups[0].prompt, groups[0].responses)
     want = response_logprobs(single, groups[0].prompt, groups[0].responses)
@@ -177,8 +176,8 @@ def _case(dims: dict, system: str, clip: str, n_groups: int = 2) -> dict:
     out.update(
         suffix_tokens=[st.suffix_tokens for st in stats], trunk_tokens=[st.trunk_tokens for st in stats]
     )
-    per_rank = _sum_over_ranks(counter.n / 2)  # groups (or parts) each rank trained per update
-    out.update(local_groups=max(per_rank), split_groups=sum(per_rank) > n_groups)
+    out["responses_per_rank"] = _sum_over_ranks(counter.n / 2)  # per update
+    out["n_responses"] = sum(g.n for g in groups)
     out["weight_rel"] = max_rel(_whole(actor), _whole(single))
     out["sharded_params"] = any(hasattr(p, "full_tensor") for p in actor.parameters())
     sync_weights(actor, replica)
