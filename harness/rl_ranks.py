@@ -35,7 +35,7 @@ from torch import nn
 __all__ = ["Ranks", "LOOP_DIMS", "check_loop_layout", "run_on_ranks", "run_local", "submit_slurm", "main"]
 
 # The mesh dimensions the loop's actor runs on (the trainer pieces are tested on them: tests/test_rl_parallel.py).
-LOOP_DIMS = ("tp", "cp")
+LOOP_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
 def check_loop_layout(parallel: dict[str, int]) -> None:

@@ -126,7 +126,7 @@ def test_a_rerun_resumes_every_run_on_every_rank_and_redoes_nothing(runs):
 
 @pytest.mark.parametrize(
     "parallel, needle",
-    [({"dp_shard": 2}, "dp_shard=2"), ({"pp": 2}, "pp=2"), ({"tp": 3}, "multiple of parallel.tp=3")],
+    [({"pp": 2}, "pp=2"), ({"dp_shard": 2, "ep": 2}, "ep=2"), ({"tp": 3}, "multiple of parallel.tp=3")],
 )
 def test_layouts_the_loop_cannot_run_are_refused_before_any_work(tmp_path, parallel, needle):
     spec = tmp_path / "s.yaml"

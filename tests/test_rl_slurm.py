@@ -1,4 +1,5 @@
-"""`pf-bench rl --executor slurm`: a TP2 closed loop as one two-task job of the local Slurm (one task per rank)."""
+"""`pf-bench rl --executor slurm`: a data-parallel (FSDP2, dp_shard=2) closed loop as one two-task job of the
+local Slurm (one task per rank), against the same spec in one process."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typer.testing import CliRunner
 
 from harness.cli import app
 from harness.records import read_records
+from harness.rl_run import run_claim2
+from harness.rl_spec import parse_rl_spec
 from harness.safe_fs import jobs_folder
 
 pytestmark = [
@@ -28,15 +31,15 @@ SPEC = {
         "overrides": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128},
     },
     "task": {"prefix_ratio": 0.9, "value_len": 2, "choices": 2},
-    "warm_start": {"steps": 2, "batch": 4, "passages": 3, "eval_prompts": 2},
-    "loop": {"steps": 2, "prompts_per_step": 2, "n": 3, "max_new_tokens": 4, "lr": 1e-3},
+    "warm_start": {"steps": 40, "batch": 8, "lr": 3e-3, "passages": 3, "eval_prompts": 2},
+    "loop": {"steps": 2, "prompts_per_step": 3, "n": 4, "max_new_tokens": 4, "lr": 1e-3},
     "reference_seed": None,
     "checkpoint_every": 2,
     "trace": None,
     "claim3_reference": {"enabled": False},
     "device": "cpu",
     "schedule": "sequential",
-    "parallel": {"tp": 2},
+    "parallel": {"dp_shard": 2},
     "executor": {"timeout_min": 10, "overcommit": True, "mem_gb": 4},
 }
 
@@ -48,8 +51,14 @@ def test_the_loop_runs_as_one_slurm_job_of_one_task_per_rank(tmp_path):
     res = CliRunner().invoke(app, ["rl", str(spec), "--out", str(out), "--executor", "slurm"])
     assert res.exit_code == 0, res.output
     folder = out / "rlslurm" / "default"
+    one = run_claim2(parse_rl_spec({**SPEC, "parallel": {}}), None, tmp_path / "one", log=lambda _: None)
     for run in ("baseline-s0", "prefixflow-s0"):
         rows = read_records(folder / "records" / f"{run}.parquet")
-        assert list(rows["step"]) == [1, 2] and set(rows["actor_layout"]) == {"tp2"}
+        assert list(rows["step"]) == [1, 2] and set(rows["actor_layout"]) == {"dp_shard2"}
+        single = read_records(one / "records" / f"{run}.parquet")
+        assert list(rows["reward_mean"]) == list(single["reward_mean"])  # the same rollouts
+        assert (rows["loss"] - single["loss"]).abs().max() < 1e-6
+        assert (single["drift_rms"] > 1e-4).all()  # the weights moved
+        assert ((rows["drift_rms"] - single["drift_rms"]).abs() < 1e-3 * single["drift_rms"]).all()
     logs = sorted(p.name for p in (jobs_folder(folder) / "slurm").glob("*_log.out"))
     assert len(logs) == 2 and {n.split("_")[-2] for n in logs} == {"0", "1"}, logs
