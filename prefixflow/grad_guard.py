@@ -17,6 +17,12 @@ FSDP one rank's shard may hold an inf that another's does not; a local verdict w
 while another steps into the next collective, and hang. Every rank of the mesh must therefore enter the
 outermost guard equally often (it does: ``train_group`` on every rank, or ``actor_update`` /
 ``train_step`` once per step, whose inner guards are no-ops). An unparallelized model pays no collective.
+
+A non-finite *loss* is refused before its backward on one process. On a parallelized model the ranks'
+losses differ (other groups under DP, other tokens under CP), and a rank that raised there would leave the
+others waiting in the backward's collectives. There the loss check only notes the microbatch, the backward
+runs (its gradients come out non-finite, or the note alone fails the check), and the guard's collective
+verdict refuses the step on every rank, naming the microbatch on the rank that saw it.
 """
 
 from __future__ import annotations
@@ -35,9 +41,14 @@ class NonFiniteError(ValueError):
     """A loss or gradient of a ``train_group`` call is NaN or infinite; ``param.grad`` is as before the call."""
 
 
-def check_finite_loss(value: torch.Tensor, where: str) -> None:
-    """Raise NonFiniteError naming ``where`` if the scalar loss ``value`` is not finite (before its backward)."""
+def check_finite_loss(value: torch.Tensor, where: str, model: nn.Module | None = None) -> None:
+    """Raise NonFiniteError naming ``where`` if the scalar loss ``value`` is not finite (before its backward).
+    On a parallelized ``model`` inside its guard, note it instead: the guard refuses the step on every rank."""
     if not bool(torch.isfinite(value.detach())):
+        if model is not None and getattr(model, _ACTIVE, False) and _mesh_size(model) > 1:
+            if getattr(model, _BAD_LOSS, None) is None:
+                setattr(model, _BAD_LOSS, f"{where} has a non-finite loss ({float(value.detach())})")
+            return
         raise NonFiniteError(
             f"{where} has a non-finite loss ({float(value.detach())}); its backward was not run and param.grad "
             "is as before this call. Check the advantages, log-probs and loss_config for extreme values."
@@ -53,6 +64,12 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 
 
 _ACTIVE = "_prefixflow_grad_guard_active"  # set on the model while its outermost guard's body runs
+_BAD_LOSS = "_prefixflow_grad_guard_bad_loss"  # a parallel model's first non-finite loss in the guard's body
+
+
+def _mesh_size(model: nn.Module) -> int:
+    state = getattr(model, "prefixflow_parallel", None)  # what prefixflow.parallel.parallelize attaches
+    return 1 if state is None else state.mesh.size()
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
@@ -62,9 +79,9 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 def _agreed(model: nn.Module, finite: bool) -> bool:
     """``finite`` on every rank of a parallelized ``model``'s mesh (one all-reduce), else this rank's own."""
-    state = getattr(model, "prefixflow_parallel", None)  # what prefixflow.parallel.parallelize attaches
-    if state is None or state.mesh.size() == 1:
+    if _mesh_size(model) == 1:
         return finite
+    state = model.prefixflow_parallel
     flag = torch.tensor([0 if finite else 1], dtype=torch.int32, device=state.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.model_group)
     return not bool(flag.item())
@@ -83,16 +100,23 @@ def keep_grads_on_failure(model: nn.Module) -> Iterator[None]:
     for _, p in named:
         p.grad = None
     setattr(model, _ACTIVE, True)
+    setattr(model, _BAD_LOSS, None)
     try:
         yield
         new = [(name, _local(p.grad)) for name, p in named if p.grad is not None]
-        local = all_finite([g for _, g in new])
+        bad_loss = getattr(model, _BAD_LOSS, None)
+        local = bad_loss is None and all_finite([g for _, g in new])
         if not _agreed(model, local):
             bad = next((name for name, g in new if not bool(torch.isfinite(g).all())), None)
-            where = f"the gradient of {bad}" if bad is not None else "a gradient shard on another rank"
+            if bad_loss is not None:
+                where = bad_loss
+            elif bad is not None:
+                where = f"the gradient of {bad} is not finite"
+            else:
+                where = "a gradient or loss on another rank is not finite"
             raise NonFiniteError(
-                f"{where} is not finite (overflow in the backward); param.grad is as before this "
-                "call. Check the advantages and loss_config for extreme values."
+                f"{where} (overflow or a bad input); param.grad is as before this call. Check the "
+                "advantages, log-probs and loss_config for extreme values."
             )
     except BaseException:
         for (_, p), old in zip(named, before, strict=True):
@@ -100,6 +124,7 @@ def keep_grads_on_failure(model: nn.Module) -> Iterator[None]:
         raise
     finally:
         setattr(model, _ACTIVE, False)
+        setattr(model, _BAD_LOSS, None)
     for (_, p), old in zip(named, before, strict=True):
         if old is None:
             continue

@@ -93,7 +93,7 @@ def _forward_backward(model, mb: Microbatch, group, loss: str, cfg: LossConfig) 
         value = microbatch_loss(token_logprobs(logits, mb.targets, cfg.temperature), mb, group, loss, cfg)
         extra = hooks.extra_loss()  # e.g. an MoE balance loss; not part of the reported loss
         total = value if extra is None else value + extra
-        check_finite_loss(total, f"the microbatch of responses {list(mb.responses)}")
+        check_finite_loss(total, f"the microbatch of responses {list(mb.responses)}", model)
         total.backward()
     return value.item()
 

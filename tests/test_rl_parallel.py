@@ -47,7 +47,12 @@ CASES.update(  # 3 groups on 2 ranks: uneven; 1 group: split across the ranks (p
         )
     }
 )
-INF_CASES = {"tp2-inf-one-rank": dict(dims={"tp": 2}, system="prefixflow")}
+INF_CASES = {
+    "tp2-inf-one-rank": dict(dims={"tp": 2}, system="prefixflow"),
+    # a NaN loss on one rank: under DP and CP the ranks' losses differ; that rank must not raise alone
+    "dp_shard2-nanloss-one-rank": dict(dims={"dp_shard": 2}, system="prefixflow", fault="loss"),
+    "cp2-nanloss-one-rank": dict(dims={"cp": 2}, system="baseline", fault="loss"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +94,7 @@ def test_inf_on_one_rank_raises_on_every_rank(results, name):
     assert "error" not in res, res.get("error")
     assert res["local_inf_ranks"] == 1, res  # the fault really is on one rank only
     assert res["raised_ranks"] == 2, res  # ... and every rank refused the step
+    assert res["named_ranks"] == 1, res  # the rank that saw the non-finite value names it
     assert res["grads_kept"] and res["weights_kept_rel"] == 0.0, res
     assert res["after_loss_rel"] < BOUND and res["after_weight_rel"] < BOUND, res
 
@@ -200,12 +206,14 @@ def _case(dims: dict, system: str, clip: str, n_groups: int = 2) -> dict:
     return out
 
 
-def _inf_case(dims: dict, system: str) -> dict:
-    """An inf in rank 0's shard of one TP-sharded gradient only: every rank must refuse the step."""
+def _inf_case(dims: dict, system: str, fault: str = "grad") -> dict:
+    """An inf in rank 0's shard of one TP-sharded gradient only (``fault="grad"``), or a NaN loss of one of
+    rank 0's microbatches only (``"loss"``): every rank must refuse the step."""
     import torch
     import torch.distributed as dist
 
     import prefixflow as pf
+    import prefixflow.schedule as schedule
     from prefixflow.rl import actor_update
 
     single, actor = _build(0), _build(0, dims)
@@ -215,33 +223,47 @@ def _inf_case(dims: dict, system: str) -> dict:
     for m, o in zip((single, actor), opts, strict=True):
         actor_update(m, groups, o, **kw)  # leaves gradients behind: they must survive the refused step
     name, param = next((n, p) for n, p in actor.named_parameters() if "attention.wq" in n)
-    assert hasattr(param, "to_local"), name  # a TP-sharded parameter
+    assert hasattr(param, "to_local") or fault == "loss", name  # a sharded parameter
 
     def spoil(p):
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and fault == "grad":
             with torch.no_grad():
                 p.grad.to_local().view(-1)[0] = float("inf")
 
+    loss_of, spoiled = schedule.microbatch_loss, []
+
+    def nan_loss(*args, **kwargs):  # rank 0's first microbatch of the step
+        value = loss_of(*args, **kwargs)
+        if dist.get_rank() == 0 and fault == "loss" and not spoiled:
+            spoiled.append(1)
+            return value * float("nan")
+        return value
+
     grads = [p.grad for p in actor.parameters()]
-    grad_values = [g.full_tensor().clone() for g in grads]
+    grad_values = [(g.full_tensor() if hasattr(g, "full_tensor") else g).clone() for g in grads]
     weights = _whole(actor)
     weights = [w.clone() for w in weights]
     handle = param.register_post_accumulate_grad_hook(spoil)
     seen = []
     param.register_post_accumulate_grad_hook(
-        lambda p: seen.append(not bool(torch.isfinite(p.grad.to_local()).all()))
+        lambda p: seen.append(not bool(torch.isfinite(getattr(p.grad, "_local_tensor", p.grad)).all()))
     )
-    raised = 0
+    raised = named = 0
+    schedule.microbatch_loss = nan_loss
     try:
         actor_update(actor, groups, opts[1], **kw)
-    except pf.NonFiniteError:
+    except pf.NonFiniteError as e:
         raised = 1
+        named = int("non-finite loss" in str(e) if fault == "loss" else f"gradient of {name}" in str(e))
+    finally:
+        schedule.microbatch_loss = loss_of
     handle.remove()
     out = {
-        "local_inf_ranks": sum(_sum_over_ranks(any(seen))),
+        "local_inf_ranks": sum(_sum_over_ranks(any(seen) if fault == "grad" else bool(spoiled))),
         "raised_ranks": sum(_sum_over_ranks(raised)),
+        "named_ranks": sum(_sum_over_ranks(named)),
         "grads_kept": all(a is b for a, b in zip(grads, (p.grad for p in actor.parameters()), strict=True))
-        and max_rel([g.full_tensor() for g in grads], grad_values) == 0.0,
+        and max_rel([g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads], grad_values) == 0.0,
         "weights_kept_rel": max_rel(_whole(actor), weights),
     }
     seen.clear()
