@@ -208,19 +208,11 @@ def run_on_ranks(
     """Run the spec's multi-rank loop to the end on local ranks (``executor="local"``) or as one Slurm job
     (``"slurm"``); returns the records folder. Raises ``RLRunError`` before any work for a layout, device or
     ``--out`` this cannot run, and after the ranks when one of them failed."""
-    from harness.rl_loop import model_overrides, task_of
     from harness.rl_run import RLRunError, check_out, preflight
     from harness.safe_fs import jobs_folder
 
     world = spec.parallel.world_size
-    if executor == "local":
-        preflight(spec, preset, launched=True)  # the device is checked here: the ranks run on this machine
-    else:
-        try:
-            check_loop_layout(spec.parallel.model_dump())
-            model_overrides(spec, task_of(spec))
-        except ValueError as e:
-            raise RLRunError(f"preset {preset or '-'}: {e}") from None
+    preflight(spec, preset, launched=True, device_here=executor == "local")
     folder = check_out(spec, preset, out)
     jobs = jobs_folder(folder)
     job = write_job(jobs / "rl-job.json", spec.model_dump(mode="json"), preset, Path(out))

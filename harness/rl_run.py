@@ -52,9 +52,12 @@ class RLRunError(RuntimeError):
     """The spec cannot run here; the message says what is missing."""
 
 
-def preflight(spec: RLSpec, preset: str | None, launched: bool = False) -> torch.device:
-    """Refuse, before any work, what this build cannot run; returns the device. ``launched``: this process
-    is one rank of the spec's multi-rank job (``harness.rl_ranks``)."""
+def preflight(
+    spec: RLSpec, preset: str | None, launched: bool = False, device_here: bool = True
+) -> torch.device | None:
+    """Refuse, before any work, what this build cannot run; returns the device (None unless
+    ``device_here``: the ranks run elsewhere, e.g. a Slurm job). ``launched``: this process is one rank of
+    the spec's multi-rank job, or starts them (``harness.rl_ranks``)."""
     par = spec.parallel
     try:
         check_loop_layout(par.model_dump())
@@ -66,6 +69,8 @@ def preflight(spec: RLSpec, preset: str | None, launched: bool = False) -> torch
             f"preset {preset or '-'} runs on {par.world_size} ranks ({par.label}): start it with `pf-bench rl` "
             "(it launches the ranks), not in this process"
         )
+    if not device_here:
+        return None
     try:
         return resolve_device(spec.device)
     except RuntimeError as e:
