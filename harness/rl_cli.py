@@ -16,6 +16,7 @@ class RLPreset(StrEnum):
     smoke = "smoke"
     ranks = "ranks"
     cpu = "cpu"
+    cpu_tp2 = "cpu-tp2"
     paper = "paper"
 
 
@@ -40,7 +41,7 @@ def register(app: typer.Typer) -> None:
         spec: Annotated[Path, typer.Argument(help="Claim-2 spec (YAML), e.g. experiments/claim2.yaml")],
         out: Annotated[Path, typer.Option(help="results folder; records go to OUT/<spec>/<preset>/")],
         preset: Annotated[
-            RLPreset | None, typer.Option(help="smoke | ranks | cpu | paper (default: the top level)")
+            RLPreset | None, typer.Option(help="smoke | ranks | cpu | cpu-tp2 | paper (default: the top level)")
         ] = None,
         executor: Annotated[
             RLExecutor,

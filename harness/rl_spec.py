@@ -18,7 +18,7 @@ from harness.spec_checks import describe_validation_error
 
 __all__ = ["RLSpec", "RL_PRESETS", "load_rl_spec", "parse_rl_spec"]
 
-RL_PRESETS = ("smoke", "ranks", "cpu", "paper")
+RL_PRESETS = ("smoke", "ranks", "cpu", "cpu-tp2", "paper")
 TRAINERS = ("baseline", "prefixflow")
 
 
@@ -158,7 +158,7 @@ class RLSpec(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     parallel: Parallel = Field(default_factory=Parallel)
     executor: ExecutorSettings = Field(default_factory=ExecutorSettings)
-    presets: dict[Literal["smoke", "ranks", "cpu", "paper"], dict[str, Any]] = Field(default_factory=dict)
+    presets: dict[Literal["smoke", "ranks", "cpu", "cpu-tp2", "paper"], dict[str, Any]] = Field(default_factory=dict)
 
     @field_validator("trainers")
     @classmethod
