@@ -22,6 +22,17 @@ TINY_SPEC = {
 }
 
 
+# The multi-rank loop tests' spec (tests/test_rl_ranks.py, tests/test_rl_slurm.py): a 40-step warm start and
+# 2 answer choices, so that rewards vary within a group and the weights move from the first step.
+RANKS_SPEC = {
+    "model": TINY_SPEC["model"],
+    "task": {"prefix_ratio": 0.9, "value_len": 2, "choices": 2},
+    "warm_start": {"steps": 40, "batch": 8, "lr": 3e-3, "passages": 3, "eval_prompts": 2},
+    "loop": {"steps": 3, "prompts_per_step": 3, "n": 4, "max_new_tokens": 4, "lr": 1e-3},
+    "device": "cpu",
+}
+
+
 def tiny_spec(**changes):
     raw = {**TINY_SPEC, **changes}
     return parse_rl_spec(raw)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from _rl_tiny import RANKS_SPEC
 from typer.testing import CliRunner
 
 from harness.cli import app
@@ -26,20 +27,14 @@ from harness.rl_spec import parse_rl_spec
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = {
+    **RANKS_SPEC,
     "name": "ranks",
-    "model": {
-        "name": "llama3:debugmodel",
-        "overrides": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128},
-    },
-    "task": {"prefix_ratio": 0.9, "value_len": 2, "choices": 2},
-    "warm_start": {"steps": 40, "batch": 8, "lr": 3e-3, "passages": 3, "eval_prompts": 2},
-    "loop": {"steps": 3, "prompts_per_step": 3, "n": 4, "max_new_tokens": 4, "lr": 1e-3, "kl_coef": 1e-3},
+    "loop": {**RANKS_SPEC["loop"], "kl_coef": 1e-3},
     "seed": 0,
     "reference_seed": 1,
     "checkpoint_every": 3,
     "trace": {"steps": 2, "runs": [{"dtype": "fp32"}], "systems": ["prefixflow"]},
     "claim3_reference": {"warmup": 0, "repeats": 1},
-    "device": "cpu",
     "parallel": {"tp": 2, "cp": 2},
 }
 RUNS = ["baseline-s0", "baseline-s1", "prefixflow-s0", "prefixflow-s1"]

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import yaml
+from _rl_tiny import RANKS_SPEC
 from typer.testing import CliRunner
 
 from harness.cli import app
@@ -25,19 +26,13 @@ pytestmark = [
 ]
 
 SPEC = {
+    **RANKS_SPEC,
     "name": "rlslurm",
-    "model": {
-        "name": "llama3:debugmodel",
-        "overrides": {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128},
-    },
-    "task": {"prefix_ratio": 0.9, "value_len": 2, "choices": 2},
-    "warm_start": {"steps": 40, "batch": 8, "lr": 3e-3, "passages": 3, "eval_prompts": 2},
-    "loop": {"steps": 2, "prompts_per_step": 3, "n": 4, "max_new_tokens": 4, "lr": 1e-3},
+    "loop": {**RANKS_SPEC["loop"], "steps": 2},
     "reference_seed": None,
     "checkpoint_every": 2,
     "trace": None,
     "claim3_reference": {"enabled": False},
-    "device": "cpu",
     "schedule": "sequential",
     "parallel": {"dp_shard": 2},
     "executor": {"timeout_min": 10, "overcommit": True, "mem_gb": 4},
