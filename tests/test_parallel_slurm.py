@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import json
-import shutil
 
-import pytest
+from _slurm_marks import SLURM_JOB_MARKS
 
 from harness.executors import SlurmExecutor
 from harness.records import read_records
 from harness.safe_fs import jobs_folder
 from harness.spec import ExecutorSettings, expand, parse_spec
 
-pytestmark = [
-    pytest.mark.slurm,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        shutil.which("sinfo") is None,
-        reason="no Slurm client (sinfo) on PATH; start one with `bash scripts/slurm_up.sh`",
-    ),
-]
+pytestmark = SLURM_JOB_MARKS
 
 SPEC = {
     "name": "pslurm",

@@ -3,11 +3,9 @@ local Slurm (one task per rank), against the same spec in one process."""
 
 from __future__ import annotations
 
-import shutil
-
-import pytest
 import yaml
 from _rl_tiny import RANKS_SPEC
+from _slurm_marks import SLURM_JOB_MARKS
 from typer.testing import CliRunner
 
 from harness.cli import app
@@ -16,14 +14,7 @@ from harness.rl_run import run_claim2
 from harness.rl_spec import parse_rl_spec
 from harness.safe_fs import jobs_folder
 
-pytestmark = [
-    pytest.mark.slurm,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        shutil.which("sinfo") is None,
-        reason="no Slurm client (sinfo) on PATH; start one with `bash scripts/slurm_up.sh`",
-    ),
-]
+pytestmark = SLURM_JOB_MARKS
 
 SPEC = {
     **RANKS_SPEC,

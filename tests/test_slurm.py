@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 import stat
 import subprocess
 from pathlib import Path
 
-import pytest
+from _slurm_marks import SLURM_JOB_MARKS
 from typer.testing import CliRunner
 
 from harness.cli import app
@@ -15,14 +14,7 @@ from harness.records import collect
 from harness.safe_fs import jobs_folder
 from harness.spec import expand, load_spec
 
-pytestmark = [
-    pytest.mark.slurm,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        shutil.which("sinfo") is None,
-        reason="no Slurm client (sinfo) on PATH; start one with `bash scripts/slurm_up.sh`",
-    ),
-]
+pytestmark = SLURM_JOB_MARKS
 SMOKE = Path(__file__).resolve().parent.parent / "experiments" / "smoke.yaml"
 runner = CliRunner()
 
