@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from .apply import apply_ac, apply_prefixflow
+from .dtypes import dtype_name
 from .faults import FAULTS, make_fault
 from .group import synthetic_group
 from .hooks import add_hooks
@@ -136,12 +137,6 @@ def _compare(step, quantity, xs, ys, names, tau, dtype, run, rule_norm) -> Align
     )
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}.get(
-        dtype, str(dtype)
-    )
-
-
 def run_alignment(
     model: str = "llama3:debugmodel",
     *,
@@ -222,7 +217,7 @@ def run_alignment(
             opt.step()
             state[run] = (grads, torch.tensor(stats.loss, dtype=torch.float64), m, start)
         if step in report:
-            rows += _step_rows(step, state, names, tau, _dtype_name(dtype))
+            rows += _step_rows(step, state, names, tau, dtype_name(dtype))
     return rows
 
 
@@ -249,7 +244,7 @@ def _check_memory(model: str, overrides: dict | None, dtype: torch.dtype, copies
     need = n_params * dtype.itemsize * _TENSORS_PER_PARAM * copies
     if need > available:
         raise ValueError(
-            f"{model} has {n_params / 1e6:.0f}M parameters: {copies} trained copies in {_dtype_name(dtype)} need "
+            f"{model} has {n_params / 1e6:.0f}M parameters: {copies} trained copies in {dtype_name(dtype)} need "
             f"about {need / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB available; shrink the "
             "model with --override (e.g. dim=64, n_layers=2)"
             + (", or drop the controls" if copies > 2 else "")
