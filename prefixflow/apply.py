@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from .adapters import ModelAdapter, adapter_for
 from .attention import ATTENTION_VARIANTS, AttentionState
+from .stage import Stage
 
 __all__ = ["PrefixFlowConfig", "PrefixFlowRuntime", "apply_prefixflow", "runtime_of", "apply_ac", "AC_MODES"]
 
 AC_MODES = ("none", "selective", "full")
+PIPELINE_ATTR = "_prefixflow_pipeline"  # where apply_pp leaves a stage model's pipeline Stage
 
 
 @dataclass(frozen=True)
@@ -66,13 +68,15 @@ class PrefixFlowConfig:
 
 @dataclass
 class PrefixFlowRuntime:
-    """What ``apply_prefixflow`` attaches to a model: the config, the shared attention state and the model's
-    adapter (:mod:`prefixflow.adapters`)."""
+    """What ``apply_prefixflow`` attaches to a model: the config, the shared attention state, the model's
+    adapter (:mod:`prefixflow.adapters`) and the :class:`~prefixflow.stage.Stage` its phases run on (this
+    device; ``apply_pp`` sets a pipeline stage)."""
 
     config: PrefixFlowConfig
     state: AttentionState
     n_wrapped: int
     adapter: ModelAdapter
+    stage: Stage = field(default_factory=Stage)
 
     def grad_kv_dtype(self, model: nn.Module) -> torch.dtype:
         if self.config.grad_kv_dtype is not None:
@@ -100,7 +104,10 @@ def apply_prefixflow(model: nn.Module, config: PrefixFlowConfig | None = None) -
     adapter = adapter_for(model)
     state = AttentionState()
     n = adapter.wrap_attention(model, state)
-    model._prefixflow = PrefixFlowRuntime(config=config, state=state, n_wrapped=n, adapter=adapter)
+    stage = getattr(model, PIPELINE_ATTR, None) or Stage()  # a model cut by apply_pp before it was wrapped
+    model._prefixflow = PrefixFlowRuntime(
+        config=config, state=state, n_wrapped=n, adapter=adapter, stage=stage
+    )
     return model
 
 

@@ -85,20 +85,15 @@ class LiveBytes(TorchDispatchMode):
 
 
 class FixedPlan:
-    """Microbatches of ``size`` responses (None = all), in order."""
+    """Microbatches of ``size`` of the given ``responses`` (None = all of them), in order: the one chunker of
+    every schedule (a whole group's responses, or a split group's share)."""
 
     stats = None
 
-    def __init__(self, n: int, size: int | None) -> None:
-        size = n if size is None else size
-        self.chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-
-    @classmethod
-    def of(cls, chunks: list[list[int]]) -> FixedPlan:
-        """A plan of given microbatches (response indices), e.g. a split group's share of its responses."""
-        plan = cls(0, 1)
-        plan.chunks = [list(c) for c in chunks]
-        return plan
+    def __init__(self, responses: list[int], size: int | None) -> None:
+        responses = list(responses)
+        size = size if size is not None else max(1, len(responses))
+        self.chunks = [responses[i : i + size] for i in range(0, len(responses), size)]
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.chunks)

@@ -1,11 +1,20 @@
-"""``train_group``: the three-phase PrefixFlow schedule and the full-sequence baseline.
+"""``train_group``: the one driver of the three-phase PrefixFlow schedule and of the full-sequence baseline.
 
 Both systems share the model, the layouts, the loss and the LM-head placement (only at positions that
 predict a response token); they differ only in the schedule:
 
-- baseline:  for each microbatch of ``[P || S_i]`` sequences: forward, loss, backward.
+- baseline:  for each microbatch of ``[P || S_i]`` sequences: forward, loss, backward (``phase_full``).
 - PrefixFlow: ``phase_a_prefix_forward`` (cache K/V of ``P[:-1]`` once), ``phase_b_suffix_microbatches``
   (suffixes read the cache and accumulate gK/gV), ``phase_c_prefix_backward`` (one delayed prefix backward).
+
+Every shape runs this driver (:func:`run_group`) and these phase functions. What differs enters as objects:
+- *where* the model runs: the runtime's :class:`~prefixflow.stage.Stage` (one device; a pipeline stage,
+  set by ``apply_pp``, runs its slice of the layers 1F1B);
+- *which part of the group* this rank trains: a :class:`GroupShare` (the whole group; a split group's part,
+  ``prefixflow.parallel.dp_split``, which receives the prefix K/V instead of computing them);
+- parallelism and MoE: the model's schedule hooks (:mod:`prefixflow.hooks`).
+The prefix is one node with its own cache and its own delayed backward; a prefix tree repeats Phase A per
+node top-down and Phase C per node bottom-up, with the flat group its depth-1 case.
 """
 
 from __future__ import annotations
@@ -22,9 +31,9 @@ from .apply import PrefixFlowRuntime, runtime_of
 from .attention import AttendWithPrefix, CapturePrefix, MaskedAttention, PrefixCaptured
 from .budget import AUTO, BudgetPlan, FixedPlan
 from .compile import is_compiled
-from .grad_guard import check_finite_loss, keep_grads_on_failure
+from .grad_guard import keep_grads_on_failure
 from .group import RolloutGroup
-from .hooks import hooks_of
+from .hooks import HookChain, hooks_of
 from .kv_cache import PrefixKVCache
 from .layouts import (
     LAYOUTS,
@@ -34,17 +43,22 @@ from .layouts import (
     prefix_microbatch,
     suffix_segments,
 )
-from .loss import LossConfig, microbatch_loss, resolve_loss, token_logprobs
+from .loss import LossConfig, resolve_loss
 from .offload import OffloadStats, PrefixOffload, offloading
+from .stage import Stage, attention_mode, forward_hidden
 
 __all__ = [
     "SYSTEMS",
+    "GroupRun",
+    "GroupShare",
     "GroupStats",
     "train_group",
+    "run_group",
     "check_group",
     "phase_a_prefix_forward",
     "phase_b_suffix_microbatches",
     "phase_c_prefix_backward",
+    "phase_full",
     "forward_hidden",
 ]
 
@@ -76,122 +90,221 @@ class GroupStats:
         return sum(self.phase_times.values())
 
 
-def forward_hidden(
-    model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None, *, final_norm=True
-):
-    """The model's forward without the LM head (embeddings, blocks, final norm), through its adapter."""
-    return adapter_for(model).hidden(model, tokens, positions, final_norm=final_norm)
+@dataclass
+class GroupRun:
+    """One ``train_group`` call, resolved: what the phase functions read."""
+
+    model: nn.Module
+    runtime: PrefixFlowRuntime
+    group: RolloutGroup  # on the model's device
+    system: str
+    layout: str
+    loss: str
+    cfg: LossConfig
+    stage: Stage
+    hooks: HookChain
+    device: torch.device
+    plan: FixedPlan | BudgetPlan | None = None  # this rank's microbatches (response indices)
 
 
-def _forward_backward(model, mb: Microbatch, group, loss: str, cfg: LossConfig) -> float:
-    """One microbatch: forward, LM head at loss positions only, group-weighted loss, backward.
-    The model's schedule hooks (:mod:`prefixflow.hooks`) wrap it."""
-    hooks = hooks_of(model)
-    with hooks.microbatch(mb):
-        hidden = forward_hidden(model, mb.tokens, mb.positions)
-        logits = adapter_for(model).lm_head(model)(hidden[mb.loss_rows, mb.loss_cols])
-        value = microbatch_loss(token_logprobs(logits, mb.targets, cfg.temperature), mb, group, loss, cfg)
-        extra = hooks.extra_loss()  # e.g. an MoE balance loss; not part of the reported loss
-        total = value if extra is None else value + extra
-        check_finite_loss(total, f"the microbatch of responses {list(mb.responses)}", model)
-        total.backward()
-    return value.item()
+class GroupShare:
+    """The part of a group this rank trains: here, all of it. ``prefix_forward``/``prefix_backward`` wrap the
+    local Phase A/C work (``compute``); a split group's part overrides them to exchange the prefix K/V."""
+
+    def responses(self, group: RolloutGroup) -> list[int]:
+        return list(range(group.n))
+
+    def computes_prefix(self) -> bool:
+        return True
+
+    def prefix_forward(self, run: GroupRun, cache: PrefixKVCache, compute):
+        return compute()
+
+    def prefix_backward(self, run: GroupRun, cache: PrefixKVCache, compute) -> None:
+        compute()
 
 
+# -- the phases -----------------------------------------------------------------------------------------
 def phase_a_prefix_forward(
-    model: nn.Module,
-    runtime: PrefixFlowRuntime,
-    group: RolloutGroup,
-    cache,
-    offload: PrefixOffload | None = None,
+    run: GroupRun, cache: PrefixKVCache, offload: PrefixOffload | None = None
 ) -> Microbatch | None:
     """Phase A: run the shared prefix ``P[:-1]`` forward once; each layer leaves its live K/V in ``cache``.
     With ``offload``, the other tensors the prefix graph saves move out of device memory as they are saved.
     Loss terms the hooks add during this forward (``extra_loss``) join Phase C's backward.
     Returns the prefix microbatch this rank ran (Phase C recomputes under its attention), None if empty."""
-    if group.prompt_len == 1:
+    if run.group.prompt_len == 1:
         return None  # one-token prompt: nothing to cache, suffixes start at position 0
-    mb = hooks_of(model).shard(prefix_microbatch(group, group.prompt.device))
-    mode = CapturePrefix(cache, _last_needed_layer(model, runtime), mask=mb.mask, sequence=mb.sequence)
-    with runtime.state.use(mode), offloading(offload):
+    mb = run.hooks.shard(prefix_microbatch(run.group, run.device))
+    stop = _last_needed_layer(run) if run.stage.holds_loss else None
+    mode = CapturePrefix(cache, stop, mask=mb.mask, sequence=mb.sequence)
+    with run.runtime.state.use(mode), offloading(offload):
         try:
-            forward_hidden(model, mb.tokens, mb.positions, final_norm=False)
+            run.stage.prefix_forward(run, mb)
         except PrefixCaptured:
             pass  # the last layer's K/V are in the cache; the rest of the prefix forward is dead work
-    cache.add_prefix_loss(hooks_of(model).extra_loss())
+    cache.add_prefix_loss(run.hooks.extra_loss())
     return mb
 
 
-def _last_needed_layer(model: nn.Module, runtime: PrefixFlowRuntime) -> int | None:
+def _last_needed_layer(run: GroupRun) -> int | None:
     """The layer after whose K/V Phase A may stop, or None to run the whole forward.
 
     A checkpointed last block runs to its end: its recomputation in Phase C must save exactly what the
     original forward saved. So does every block when a schedule hook reads prefix work past the last K/V.
     """
-    adapter = runtime.adapter
-    if adapter.block_is_checkpointed(adapter.blocks(model)[-1]) or hooks_of(model).full_prefix_forward():
+    adapter = run.runtime.adapter
+    if adapter.block_is_checkpointed(adapter.blocks(run.model)[-1]) or run.hooks.full_prefix_forward():
         return None
-    return runtime.n_wrapped - 1
+    return run.runtime.n_wrapped - 1
 
 
-def phase_b_suffix_microbatches(
-    model, runtime: PrefixFlowRuntime, group, cache, plan, layout: str, loss: str, cfg: LossConfig
-) -> float:
+def phase_b_suffix_microbatches(run: GroupRun, cache: PrefixKVCache) -> float:
     """Phase B: train the suffixes as ordinary microbatches reading the cache; returns the group loss.
-    ``plan`` yields each microbatch's responses (:mod:`prefixflow.budget`: fixed sizes, or sized to a budget)."""
-    segments = suffix_segments(group)
-    device = group.prompt.device
-    variant = runtime.config.attention_for(device)
-    total = 0.0
-    for index, chunk in enumerate(plan):
-        with plan.measure(index):
-            mb = _microbatch(model, group, [segments[i] for i in chunk], layout, group.prompt_len - 1)
-            mode = AttendWithPrefix(
-                cache, mb.mask, variant, sequence=mb.sequence, causal_suffix=mb.causal_suffix
-            )
-            with runtime.state.use(mode):
-                total += _forward_backward(model, mb, group, loss, cfg)
-    return total
+    ``run.plan`` yields each microbatch's responses (:mod:`prefixflow.budget`: fixed sizes, or sized to a
+    budget)."""
+    segments = suffix_segments(run.group)
+    variant = run.runtime.config.attention_for(run.device)
 
+    def build(chunk):
+        mb = _microbatch(run, [segments[i] for i in chunk], run.group.prompt_len - 1)
+        mode = AttendWithPrefix(cache, mb.mask, variant, sequence=mb.sequence, causal_suffix=mb.causal_suffix)
+        return mb, mode
 
-def _microbatch(model, group, segments, layout: str, cached_prefix_len: int | None) -> Microbatch:
-    """Lay out ``segments``; the schedule hooks keep the part this rank computes (``ScheduleHooks.shard``)."""
-    mb = build_microbatch(
-        group, segments, layout, cached_prefix_len=cached_prefix_len, device=group.prompt.device
-    )
-    return hooks_of(model).shard(mb)
+    return run.stage.microbatches(run, build)
 
 
 def phase_c_prefix_backward(
-    cache: PrefixKVCache,
-    offload: PrefixOffload | None = None,
-    *,
-    runtime: PrefixFlowRuntime | None = None,
-    prefix: Microbatch | None = None,
+    run: GroupRun, cache: PrefixKVCache, prefix: Microbatch | None, offload: PrefixOffload | None = None
 ) -> None:
     """Phase C: inject the accumulated gK/gV into the retained prefix graph; one prefix backward.
     With ``offload``, its saved tensors are prefetched in reverse layer order (or demand-loaded).
-    ``runtime``/``prefix``: checkpointed prefix blocks recompute under the prefix's attention (Phase A's
-    minus the capture: plain causal, or the sharded prefix's when its tokens are spread over ranks)."""
+    Checkpointed prefix blocks recompute under the prefix's attention (Phase A's minus the capture: plain
+    causal, or the sharded prefix's when its tokens are spread over ranks)."""
     if offload is not None:
         offload.prefetch()
-    recompute = contextlib.nullcontext()  # unsharded: no mode, the plain forward's causal attention
-    if runtime is not None and prefix is not None and prefix.sequence is not None:
-        recompute = runtime.state.use(MaskedAttention(prefix.mask, prefix.sequence))
-    with recompute:
-        cache.backward_prefix()
+    recompute = None  # unsharded: no mode, the plain forward's causal attention
+    if prefix is not None and prefix.sequence is not None:
+        recompute = MaskedAttention(prefix.mask, prefix.sequence)
+    with attention_mode(run, recompute):
+        run.stage.prefix_backward(run, cache)
 
 
-def _baseline(model, runtime, group, plan, layout, loss, cfg) -> float:
-    segments = full_sequence_segments(group)
-    total = 0.0
-    for index, chunk in enumerate(plan):
-        with plan.measure(index):
-            mb = _microbatch(model, group, [segments[i] for i in chunk], layout, None)
-            mode = MaskedAttention(mb.mask, mb.sequence) if mb.mask is not None else None
-            with runtime.state.use(mode) if mode is not None else contextlib.nullcontext():
-                total += _forward_backward(model, mb, group, loss, cfg)
-    return total
+def phase_full(run: GroupRun) -> float:
+    """The baseline's one phase: every ``[P || S_i]`` sequence forward and backward, in microbatches."""
+    segments = full_sequence_segments(run.group)
+
+    def build(chunk):
+        mb = _microbatch(run, [segments[i] for i in chunk], None)
+        return mb, MaskedAttention(mb.mask, mb.sequence) if mb.mask is not None else None
+
+    return run.stage.microbatches(run, build)
+
+
+def _microbatch(run: GroupRun, segments, cached_prefix_len: int | None) -> Microbatch:
+    """Lay out ``segments``; the schedule hooks keep the part this rank computes (``ScheduleHooks.shard``)."""
+    mb = build_microbatch(
+        run.group, segments, run.layout, cached_prefix_len=cached_prefix_len, device=run.device
+    )
+    return run.hooks.shard(mb)
+
+
+# -- the driver -----------------------------------------------------------------------------------------
+def train_group(
+    model: nn.Module,
+    group: RolloutGroup,
+    *,
+    system: str = "prefixflow",
+    layout: str = "padded",
+    microbatch: int | str | None = None,
+    loss: str = "pg",
+    loss_config: dict | LossConfig | None = None,
+    observer=None,
+) -> GroupStats:
+    """Train one rollout group: accumulate its gradients into ``param.grad`` (no zeroing, no optimizer step).
+
+    ``system``: ``"prefixflow"`` (three phases) or ``"baseline"`` (full sequences); ``layout``: ``"padded"`` or
+    ``"packed"``; ``microbatch``: responses per microbatch (None = all), or ``"auto"``: the largest
+    microbatches whose measured footprint fits ``PrefixFlowConfig.memory_budget_bytes``
+    (:mod:`prefixflow.budget`). ``observer``: optional object with
+    ``enter(phase)``/``exit(phase)`` called around each phase. All input is validated before any gradient
+    changes. Needs ``apply_prefixflow(model)`` first. ``param.grad`` never receives a NaN/inf: a non-finite
+    loss or gradient raises :class:`NonFiniteError` and leaves the gradients as before the call
+    (:mod:`prefixflow.grad_guard`). On a pipeline stage (``apply_pp``) every stage calls it with the same group.
+    """
+    return run_group(
+        model, group, GroupShare(), system=system, layout=layout, microbatch=microbatch, loss=loss,
+        loss_config=loss_config, observer=observer,
+    )  # fmt: skip
+
+
+def run_group(
+    model: nn.Module,
+    group: RolloutGroup,
+    share: GroupShare,
+    *,
+    system: str,
+    layout: str,
+    microbatch,
+    loss: str,
+    loss_config,
+    observer,
+) -> GroupStats:
+    """The one driver: validate, plan the microbatches, then run the phases under the phase clock, the
+    non-finite guard and the schedule hooks, and build the stats. ``share``: the part of ``group`` this rank
+    trains (:class:`GroupShare`)."""
+    runtime = runtime_of(model)
+    _validate(model, group, system, layout, microbatch)
+    cfg = resolve_loss(loss, loss_config, group)
+    device = next(model.parameters()).device
+    group = group.to(device)
+    hooks = hooks_of(model)
+    run = GroupRun(model, runtime, group, system, layout, loss, cfg, runtime.stage, hooks, device)
+    run.plan = _plan(run, share.responses(group), microbatch)
+    clock = _PhaseClock(device, observer)
+    cache = offload = None
+    try:
+        with keep_grads_on_failure(model), hooks.group(model, group, system), run.stage.running(run):
+            if system == "baseline":
+                with clock("full"), hooks.phase("full"):
+                    value = phase_full(run)
+            else:
+                cache = PrefixKVCache(runtime.grad_kv_dtype(model))
+                if runtime.config.offload and share.computes_prefix():
+                    offload = PrefixOffload(model, cache, prefetch=runtime.config.offload_prefetch)
+                cache.view = hooks.prefix_view(model, group) or cache.view
+                with run.plan.prefix_window(), clock("A"), hooks.phase("A"):
+                    prefix = share.prefix_forward(
+                        run, cache, lambda: phase_a_prefix_forward(run, cache, offload)
+                    )
+                with clock("B"), hooks.phase("B"):
+                    value = phase_b_suffix_microbatches(run, cache)
+                with clock("C"), hooks.phase("C"):
+                    share.prefix_backward(
+                        run, cache, lambda: phase_c_prefix_backward(run, cache, prefix, offload)
+                    )
+            value = hooks.reduce_loss(value)
+    finally:
+        if cache is not None:
+            cache.release()  # drops the prefix graph first, then the pool its saved tensors point into
+        if offload is not None:
+            offload.release()
+    value = run.stage.report_loss(value)
+    return _stats(run, share, value, clock.times, offload)
+
+
+def _stats(run: GroupRun, share: GroupShare, value: float, times, offload) -> GroupStats:
+    group, chunks = run.group, run.plan.chunks
+    suffix_tokens = sum(group.response_lens[i] for i in share.responses(group))
+    if run.system == "baseline":
+        prefix, trunk = 0, _trunk_tokens(group, chunks, run.layout, group.prompt_len)
+    else:
+        prefix = group.prompt_len - 1 if share.computes_prefix() else 0
+        trunk = prefix + _trunk_tokens(group, chunks, run.layout, 1)
+    return GroupStats(
+        run.system, run.layout, value, len(chunks), prefix, suffix_tokens, trunk, times,
+        offload.stats if offload is not None else None,
+        hooks={**run.hooks.stats(), **run.stage.stats()}, plan=run.plan.stats,
+    )  # fmt: skip
 
 
 class _PhaseClock:
@@ -217,18 +330,18 @@ class _PhaseClock:
                 self.observer.exit(phase)
 
 
-def _chunks(n: int, microbatch: int | None) -> list[list[int]]:
-    """Fixed microbatches of ``microbatch`` responses (None = all), for schedules without a budget plan."""
-    return FixedPlan(n, microbatch).chunks
-
-
-def _plan(model, runtime, group, system: str, layout: str, microbatch):
-    """The microbatch plan: fixed sizes, or ``"auto"``: sized to ``PrefixFlowConfig.memory_budget_bytes``."""
+def _plan(run: GroupRun, responses: list[int], microbatch):
+    """The microbatch plan over ``responses``: fixed sizes, or ``"auto"``: sized to
+    ``PrefixFlowConfig.memory_budget_bytes``."""
     if microbatch != AUTO:
-        return FixedPlan(group.n, microbatch)
-    lead = group.prompt_len if system == "baseline" else 1  # input tokens before each response's own
-    lengths = [lead + s - 1 for s in group.response_lens]
-    return BudgetPlan(model, lengths, layout, runtime.config.memory_budget_bytes)
+        return FixedPlan(responses, microbatch)
+    if responses != list(range(run.group.n)):
+        raise ValueError(
+            "microbatch='auto' sizes a whole group's microbatches; pass an int for a group's part"
+        )
+    lead = run.group.prompt_len if run.system == "baseline" else 1  # input tokens before each response's own
+    lengths = [lead + s - 1 for s in run.group.response_lens]
+    return BudgetPlan(run.model, lengths, run.layout, run.runtime.config.memory_budget_bytes)
 
 
 def _validate(model, group, system, layout, microbatch) -> None:
@@ -238,8 +351,9 @@ def _validate(model, group, system, layout, microbatch) -> None:
         raise ValueError(f"system {system!r} unknown; valid systems: {SYSTEMS}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} unknown; valid layouts: {LAYOUTS}")
+    runtime = runtime_of(model)
     if microbatch == AUTO:
-        if runtime_of(model).config.memory_budget_bytes is None:
+        if runtime.config.memory_budget_bytes is None:
             raise ValueError(
                 "microbatch='auto' needs a memory budget: apply_prefixflow(model, "
                 "PrefixFlowConfig(memory_budget_bytes=...)), or pass an int microbatch"
@@ -255,6 +369,7 @@ def _validate(model, group, system, layout, microbatch) -> None:
         raise ValueError(
             f"microbatch must be None (all responses), an int >= 1 or 'auto', got {microbatch!r}"
         )
+    runtime.stage.check(model, system, microbatch)
     adapter = adapter_for(model)
     group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
     group.check_representable(compute_dtype(model))
@@ -284,95 +399,6 @@ def check_group(
     runtime_of(model)
     _validate(model, group, system, layout, microbatch)
     return resolve_loss(loss, loss_config, group)
-
-
-def train_group(
-    model: nn.Module,
-    group: RolloutGroup,
-    *,
-    system: str = "prefixflow",
-    layout: str = "padded",
-    microbatch: int | str | None = None,
-    loss: str = "pg",
-    loss_config: dict | LossConfig | None = None,
-    observer=None,
-) -> GroupStats:
-    """Train one rollout group: accumulate its gradients into ``param.grad`` (no zeroing, no optimizer step).
-
-    ``system``: ``"prefixflow"`` (three phases) or ``"baseline"`` (full sequences); ``layout``: ``"padded"`` or
-    ``"packed"``; ``microbatch``: responses per microbatch (None = all), or ``"auto"``: the largest
-    microbatches whose measured footprint fits ``PrefixFlowConfig.memory_budget_bytes``
-    (:mod:`prefixflow.budget`). ``observer``: optional object with
-    ``enter(phase)``/``exit(phase)`` called around each phase. All input is validated before any gradient
-    changes. Needs ``apply_prefixflow(model)`` first. ``param.grad`` never receives a NaN/inf: a non-finite
-    loss or gradient raises :class:`NonFiniteError` and leaves the gradients as before the call
-    (:mod:`prefixflow.grad_guard`).
-    """
-    pipeline = getattr(model, "_prefixflow_pipeline", None)
-    if pipeline is not None:  # a pipeline stage (prefixflow.parallel.pp): the same phases, run per stage
-        return pipeline.train_group(
-            model,
-            group,
-            system=system,
-            layout=layout,
-            microbatch=microbatch,
-            loss=loss,
-            loss_config=loss_config,
-            observer=observer,
-        )
-    runtime = runtime_of(model)
-    _validate(model, group, system, layout, microbatch)
-    cfg = resolve_loss(loss, loss_config, group)
-    device = next(model.parameters()).device
-    group = group.to(device)
-    plan = _plan(model, runtime, group, system, layout, microbatch)
-    clock = _PhaseClock(device, observer)
-    hooks = hooks_of(model)
-    suffix_tokens = sum(group.response_lens)
-    if system == "baseline":
-        with keep_grads_on_failure(model), hooks.group(model, group, system):
-            with clock("full"), hooks.phase("full"):
-                value = _baseline(model, runtime, group, plan, layout, loss, cfg)
-            value = hooks.reduce_loss(value)
-        trunk = _trunk_tokens(group, plan.chunks, layout, group.prompt_len)
-        return GroupStats(
-            system, layout, value, len(plan.chunks), 0, suffix_tokens, trunk, clock.times,
-            hooks=hooks.stats(), plan=plan.stats,
-        )  # fmt: skip
-
-    cache = PrefixKVCache(runtime.grad_kv_dtype(model))
-    config = runtime.config
-    offload = PrefixOffload(model, cache, prefetch=config.offload_prefetch) if config.offload else None
-    try:
-        with keep_grads_on_failure(model), hooks.group(model, group, system):
-            cache.view = hooks.prefix_view(model, group) or cache.view
-            with plan.prefix_window(), clock("A"), hooks.phase("A"):
-                prefix_mb = phase_a_prefix_forward(model, runtime, group, cache, offload)
-            with clock("B"), hooks.phase("B"):
-                value = phase_b_suffix_microbatches(model, runtime, group, cache, plan, layout, loss, cfg)
-            with clock("C"), hooks.phase("C"):
-                phase_c_prefix_backward(cache, offload, runtime=runtime, prefix=prefix_mb)
-            value = hooks.reduce_loss(value)
-    finally:
-        cache.release()  # drops the prefix graph first, then the pool its saved tensors point into
-        if offload is not None:
-            offload.release()
-    prefix = group.prompt_len - 1
-    trunk = prefix + _trunk_tokens(group, plan.chunks, layout, 1)
-    offload_stats = offload.stats if offload is not None else None
-    return GroupStats(
-        system,
-        layout,
-        value,
-        len(plan.chunks),
-        prefix,
-        suffix_tokens,
-        trunk,
-        clock.times,
-        offload_stats,
-        hooks=hooks.stats(),
-        plan=plan.stats,
-    )
 
 
 def _trunk_tokens(group: RolloutGroup, chunks, layout: str, lead: int) -> int:

@@ -12,7 +12,7 @@ from conftest import tiny_model
 
 import prefixflow as pf
 import prefixflow.kv_cache as kv_cache
-import prefixflow.schedule as schedule
+import prefixflow.stage as stage_module
 
 
 def live_tensor_bytes() -> tuple[int, int]:
@@ -66,7 +66,7 @@ def test_exception_mid_phase_b_releases_everything(family, monkeypatch, tracked_
     model = tiny_model(family)
     group = pf.synthetic_group(97, 9, [4, 2, 3], seed=1)
     calls = {"n": 0}
-    real = schedule._forward_backward
+    real = stage_module.microbatch_objective
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
@@ -74,11 +74,11 @@ def test_exception_mid_phase_b_releases_everything(family, monkeypatch, tracked_
             raise RuntimeError("injected failure in the second suffix microbatch")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(schedule, "_forward_backward", flaky)
+    monkeypatch.setattr(stage_module, "microbatch_objective", flaky)
     with pytest.raises(RuntimeError, match="injected failure"):
         pf.train_group(model, group, microbatch=1)
     assert_clean(model, tracked_caches)
-    monkeypatch.setattr(schedule, "_forward_backward", real)
+    monkeypatch.setattr(stage_module, "microbatch_objective", real)
     # The model is usable again and still exact.
     want_loss, want = reference_pg(model, group)
     model.zero_grad(set_to_none=True)

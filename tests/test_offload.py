@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_model
 
 import prefixflow as pf
-import prefixflow.schedule as schedule
+import prefixflow.stage as stage_module
 from harness.measure import LiveBytesMeter
 from prefixflow.group import synthetic_group
 
@@ -135,7 +135,7 @@ def test_pool_released_after_an_exception_mid_phase_b(monkeypatch):
     model = tiny_model("qwen3")
     group = synthetic_group(97, 40, [5, 7, 4], seed=4)
     _, want = run(model, group, "off", microbatch=1)
-    real = schedule._forward_backward
+    real = stage_module.microbatch_objective
     calls = {"n": 0}
 
     def failing(*args, **kwargs):
@@ -144,12 +144,12 @@ def test_pool_released_after_an_exception_mid_phase_b(monkeypatch):
             raise RuntimeError("boom in the second suffix microbatch")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(schedule, "_forward_backward", failing)
+    monkeypatch.setattr(stage_module, "microbatch_objective", failing)
     pf.apply_prefixflow(model, MODES["prefetch"])
     with pytest.raises(RuntimeError, match="boom"):
         pf.train_group(model, group, microbatch=1)
     assert not pool_fds()
-    monkeypatch.setattr(schedule, "_forward_backward", real)
+    monkeypatch.setattr(stage_module, "microbatch_objective", real)
     _, got = run(model, group, "demand", microbatch=1)  # the next group is unaffected
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 

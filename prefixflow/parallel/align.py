@@ -13,8 +13,9 @@ from collections.abc import Iterable
 
 import torch
 
-from ..alignment import CORRECT, AlignmentRow, _dtype_name, _step_rows, tolerances
+from ..alignment import CORRECT, AlignmentRow, _step_rows, tolerances
 from ..apply import apply_prefixflow
+from ..dtypes import dtype_name
 from ..group import synthetic_group
 from ..models import build_model, model_args
 from . import ParallelDims, build_mesh, parallelize
@@ -128,7 +129,7 @@ def run_parallel_alignment(
             weights = _Gathered([_full(p.detach()) for p in m.parameters()]) if step in report else None
             state[run] = (grads, torch.tensor(stats.loss, dtype=torch.float64), weights, start)
         if step in report:
-            rows += _step_rows(step, state, names, tau, _dtype_name(dtype))
+            rows += _step_rows(step, state, names, tau, dtype_name(dtype))
     return _merge_stages(rows) if dims.pp > 1 else rows
 
 

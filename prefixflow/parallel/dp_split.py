@@ -11,29 +11,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..apply import runtime_of
 from ..attention import PrefixAwareAttention
-from ..budget import FixedPlan
 from ..group import RolloutGroup
-from ..hooks import hooks_of
 from ..kv_cache import PrefixKVCache
-from ..loss import resolve_loss
 from ..models import head_dim_of, model_args
-from ..schedule import (
-    GroupStats,
-    _baseline,
-    _PhaseClock,
-    _trunk_tokens,
-    _validate,
-    phase_a_prefix_forward,
-    phase_b_suffix_microbatches,
-    phase_c_prefix_backward,
-)
+from ..schedule import GroupShare, GroupStats, run_group
 from . import parallel_state
 from .dp_placement import Work
 from .sequence import SequenceLayout
 
-__all__ = ["PrefixKVGeometry", "prefix_kv_geometry", "check_captured", "PrefixExchange", "train_split_part"]
+__all__ = [
+    "PrefixKVGeometry",
+    "prefix_kv_geometry",
+    "check_captured",
+    "PrefixExchange",
+    "SplitShare",
+    "train_split_part",
+]
 
 
 # -- the K/V exchange of a split group -----------------------------------------------------------------
@@ -164,61 +158,40 @@ class PrefixExchange:
                 leaf.grad = g.clone() if leaf.grad is None else leaf.grad + g
 
 
+class SplitShare(GroupShare):
+    """This rank's part of a split group (see the module docstring): its responses; the owner computes the
+    prefix and sends the K/V, a helper receives them; in Phase C helpers send gK/gV and the owner sums them
+    before its prefix backward. The loss weights stay the group's."""
+
+    def __init__(self, model: nn.Module, group: RolloutGroup, work: Work, me: int, exchange: PrefixExchange):
+        self.work, self.exchange, self.owner = work, exchange, me == work.owner
+        self.helpers = [r for r in work.ranks if r != work.owner]
+        self.geometry = prefix_kv_geometry(model, group)
+
+    def responses(self, group: RolloutGroup) -> list[int]:
+        return list(self.work.responses)
+
+    def computes_prefix(self) -> bool:
+        return self.owner
+
+    def prefix_forward(self, run, cache: PrefixKVCache, compute):
+        if not self.owner:
+            self.exchange.receive_prefix(cache, self.geometry, self.work.owner, run.device)
+            return None
+        prefix = compute()
+        self.exchange.send_prefix(cache, self.geometry, self.helpers)
+        return prefix
+
+    def prefix_backward(self, run, cache: PrefixKVCache, compute) -> None:
+        if not self.owner:
+            self.exchange.send_grad_kv(cache, self.work.owner)
+            return
+        self.exchange.receive_grad_kv(cache, self.helpers)
+        compute()
+
+
 def train_split_part(
-    model,
-    group: RolloutGroup,
-    work: Work,
-    me: int,
-    exchange: PrefixExchange,
-    *,
-    system,
-    layout,
-    microbatch,
-    loss,
-    loss_config,
-    observer,
+    model, group: RolloutGroup, work: Work, me: int, exchange: PrefixExchange, **kwargs
 ) -> GroupStats:
-    """This rank's part of a split group (see the module docstring); the loss weights stay the group's."""
-    runtime = runtime_of(model)
-    _validate(model, group, system, layout, microbatch)
-    cfg = resolve_loss(loss, loss_config, group)
-    device = next(model.parameters()).device
-    group = group.to(device)
-    size = len(work.responses) if microbatch is None else microbatch
-    chunks = [list(work.responses[i : i + size]) for i in range(0, len(work.responses), size)]
-    clock = _PhaseClock(device, observer)
-    hooks = hooks_of(model)
-    helpers = [r for r in work.ranks if r != work.owner]
-    suffix_tokens = sum(group.response_lens[i] for i in work.responses)
-    if system == "baseline":  # independent sequences: nothing to exchange
-        with hooks.group(model, group, system), clock("full"), hooks.phase("full"):
-            value = (
-                _baseline(model, runtime, group, FixedPlan.of(chunks), layout, loss, cfg) if chunks else 0.0
-            )
-        trunk = _trunk_tokens(group, chunks, layout, group.prompt_len)
-        return GroupStats(system, layout, value, len(chunks), 0, suffix_tokens, trunk, clock.times)
-    cache = PrefixKVCache(runtime.grad_kv_dtype(model))
-    geometry = prefix_kv_geometry(model, group)
-    owner = me == work.owner
-    try:
-        with hooks.group(model, group, system):
-            with clock("A"), hooks.phase("A"):
-                if owner:
-                    phase_a_prefix_forward(model, runtime, group, cache)
-                    exchange.send_prefix(cache, geometry, helpers)
-                else:
-                    exchange.receive_prefix(cache, geometry, work.owner, device)
-            with clock("B"), hooks.phase("B"):
-                plan = FixedPlan.of(chunks)
-                value = phase_b_suffix_microbatches(model, runtime, group, cache, plan, layout, loss, cfg)
-            with clock("C"), hooks.phase("C"):
-                if owner:
-                    exchange.receive_grad_kv(cache, helpers)
-                    phase_c_prefix_backward(cache)
-                else:
-                    exchange.send_grad_kv(cache, work.owner)
-    finally:
-        cache.release()
-    prefix = group.prompt_len - 1 if owner else 0
-    trunk = prefix + _trunk_tokens(group, chunks, layout, 1)
-    return GroupStats(system, layout, value, len(chunks), prefix, suffix_tokens, trunk, clock.times)
+    """This rank's part of a split group through the one driver (``kwargs``: ``train_group``'s)."""
+    return run_group(model, group, SplitShare(model, group, work, me, exchange), **kwargs)

@@ -15,8 +15,9 @@ program of operations; activations and their gradients travel between neighbouri
 ``switching="stage_local"`` is exactly that program. ``switching="barrier"`` adds global barriers after ``A``
 and before ``C`` (A | B | C): the pipeline drains after the prefix forward and refills around the prefix
 backward. Both run the same operations on the same data; only the waiting differs. :func:`stage_program` is
-the one definition of both orders (the simulator in ``harness/simulate.py`` replays it); the stage runtime
-that executes it is ``prefixflow/parallel/pp_stage.py``.
+the one definition of both orders (``pp_program.py``; the simulator in ``harness/`` replays it). The stage
+runtime that executes it, ``pp_stage.Pipeline``, is the model's :class:`~prefixflow.stage.Stage`: the one driver
+(``train_group``) runs its phases on it, with the same guard, hooks and loss as on one device.
 
 Why not ``torch.distributed.pipelining``'s schedules: they run one stage function over equal-shaped chunks of
 one batch and seed every backward with the stage output's gradient alone. PrefixFlow's prefix is another
@@ -29,78 +30,15 @@ small shape header before each tensor; the split itself is TorchTitan's.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..models import rope_buffer
+from ..adapters import adapter_for
+from ..apply import PIPELINE_ATTR
+from .pp_program import SWITCHING, stage_hidden, stage_program
+from .pp_stage import Pipeline
 
 __all__ = ["SWITCHING", "Pipeline", "apply_pp", "stage_program", "stage_hidden", "switching"]
-
-SWITCHING = ("stage_local", "barrier")
-
-
-def stage_program(
-    switching: str, n_stages: int, stage: int, n_microbatches: int, prefix: bool
-) -> list[tuple]:
-    """The ordered operations of one stage: ``("A",)``, ``("F", m)``, ``("B", m)``, ``("C",)``, ``("barrier",)``."""
-    if switching not in SWITCHING:
-        raise ValueError(f"switching {switching!r} unknown; valid: {SWITCHING}")
-    ops: list[tuple] = []
-    if prefix:
-        ops.append(("A",))
-        if switching == "barrier":
-            ops.append(("barrier",))
-    warmup = min(n_stages - stage - 1, n_microbatches)
-    ops += [("F", m) for m in range(warmup)]
-    for m in range(warmup, n_microbatches):
-        ops += [("F", m), ("B", m - warmup)]
-    ops += [("B", m) for m in range(n_microbatches - warmup, n_microbatches)]
-    if prefix:
-        if switching == "barrier":
-            ops.append(("barrier",))
-        ops.append(("C",))
-    return ops
-
-
-def stage_hidden(model: nn.Module, inputs: torch.Tensor, positions, *, final_norm: bool = True):
-    """A TorchTitan stage's forward without the LM head: embeddings on the first stage (else ``inputs`` are the
-    previous stage's hidden states), this stage's blocks, the final norm on the last stage."""
-    h = model.tok_embeddings(inputs) if model.tok_embeddings is not None else inputs
-    rope = rope_buffer(model)
-    for block in model.layers.values():
-        h = block(h, rope, None, positions)
-    return model.norm(h) if final_norm and model.norm is not None else h
-
-
-@dataclass
-class Pipeline:
-    """What ``apply_pp`` attaches to a stage model: its place in the pipeline and the last group's timeline."""
-
-    stage: int
-    n_stages: int
-    group: dist.ProcessGroup
-    switching: str = "stage_local"
-    timeline: list[dict] = field(default_factory=list)  # this stage's events of the last group
-    timelines: list[list[dict]] = field(default_factory=list)  # every stage's, on one clock (after the group)
-
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.n_stages - 1
-
-    def peer(self, offset: int) -> int:
-        return dist.get_global_rank(self.group, self.stage + offset)
-
-    def train_group(self, model, group, **kwargs):
-        from .pp_stage import StageSchedule
-
-        return StageSchedule(model, self).run(group, **kwargs)
 
 
 def apply_pp(
@@ -116,7 +54,7 @@ def apply_pp(
 
     TorchTitan's order: PP first, then TP/AC/compile/FSDP. It may come before or after ``apply_prefixflow``
     (a wrapped model's stage renumbers its attention layers from 0). ``train_group`` on the returned stage runs
-    the pipelined schedule. ``switching``: ``"stage_local"`` or
+    the pipelined schedule (the stage is the runtime's :class:`~prefixflow.stage.Stage`). ``switching``: ``"stage_local"`` or
     ``"barrier"`` (changeable later through ``model._prefixflow_pipeline.switching``)."""
     from torchtitan.distributed.pipeline_parallel import (
         generate_llm_fqn_per_model_part,
@@ -125,6 +63,12 @@ def apply_pp(
 
     if switching not in SWITCHING:
         raise ValueError(f"switching {switching!r} unknown; valid: {SWITCHING}")
+    adapter = adapter_for(model)
+    if adapter.name != "torchtitan":
+        raise ValueError(
+            f"pipeline parallelism cuts TorchTitan models with TorchTitan's split; this is a {adapter.name} "
+            "model: train it without pp, or build the TorchTitan flavour of the same architecture"
+        )
     tok, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
     if tok is not None and out is not None and out.weight is tok.weight:
         raise ValueError(
@@ -136,14 +80,16 @@ def apply_pp(
     device = next(model.parameters()).device
     stages, models = pipeline_module_split(model, pp_mesh, "1F1B", device, names)
     stage = models[0]
-    if getattr(stage, "_prefixflow", None) is not None:
-        _renumber_attention(stage)
-    stage._prefixflow_pipeline = Pipeline(
+    pipe = Pipeline(
         stage=stages[0].stage_index,
         n_stages=stages[0].num_stages,
         group=pp_mesh.get_group(),
         switching=switching,
     )
+    setattr(stage, PIPELINE_ATTR, pipe)  # apply_prefixflow puts it on the runtime when it wraps later
+    if getattr(stage, "_prefixflow", None) is not None:
+        _renumber_attention(stage)
+        stage._prefixflow.stage = pipe
     for attr in ("prefixflow_name",):
         if hasattr(model, attr):
             setattr(stage, attr, getattr(model, attr))
@@ -166,7 +112,7 @@ def _renumber_attention(stage: nn.Module) -> None:
 @contextlib.contextmanager
 def switching(model: nn.Module, value: str):
     """Run with another phase switching for a while (e.g. to compare ``barrier`` with ``stage_local``)."""
-    pipe = getattr(model, "_prefixflow_pipeline", None)
+    pipe = getattr(model, PIPELINE_ATTR, None)
     if pipe is None:
         raise ValueError("this model is not a pipeline stage (apply_pp / parallelize with pp > 1 first)")
     if value not in SWITCHING:

@@ -1,9 +1,13 @@
-"""The stage runtime of pipeline parallelism: one rollout group on one stage, following ``stage_program``.
+"""The stage runtime of pipeline parallelism: :class:`Pipeline`, a stage model's :class:`~prefixflow.stage.Stage`.
 
+The one driver (``prefixflow.schedule``) runs its phases on it. Phase A's prefix forward receives the previous
+stage's prefix output and sends its own on; Phase B (and the baseline's phase) runs the microbatches in the
+stage program's 1F1B order (``pp_program.stage_program``), the last stage computing the shared microbatch
+objective; Phase C seeds the prefix backward with the next stage's gradient and sends its own back.
 Activations and their gradients travel between neighbouring stages by ``torch.distributed`` P2P (gloo and
 NCCL), each tensor preceded by a small shape header. Each operation is recorded with the moment it began
 waiting for its input, started and ended; after the group every stage's timeline is gathered onto one clock
-(see :meth:`StageSchedule._gather_timelines`).
+(see :meth:`Pipeline._gather_timelines`).
 """
 
 from __future__ import annotations
@@ -11,22 +15,18 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from ..apply import runtime_of
-from ..attention import AttendWithPrefix, CapturePrefix, MaskedAttention, PrefixCaptured
-from ..hooks import hooks_of
-from ..kv_cache import PrefixKVCache
-from ..layouts import build_microbatch, full_sequence_segments, prefix_microbatch, suffix_segments
-from ..loss import microbatch_loss, resolve_loss, token_logprobs
-from .pp import Pipeline, stage_hidden, stage_program
+from ..dtypes import DTYPES
+from ..stage import Stage, attention_mode, microbatch_objective
+from .pp_program import stage_hidden, stage_program
 
-__all__ = ["StageSchedule"]
+__all__ = ["Pipeline"]
 
-_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+_WIRE_DTYPES = list(DTYPES.values())  # a tensor's dtype crosses as its index here
 _FWD, _BWD = 0, 1  # P2P tags: activations flow down, gradients flow up
 
 
@@ -40,7 +40,7 @@ class _P2P:
     def send(self, t: torch.Tensor, offset: int, tag: int) -> None:
         t = t.detach().contiguous()
         header = torch.zeros(8, dtype=torch.long, device=self.device)
-        header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
+        header[0], header[1] = t.dim(), _WIRE_DTYPES.index(t.dtype)
         header[2 : 2 + t.dim()] = torch.tensor(t.shape)
         dst = self.pipe.peer(offset)
         for x in (header, t):
@@ -50,7 +50,7 @@ class _P2P:
         src = self.pipe.peer(offset)
         header = torch.empty(8, dtype=torch.long, device=self.device)
         dist.recv(header, src, group=self.pipe.group, tag=tag)
-        ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+        ndim, dtype = int(header[0]), _WIRE_DTYPES[int(header[1])]
         t = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=self.device)
         dist.recv(t, src, group=self.pipe.group, tag=tag)
         return t
@@ -61,109 +61,118 @@ class _P2P:
         self.pending.clear()
 
 
-class StageSchedule:
-    """One group on one stage: runs :func:`stage_program` and records each operation's timeline."""
+@dataclass
+class Pipeline(Stage):
+    """What ``apply_pp`` attaches to a stage model (and puts on its runtime): its place in the pipeline, how
+    its phases switch, and the last group's timelines."""
 
-    def __init__(self, model: nn.Module, pipe: Pipeline) -> None:
-        self.model, self.pipe = model, pipe
-        self.runtime = runtime_of(model)
-        self.device = next(model.parameters()).device
-        self.hooks = hooks_of(model)
+    stage: int
+    n_stages: int
+    group: dist.ProcessGroup
+    switching: str = "stage_local"
+    timeline: list[dict] = field(default_factory=list)  # this stage's events of the last group
+    timelines: list[list[dict]] = field(default_factory=list)  # every stage's, on one clock (after the group)
 
-    def run(self, group, *, system, layout, microbatch, loss, loss_config=None, observer=None):
-        from ..schedule import GroupStats, _chunks, _trunk_tokens, _validate
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
 
-        _validate(self.model, group, system, layout, microbatch)
+    @property
+    def last(self) -> bool:
+        return self.stage == self.n_stages - 1
+
+    @property
+    def holds_loss(self) -> bool:  # only the last stage may stop Phase A at its last K/V
+        return self.last
+
+    def peer(self, offset: int) -> int:
+        return dist.get_global_rank(self.group, self.stage + offset)
+
+    # --- the Stage interface ------------------------------------------------------------------------------
+
+    def check(self, model, system: str, microbatch) -> None:
         if microbatch == "auto":
             raise ValueError("microbatch='auto' is not supported under pipeline parallelism; pass an int")
-        if self.runtime.config.offload:
+        if model._prefixflow.config.offload:
             raise ValueError(
                 "PrefixFlowConfig.offload is not supported under pipeline parallelism; set it False"
             )
-        self.cfg, self.loss = resolve_loss(loss, loss_config, group), loss
-        group = group.to(self.device)
-        chunks = _chunks(group.n, microbatch)
-        prefix = system == "prefixflow" and group.prompt_len > 1
-        self.p2p, self.events, self.saved, self.total = _P2P(self.pipe, self.device), [], {}, 0.0
-        self.group = group
-        self.cache = PrefixKVCache(self.runtime.grad_kv_dtype(self.model)) if system == "prefixflow" else None
-        program = stage_program(self.pipe.switching, self.pipe.n_stages, self.pipe.stage, len(chunks), prefix)
-        phase_times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def running(self, run):
+        self.device = run.device
+        self.p2p, self.events, self.prefix = _P2P(self, run.device), [], None
+        self.n_microbatches = len(run.plan.chunks)
+        self.has_prefix = run.system == "prefixflow" and run.group.prompt_len > 1
+        dist.barrier(group=self.group)
+        self.t0, self.wall_t0 = time.perf_counter(), time.time()
         try:
-            with self.hooks.group(self.model, group, system):
-                if self.cache is not None:
-                    self.cache.view = self.hooks.prefix_view(self.model, group) or self.cache.view
-                if system == "prefixflow":
-                    segs = suffix_segments(group)
-                    cached = group.prompt_len - 1
-                else:
-                    segs, cached = full_sequence_segments(group), None
-                self.mbs = [
-                    self._shard(
-                        build_microbatch(
-                            group, [segs[i] for i in c], layout, cached_prefix_len=cached, device=self.device
-                        )
-                    )
-                    for c in chunks
-                ]
-                dist.barrier(group=self.pipe.group)
-                self.t0 = time.perf_counter()
-                self.wall_t0 = time.time()
-                for phase, ops in _phases(program, system):
-                    start = time.perf_counter()
-                    if observer is not None:
-                        observer.enter(phase)
-                    with self.hooks.phase(phase):
-                        for op in ops:
-                            self._do(op)
-                    if observer is not None:
-                        observer.exit(phase)
-                    phase_times[phase] = time.perf_counter() - start
-                self.p2p.flush()  # sends complete once their receivers posted; nothing waits on them earlier
-                value = self.hooks.reduce_loss(self.total)
+            yield
+            self.p2p.flush()  # sends complete once their receivers posted; nothing waits on them earlier
         finally:
-            if self.cache is not None:
-                self.cache.release()
-            self.saved.clear()
-        value = self._from_last_stage(value)
-        self.pipe.timeline = self.events
-        stats = self._gather_timelines()
-        trunk = _trunk_tokens(group, chunks, layout, 1 if prefix else group.prompt_len) + (
-            group.prompt_len - 1 if prefix else 0
-        )
-        return GroupStats(
-            system,
-            layout,
-            value,
-            len(chunks),
-            group.prompt_len - 1 if system == "prefixflow" else 0,
-            sum(group.response_lens),
-            trunk,
-            phase_times,
-            hooks={**self.hooks.stats(), **stats},
-        )
+            self.prefix = None
+
+    def prefix_forward(self, run, mb) -> None:
+        waited = time.perf_counter()
+        inp = self._input(mb.tokens)
+        started = time.perf_counter()
+        self.prefix = (inp, None)
+        try:
+            out = stage_hidden(run.model, inp, _positions(mb), final_norm=False)
+        finally:
+            self._event("A", None, waited, started)  # the last stage may stop early (PrefixCaptured)
+        self.prefix = (inp, out)
+        if not self.last:
+            self.p2p.send(out, +1, _FWD)
+
+    def microbatches(self, run, build) -> float:
+        work = [build(chunk) for chunk in run.plan]
+        program = stage_program(self.switching, self.n_stages, self.stage, len(work), self.has_prefix)
+        saved: dict[int, tuple] = {}
+        total = 0.0
+        for op in program:
+            if op[0] == "barrier":
+                start = time.perf_counter()
+                dist.barrier(group=self.group)
+                self._event("barrier", None, start, start)
+            elif op[0] == "F":
+                total += self._forward(run, op[1], *work[op[1]], saved)
+            elif op[0] == "B":
+                self._backward(run, op[1], work[op[1]][0], saved)
+        return total
+
+    def prefix_backward(self, run, cache) -> None:
+        if self.prefix is None:
+            return
+        inp, out = self.prefix
+        waited = time.perf_counter()
+        roots, grads = [], []
+        if not self.last:
+            roots, grads = [out], [self.p2p.recv(+1, _BWD)]
+        started = time.perf_counter()
+        cache.backward_prefix(roots, grads)
+        self._event("C", None, waited, started)
+        if not self.first:
+            self.p2p.send(_grad_or_zeros(inp), -1, _BWD)
+        self.prefix = None
+
+    def report_loss(self, value: float) -> float:
+        """The loss lives on the last stage; every stage reports it."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.broadcast(t, src=self.peer(self.n_stages - 1 - self.stage), group=self.group)
+        return float(t.item())
+
+    def stats(self) -> dict[str, float]:
+        self.timeline = self.events
+        return self._gather_timelines()
 
     # --- operations ----------------------------------------------------------------------------------------
-
-    def _shard(self, mb):
-        return self.hooks.shard(mb)
-
-    def _do(self, op: tuple) -> None:
-        kind = op[0]
-        if kind == "barrier":
-            start = time.perf_counter()
-            dist.barrier(group=self.pipe.group)
-            self._event("barrier", None, start, start)
-            return
-        {"A": self._prefix_forward, "F": self._forward, "B": self._backward, "C": self._prefix_backward}[
-            kind
-        ](*op[1:])
 
     def _event(self, op: str, mb, waited: float, started: float) -> None:
         now = time.perf_counter()
         self.events.append(
             dict(
-                stage=self.pipe.stage,
+                stage=self.stage,
                 op=op,
                 mb=mb,
                 wait=waited - self.t0,
@@ -173,91 +182,46 @@ class StageSchedule:
         )
 
     def _input(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.pipe.first:
+        if self.first:
             return tokens
         return self.p2p.recv(-1, _FWD).requires_grad_(True)
 
-    def _prefix_forward(self) -> None:
-        from ..schedule import _last_needed_layer
-
-        waited = time.perf_counter()
-        mb = self._shard(prefix_microbatch(self.group, self.device))
-        inp = self._input(mb.tokens)
-        started = time.perf_counter()
-        stop = _last_needed_layer(self.model, self.runtime) if self.pipe.last else None
-        mode = CapturePrefix(self.cache, stop, mask=mb.mask, sequence=mb.sequence)
-        out = None
-        with self.runtime.state.use(mode):
-            try:
-                out = stage_hidden(self.model, inp, _positions(mb), final_norm=False)
-            except PrefixCaptured:
-                pass
-        self._event("A", None, waited, started)
-        if not self.pipe.last:
-            self.p2p.send(out, +1, _FWD)
-        self.prefix = (inp, out, mb)
-
-    def _forward(self, m: int) -> None:
-        mb = self.mbs[m]
+    def _forward(self, run, m: int, mb, mode, saved: dict) -> float:
         waited = time.perf_counter()
         inp = self._input(mb.tokens)
         started = time.perf_counter()
-        if self.cache is not None:
-            variant = self.runtime.config.attention_for(self.device)
-            mode = AttendWithPrefix(self.cache, mb.mask, variant, sequence=mb.sequence)
-        else:
-            mode = MaskedAttention(mb.mask, mb.sequence) if mb.mask is not None else None
-        with self.hooks.microbatch(mb), self._attention(mode):
-            out = stage_hidden(self.model, inp, _positions(mb))
-            if self.pipe.last:
-                logits = self.model.output(out[mb.loss_rows, mb.loss_cols])
-                logp = token_logprobs(logits, mb.targets, self.cfg.temperature)
-                out = microbatch_loss(logp, mb, self.group, self.loss, self.cfg)
-                self.total += out.item()
+        value = 0.0
+        with attention_mode(run, mode), run.hooks.microbatch(mb):
+            out = stage_hidden(run.model, inp, _positions(mb))
+            if self.last:
+                value, out = microbatch_objective(run, mb, out)
+                roots, grads = [out], [None]
+            else:  # this stage's own loss terms (e.g. its MoE layers' balance loss) join the backward
+                extra = run.hooks.extra_loss()
+                roots, grads = [out], [None]
+                if extra is not None:
+                    roots.append(extra)
+                    grads.append(torch.ones_like(extra))
         self._event("F", m, waited, started)
-        if not self.pipe.last:
+        if not self.last:
             self.p2p.send(out, +1, _FWD)
-        self.saved[m] = (inp, out, mode)
+        saved[m] = (inp, roots, grads, mode)
+        return value
 
-    def _attention(self, mode):
-        """The microbatch's attention mode, active in its forward and again in its backward (checkpointed
-        blocks recompute under it)."""
-        return self.runtime.state.use(mode) if mode is not None else contextlib.nullcontext()
-
-    def _backward(self, m: int) -> None:
-        inp, out, mode = self.saved.pop(m)
+    def _backward(self, run, m: int, mb, saved: dict) -> None:
+        inp, roots, grads, mode = saved.pop(m)
         waited = time.perf_counter()
-        grad = None if self.pipe.last else self.p2p.recv(+1, _BWD)
+        if not self.last:
+            grads[0] = self.p2p.recv(+1, _BWD)
         started = time.perf_counter()
-        with self.hooks.microbatch(self.mbs[m]), self._attention(mode):
-            torch.autograd.backward(out, grad)
+        # The microbatch's attention mode is active again: checkpointed blocks recompute under it.
+        with attention_mode(run, mode), run.hooks.microbatch(mb):
+            torch.autograd.backward(roots, grads)
         self._event("B", m, waited, started)
-        if not self.pipe.first:
+        if not self.first:
             self.p2p.send(_grad_or_zeros(inp), -1, _BWD)
-
-    def _prefix_backward(self) -> None:
-        inp, out, mb = self.prefix
-        waited = time.perf_counter()
-        roots, grads = [], []
-        if not self.pipe.last:
-            roots, grads = [out], [self.p2p.recv(+1, _BWD)]
-        started = time.perf_counter()
-        # Checkpointed prefix blocks recompute under the prefix's attention (see phase_c_prefix_backward).
-        recompute = MaskedAttention(mb.mask, mb.sequence) if mb.sequence is not None else None
-        with self._attention(recompute):
-            self.cache.backward_prefix(roots, grads)
-        self._event("C", None, waited, started)
-        if not self.pipe.first:
-            self.p2p.send(_grad_or_zeros(inp), -1, _BWD)
-        self.prefix = None
 
     # --- after the group -----------------------------------------------------------------------------------
-
-    def _from_last_stage(self, value: float) -> float:
-        """The loss lives on the last stage; every stage reports it."""
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.broadcast(t, src=self.pipe.peer(self.pipe.n_stages - 1 - self.pipe.stage), group=self.pipe.group)
-        return float(t.item())
 
     def _gather_timelines(self) -> dict[str, float]:
         """Every stage's events on one clock, from 0 (the first stage to begin waiting). Each stage counts from
@@ -265,9 +229,9 @@ class StageSchedule:
         stage's events are shifted by how much later its clock started: read from the monotonic clock when
         every stage runs on one host (one clock for all its processes: exact, so causal order shows), else
         from the wall clock (NTP-synchronised hosts)."""
-        every: list = [None] * self.pipe.n_stages
+        every: list = [None] * self.n_stages
         me = (self.events, socket.gethostname(), self.t0, self.wall_t0)
-        dist.all_gather_object(every, me, group=self.pipe.group)
+        dist.all_gather_object(every, me, group=self.group)
         one_host = len({host for _, host, _, _ in every}) == 1
         origin = 2 if one_host else 3
         shifts = [stage[origin] - every[0][origin] for stage in every]
@@ -278,14 +242,14 @@ class StageSchedule:
             [{**e, **{k: e[k] + shift - zero for k in ("wait", "start", "end")}} for e in events]
             for (events, *_), shift in zip(every, shifts, strict=True)
         ]  # the first stage to begin waiting begins at 0
-        self.pipe.timelines = shifted
+        self.timelines = shifted
         span = max(e["end"] for events in shifted for e in events)
         busy = [sum(e["end"] - e["start"] for e in events if e["op"] != "barrier") for events in shifted]
         bubbles = [span - b for b in busy]
         return {
-            "pp_stage": self.pipe.stage,
+            "pp_stage": self.stage,
             "pp_span_s": span,
-            "pp_bubble_s": bubbles[self.pipe.stage],
+            "pp_bubble_s": bubbles[self.stage],
             "pp_bubble_mean_s": sum(bubbles) / len(bubbles),
             "pp_bubble_max_s": max(bubbles),
         }
@@ -301,16 +265,3 @@ def _positions(mb) -> torch.Tensor:
 
 def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
-
-
-def _phases(program: list[tuple], system: str) -> list[tuple[str, list[tuple]]]:
-    """Split a stage program into the schedule's phases: A | B (F/B and barriers) | C, or ``full``."""
-    if system == "baseline":
-        return [("full", program)]
-    a = [op for op in program[:1] if op[0] == "A"]
-    c = [op for op in program[-1:] if op[0] == "C"]
-    return [
-        (name, ops)
-        for name, ops in (("A", a), ("B", program[len(a) : len(program) - len(c)]), ("C", c))
-        if ops
-    ]
