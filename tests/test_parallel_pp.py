@@ -143,6 +143,51 @@ def test_stage_program_is_1f1b_inside_the_prefix_phases():
         stage_program("global", 2, 0, 1, True)
 
 
+# --- drift between the shapes: PP runs the one driver's guard, extra losses and LM head -------------------
+DRIFT_CASES = ("nanloss", "moe-aux-prefixflow", "moe-aux-baseline")
+
+
+@pytest.mark.parametrize("name", ["nanloss"])
+def test_pp2_non_finite_loss_raises_on_every_stage_and_keeps_grads(results, name):
+    assert_non_finite_refused(_get(results, name), world=2)
+
+
+def assert_non_finite_refused(res: dict, world: int) -> None:
+    assert res["spoiled_ranks"] == 1, res  # one last-stage rank saw the NaN loss
+    assert res["raised_ranks"] == world, res  # ... and every rank of every stage refused the group
+    assert res["named_ranks"] == 1, res  # the rank that saw it names the microbatch
+    assert res["grads_kept"] == world, res  # every .grad bit-identical to before the call
+    assert res["after_grad_rel"] < BOUND, res  # the next group trains as if nothing happened
+
+
+@pytest.mark.parametrize("name", ["moe-aux-prefixflow", "moe-aux-baseline"])
+def test_pp2_moe_balance_loss_matches_single_process_fp64(results, name):
+    assert_moe_matches(_get(results, name))
+
+
+def assert_moe_matches(res: dict) -> None:
+    assert res["n_params"] == res["n_params_ref"], res
+    assert res["aux_moves_grads"] > 1e-3, res  # the balance loss is not negligible in these gradients
+    assert res["grad_rel"] < BOUND and res["loss_rel"] < BOUND, res
+
+
+def test_pp_refuses_models_it_cannot_cut():
+    """An HF model cannot go through TorchTitan's pipeline split: refused in one line, before any mesh is used."""
+    from prefixflow.parallel.pp import apply_pp
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    with pytest.raises(
+        ValueError, match=r"^pipeline parallelism cuts TorchTitan models[^\n]*LlamaForCausalLM is a hf model"
+    ) as err:
+        apply_pp(model, None)
+    assert "\n" not in str(err.value)
+
+
 # --- worker (runs under torchrun) -------------------------------------------------------------------------
 
 _MESHES: dict = {}
@@ -213,6 +258,110 @@ def run_pp_case(spec: dict, lens=LENS, pp: int = 2, cp: int = 1, tp: int = 1) ->
     }
 
 
+def _whole(grad):
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+
+def _stage_model(build, pp: int, cp: int):
+    from prefixflow.parallel import parallelize
+
+    dims = {"pp": pp, "cp": cp}
+    return parallelize(build(), dims, mesh=_mesh(dims))
+
+
+def run_nanloss_case(pp: int = 2, cp: int = 1) -> dict:
+    """A NaN loss in one microbatch on one last-stage rank: every rank of every stage raises NonFiniteError,
+    every ``.grad`` stays bit-identical to before the call, and the next group still matches the baseline."""
+    import torch.distributed as dist
+    from conftest import tiny_model
+
+    import prefixflow as pf
+    import prefixflow.stage as stage_module
+
+    group = pf.synthetic_group(97, 14, LENS, seed=5)
+    ref = tiny_model("llama3")
+    pf.train_group(ref, group, system="baseline")
+    pf.train_group(ref, group, system="baseline")
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    stage = _stage_model(lambda: tiny_model("llama3"), pp, cp)
+    pf.train_group(stage, group, microbatch=1)  # gradients from a first, good group
+    before = [_whole(p.grad).clone() for p in stage.parameters()]
+    me, world = dist.get_rank(), dist.get_world_size()
+    last = stage._prefixflow_pipeline.last
+    loss_of, spoiled = stage_module.microbatch_loss, []
+
+    def nan_loss(*args, **kwargs):  # the last rank's first microbatch only
+        value = loss_of(*args, **kwargs)
+        if me == world - 1 and not spoiled:
+            spoiled.append(1)
+            return value * float("nan")
+        return value
+
+    stage_module.microbatch_loss = nan_loss
+    raised = named = 0
+    try:
+        pf.train_group(stage, group, microbatch=1)
+    except pf.NonFiniteError as err:
+        raised, named = 1, int("non-finite loss" in str(err))
+    finally:
+        stage_module.microbatch_loss = loss_of
+    kept = int(all(torch.equal(_whole(p.grad), b) for p, b in zip(stage.parameters(), before, strict=True)))
+    pf.train_group(stage, group, microbatch=1)
+    named_grads = [(n, _whole(p.grad)) for n, p in stage.named_parameters()]
+    after = max_rel([g for _, g in named_grads], [want[n] for n, _ in named_grads])
+    counts = torch.tensor([len(spoiled) * int(last), raised, named, kept], dtype=torch.float64)
+    dist.all_reduce(counts)
+    worst = torch.tensor([after], dtype=torch.float64).nan_to_num(nan=float("inf"))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    spoiled_ranks, raised_ranks, named_ranks, grads_kept = (int(x) for x in counts.tolist())
+    return dict(
+        spoiled_ranks=spoiled_ranks, raised_ranks=raised_ranks, named_ranks=named_ranks,
+        grads_kept=grads_kept, after_grad_rel=worst.item(),
+    )  # fmt: skip
+
+
+def run_moe_case(system: str, pp: int = 2, cp: int = 1) -> dict:
+    """Qwen3-MoE with routing replay and a large balance loss (coefficient 0.5): each stage's MoE layers add
+    their balance loss to its objective; fp64 against the single-process baseline."""
+    import torch.distributed as dist
+    from _moe import tiny_moe, with_routing
+
+    import prefixflow as pf
+    from prefixflow.moe import MoEConfig
+
+    config = MoEConfig(aux_loss_coef=0.5)
+    ref = tiny_moe(config=config, enable_weight_tying=False)
+    group = pf.synthetic_group(97, 14, LENS, seed=5)
+    group = with_routing(group, pf.record_routing(ref, group))
+    ref_stats = pf.train_group(ref, group, system="baseline", microbatch=1)
+    want = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    plain = tiny_moe(config=MoEConfig(), enable_weight_tying=False)
+    pf.train_group(plain, group, system="baseline", microbatch=1)
+    moves = max_rel([p.grad for _, p in plain.named_parameters()], list(want.values()))
+    stage = _stage_model(lambda: tiny_moe(config=config, enable_weight_tying=False), pp, cp)
+    stats = pf.train_group(stage, group, system=system, layout="packed", microbatch=1)
+    named = [(n, _whole(p.grad)) for n, p in stage.named_parameters()]
+    worst = max_rel([g for _, g in named], [want[n] for n, _ in named])
+    out = torch.tensor([worst, abs(stats.loss - ref_stats.loss) / abs(ref_stats.loss)], dtype=torch.float64)
+    out = out.nan_to_num(nan=float("inf"))
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    n_params = torch.tensor([float(len(named))])
+    dist.all_reduce(n_params)
+    return dict(
+        grad_rel=out[0].item(), loss_rel=out[1].item(), aux_moves_grads=moves,
+        n_params=int(n_params.item() / cp), n_params_ref=len(want),
+    )  # fmt: skip
+
+
+def drift_cases(pp: int = 2, cp: int = 1, prefix: str = "") -> dict:
+    """The drift cases on ``pp`` x ``cp`` ranks, named ``prefix + name``."""
+    return {
+        f"{prefix}nanloss": lambda: run_nanloss_case(pp, cp),
+        f"{prefix}moe-aux-prefixflow": lambda: run_moe_case("prefixflow", pp, cp),
+        f"{prefix}moe-aux-baseline": lambda: run_moe_case("baseline", pp, cp),
+    }
+
+
 def run_alignment_case() -> dict:
     """``run_parallel_alignment`` under PP2 (fp64, one step, microbatch 1): the rows, and whether every rank
     returned the same ones (each stage compares only its own parameters until the rows are merged)."""
@@ -235,6 +384,7 @@ def run_alignment_case() -> dict:
 if __name__ == "__main__":
     cases = {name: (lambda spec=spec: run_pp_case(spec)) for name, spec in CASES.items()}
     cases["alignment"] = run_alignment_case
+    cases.update(drift_cases())
     run_worker(
         cases,
         sys.argv[1],

@@ -213,7 +213,7 @@ def _inf_case(dims: dict, system: str, fault: str = "grad") -> dict:
     import torch.distributed as dist
 
     import prefixflow as pf
-    import prefixflow.schedule as schedule
+    import prefixflow.stage as stage_module
     from prefixflow.rl import actor_update
 
     single, actor = _build(0), _build(0, dims)
@@ -230,7 +230,7 @@ def _inf_case(dims: dict, system: str, fault: str = "grad") -> dict:
             with torch.no_grad():
                 p.grad.to_local().view(-1)[0] = float("inf")
 
-    loss_of, spoiled = schedule.microbatch_loss, []
+    loss_of, spoiled = stage_module.microbatch_loss, []
 
     def nan_loss(*args, **kwargs):  # rank 0's first microbatch of the step
         value = loss_of(*args, **kwargs)
@@ -249,14 +249,14 @@ def _inf_case(dims: dict, system: str, fault: str = "grad") -> dict:
         lambda p: seen.append(not bool(torch.isfinite(getattr(p.grad, "_local_tensor", p.grad)).all()))
     )
     raised = named = 0
-    schedule.microbatch_loss = nan_loss
+    stage_module.microbatch_loss = nan_loss
     try:
         actor_update(actor, groups, opts[1], **kw)
     except pf.NonFiniteError as e:
         raised = 1
         named = int("non-finite loss" in str(e) if fault == "loss" else f"gradient of {name}" in str(e))
     finally:
-        schedule.microbatch_loss = loss_of
+        stage_module.microbatch_loss = loss_of
     handle.remove()
     out = {
         "local_inf_ranks": sum(_sum_over_ranks(any(seen) if fault == "grad" else bool(spoiled))),

@@ -66,8 +66,8 @@ def apply_pp(
     adapter = adapter_for(model)
     if adapter.name != "torchtitan":
         raise ValueError(
-            f"pipeline parallelism cuts TorchTitan models with TorchTitan's split; this is a {adapter.name} "
-            "model: train it without pp, or build the TorchTitan flavour of the same architecture"
+            f"pipeline parallelism cuts TorchTitan models with TorchTitan's split; {type(model).__name__} is a "
+            f"{adapter.name} model: train it without pp, or build the TorchTitan flavour of its architecture"
         )
     tok, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
     if tok is not None and out is not None and out.weight is tok.weight:
