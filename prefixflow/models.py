@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import functools
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,12 +15,15 @@ from torch import nn
 __all__ = [
     "build_model",
     "check_model",
+    "register_build_step",
     "model_args",
     "list_models",
     "rope_buffer",
     "hidden_dim_of",
     "head_dim_of",
 ]
+# Run on every model build_model returns, in registration order (register_build_step).
+_BUILD_STEPS: list[Callable[[nn.Module], None]] = []
 # ModelArgs sizes that must be positive (a zero or negative one fails deep in torch with no field named)
 _SIZES = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "head_dim", "hidden_dim")
 
@@ -30,7 +34,7 @@ def _families() -> dict[str, tuple[dict, type]]:
     from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
 
     # Only SDPA flavours: flex/varlen attention have no CPU backward and bypass our SDPA boundary.
-    # MoE flavours (debugmodel_moe, 30B-A3B, ...) get prefixflow.moe.apply_moe in build_model.
+    # MoE flavours (debugmodel_moe, 30B-A3B, ...) get prefixflow.moe.apply_moe from its build step.
     sdpa_llama3 = {k: v for k, v in llama3_args.items() if getattr(v, "attn_type", "sdpa") == "sdpa"}
     sdpa_qwen3 = {k: v for k, v in qwen3_args.items() if getattr(v, "attn_type", "sdpa") == "sdpa"}
     return {"llama3": (sdpa_llama3, Transformer), "qwen3": (sdpa_qwen3, Qwen3Model)}
@@ -115,6 +119,18 @@ def count_parameters(name: str, overrides: dict[str, Any] | None = None) -> int:
         return sum(p.numel() for p in cls(args).parameters())
 
 
+def register_build_step(step: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+    """Run ``step(model)`` on every model :func:`build_model` builds, after its weights are initialised
+    (idempotent per step; returns it). A step changes the models it concerns in place and leaves the others
+    alone: :mod:`prefixflow.moe` registers one that applies ``apply_moe`` to MoE flavours, so this module never
+    imports it."""
+    if not callable(step):
+        raise TypeError(f"a build step must be callable (model -> None), got {type(step).__name__}")
+    if step not in _BUILD_STEPS:
+        _BUILD_STEPS.append(step)
+    return step
+
+
 def build_model(
     name: str,
     *,
@@ -128,8 +144,9 @@ def build_model(
     The model is created on the meta device, materialised on ``device`` and initialised by TorchTitan's own
     ``init_weights`` under ``torch.manual_seed(seed)``. Only parameters are cast to ``dtype``: RoPE buffers keep
     their dtype (``Module.to(dtype)`` would turn Llama3's complex ``freqs_cis`` into a real tensor).
-    MoE flavours come with :func:`prefixflow.moe.apply_moe` applied; their ``overrides`` reach the MoE
-    arguments as ``moe_args.FIELD`` (e.g. ``{"moe_args.num_experts": 4, "moe_args.top_k": 2}``).
+    Then every registered build step runs (:func:`register_build_step`): MoE flavours come with
+    :func:`prefixflow.moe.apply_moe` applied; their ``overrides`` reach the MoE arguments as
+    ``moe_args.FIELD`` (e.g. ``{"moe_args.num_experts": 4, "moe_args.top_k": 2}``).
     ``model(tokens[B, L]) -> logits[B, L, V]``.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -146,10 +163,8 @@ def build_model(
         param.data = param.data.to(dtype)
     if dtype == torch.float64 and name.startswith("llama3:"):
         _use_exact_rope(model)
-    if getattr(args, "moe_enabled", False):
-        from .moe import apply_moe
-
-        apply_moe(model)  # CPU-capable routing/experts and routing replay; GPU keeps grouped GEMMs
+    for step in _BUILD_STEPS:
+        step(model)
     model.prefixflow_name = name
     return model
 

@@ -191,7 +191,7 @@ class PrefixOffload:
                 self.stats.offloaded_tensors += 1
                 self.stats.offloaded_bytes += slot.nbytes
                 self.stats.pool_capacity_bytes = self.pool.capacity()
-            return Packed(self, slot, t)
+            return Packed(self._drop_handle, slot, t)
 
     # -- Phase C ------------------------------------------------------------------------------------
     def prefetch(self) -> None:

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from .offload import PrefixOffload
 
 TIER_CUDA = "cuda-pinned"
 TIER_CPU = "cpu-file"
@@ -69,17 +66,18 @@ class Slot:
 
 
 class Packed:
-    """What autograd stores instead of an offloaded tensor: its slot and its view geometry."""
+    """What autograd stores instead of an offloaded tensor: its slot and its view geometry. ``on_drop(slot)``
+    runs when autograd lets go of it (the slot's handle count is then the caller's to lower)."""
 
-    __slots__ = ("owner", "slot", "dtype", "offset", "size", "stride")
+    __slots__ = ("on_drop", "slot", "dtype", "offset", "size", "stride")
 
-    def __init__(self, owner: PrefixOffload, slot: Slot, t: torch.Tensor) -> None:
-        self.owner, self.slot, self.dtype = owner, slot, t.dtype
+    def __init__(self, on_drop: Callable[[Slot], None], slot: Slot, t: torch.Tensor) -> None:
+        self.on_drop, self.slot, self.dtype = on_drop, slot, t.dtype
         self.offset, self.size, self.stride = t.storage_offset(), tuple(t.shape), t.stride()
         slot.handles += 1
 
     def __del__(self) -> None:
-        self.owner._drop_handle(self.slot)
+        self.on_drop(self.slot)
 
 
 def bytes_of(t: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,114 @@
-"""Layering, checked from the source: prefixflow/ never imports harness/, the core never imports
-prefixflow/integrations/ (HF/TRL reach the core through prefixflow.adapters), and no import cycle runs at
-import time. Imports inside functions are allowed to point back (they run after every module is loaded)."""
+"""Layering, checked from the source.
+
+Every module of prefixflow/ and harness/ has a layer (the tables below, bottom layer first). An import may
+point to the importer's own layer or a lower one, never a higher one, and no modules import each other in a
+circle. Every import counts: module-level ones, those inside functions and those under ``if TYPE_CHECKING:``.
+Importing ``a.b.c`` counts as importing the packages ``a.b`` and ``a`` too (Python runs their ``__init__``
+first), except the importer's own packages; a name taken from a package counts as an import of the module
+that defines it, so a re-export (``from .x import y`` in an ``__init__``) hides no upward import.
+
+Also: prefixflow/ never imports harness/, and the core never imports prefixflow/integrations/ (HF and TRL
+reach the core through prefixflow.adapters).
+
+A table entry is a module name and covers that module and every module under it; the longest entry that
+covers a module gives its layer. A top-level package's entry (``prefixflow``, ``harness``) covers only its
+``__init__``, so a new module has no layer until it is placed.
+"""
 
 from __future__ import annotations
 
 import ast
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("prefixflow", "harness")
+
+PREFIXFLOW_LAYERS = [
+    # what a group is, what a model is, what attention caches
+    [
+        "prefixflow.attention",
+        "prefixflow.budget",
+        "prefixflow.dtypes",
+        "prefixflow.grad_guard",
+        "prefixflow.group",
+        "prefixflow.kv_cache",
+        "prefixflow.layouts",
+        "prefixflow.loss",
+        "prefixflow.models",
+        "prefixflow.split_attention",
+    ],
+    # how the schedule reaches a model: adapters, the runtime, hooks, compile, offload
+    [
+        "prefixflow.adapters",
+        "prefixflow.apply",
+        "prefixflow.compile",
+        "prefixflow.hooks",
+        "prefixflow.offload",
+        "prefixflow.offload_storage",
+    ],
+    # the driver: the three phases and the per-group run
+    ["prefixflow.schedule"],
+    # what plugs into the driver through hooks and build steps
+    ["prefixflow.moe"],
+    # checks: Table 3 alignment and its negative controls
+    ["prefixflow.alignment", "prefixflow.faults"],
+    # parallelism, the PP stage program and split-DP groups included: it runs the driver's phases
+    ["prefixflow.parallel"],
+    ["prefixflow.rl"],
+    ["prefixflow.integrations"],
+    ["prefixflow"],
+]
+
+# --- harness layers (bottom first) ---
+HARNESS_LAYERS = [
+    # files and records
+    ["harness.safe_fs", "harness.safe_yaml", "harness.records"],
+    # the systems a cell can name, the peers among them included
+    ["harness.peers", "harness.systems"],
+    # YAML -> Spec -> cells, and their checks
+    ["harness.spec_schema", "harness.spec_cell", "harness.spec_checks", "harness.spec"],
+    ["harness.costmodel", "harness.costmodel_moe"],
+    [
+        "harness.simulate",
+        "harness.simulate_cp",
+        "harness.simulate_claim1",
+        "harness.simulate_profile",
+        "harness.simulate_validate",
+    ],
+    # one cell in this process or rank -> records
+    [
+        "harness.measure",
+        "harness.cell_setup",
+        "harness.cell_columns",
+        "harness.runner",
+        "harness.rank_runner",
+    ],
+    # processes: job files, workers, local ranks, Slurm
+    ["harness.local_ranks", "harness.launch", "harness.worker", "harness.executors"],
+    ["harness.sweep", "harness.frontier"],
+    ["harness.figures"],
+    # Claim 2: the RL loop
+    [
+        "harness.rl_spec",
+        "harness.rl_io",
+        "harness.rl_task",
+        "harness.rl_loop",
+        "harness.rl_ranks",
+        "harness.rl_trace",
+        "harness.rl_warmstart",
+        "harness.rl_analysis",
+        "harness.rl_run",
+        "harness.rl_precision",
+        "harness.rl_cli",
+    ],
+    ["harness.cli_common", "harness.cli_align", "harness.cli_figures", "harness.cli_sweep", "harness.cli"],
+    ["harness"],
+]
+# --- end harness layers ---
+
+LAYERS = PREFIXFLOW_LAYERS + HARNESS_LAYERS
 
 
 def _modules() -> dict[str, Path]:
@@ -22,47 +122,151 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
+@dataclass(frozen=True)
+class Import:
+    """One module depending on another: ``module`` line ``line`` (``kind``) reaches ``target``."""
+
+    module: str
+    line: int
+    target: str
+    kind: str  # "module-level", "function-local" or "TYPE_CHECKING"
+    via: str = ""  # how a name taken from a package reaches ``target``
+
+    def __str__(self) -> str:
+        via = f" (via {self.via})" if self.via else ""
+        return f"{self.module}:{self.line} imports {self.target} [{self.kind}]{via}"
+
+
 def _import_nodes(tree: ast.AST):
-    """(import statement, whether it sits inside a function); ``if TYPE_CHECKING:`` blocks are skipped."""
-    todo: list[tuple[ast.AST, bool]] = [(tree, False)]
+    """(import statement, kind) for every import in the file, wherever it sits."""
+    todo: list[tuple[ast.AST, str]] = [(tree, "module-level")]
     while todo:
-        node, in_function = todo.pop()
+        node, kind = todo.pop()
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.Import, ast.ImportFrom)):
-                yield child, in_function
-            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                yield child, kind
                 continue
-            todo.append((child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))))
+            inner = kind
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inner = "function-local" if kind == "module-level" else kind
+            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                inner = "TYPE_CHECKING"
+            todo.append((child, inner))
 
 
-def _imports(mods: dict[str, Path]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """(module-level imports, all imports) per module, resolved to modules of this repository."""
+class _Resolver:
+    """Turns import statements into the repository modules they make Python run."""
 
-    def known(name: str) -> str | None:
-        while name and name not in mods:
+    def __init__(self, mods: dict[str, Path]) -> None:
+        self.mods = mods
+        self._exports: dict[str, dict[str, tuple[str, str]]] = {}
+
+    def is_package(self, mod: str) -> bool:
+        return self.mods[mod].name == "__init__.py"
+
+    def known(self, name: str) -> str | None:
+        while name and name not in self.mods:
             name = name.rpartition(".")[0]
         return name or None
 
-    top: dict[str, set[str]] = {}
-    every: dict[str, set[str]] = {}
-    for mod, path in mods.items():
-        top[mod], every[mod] = set(), set()
-        package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
-        for node, in_function in _import_nodes(ast.parse(path.read_text())):
+    def base_of(self, mod: str, node: ast.ImportFrom) -> str:
+        if not node.level:
+            return node.module or ""
+        package = mod.split(".") if self.is_package(mod) else mod.split(".")[:-1]
+        parts = package[: len(package) - (node.level - 1)]
+        return ".".join(parts + ([node.module] if node.module else []))
+
+    def exports(self, package: str) -> dict[str, tuple[str, str]]:
+        """Names the package's ``__init__`` binds by a module-level import: name -> (defining module, name)."""
+        if package not in self._exports:
+            found = {}
+            for node, kind in _import_nodes(ast.parse(self.mods[package].read_text())):
+                if kind != "module-level" or not isinstance(node, ast.ImportFrom):
+                    continue
+                base = self.base_of(package, node)
+                for alias in node.names:
+                    if alias.name != "*":
+                        found[alias.asname or alias.name] = (base, alias.name)
+            self._exports[package] = found
+        return self._exports[package]
+
+    def source_of(self, package: str, name: str, seen: tuple[str, ...] = ()) -> tuple[str, str]:
+        """(module that defines ``package.name``, the re-export chain that leads there)."""
+        if f"{package}.{name}" in self.mods:
+            return f"{package}.{name}", ""
+        bound = self.exports(package).get(name) if self.is_package(package) else None
+        if bound is None or package in seen:
+            return package, ""
+        base, original = bound
+        if f"{base}.{original}" in self.mods:
+            return f"{base}.{original}", f"{package}.{name}"
+        target = self.known(base)
+        if target is None or target != base:  # bound from outside the repository
+            return package, ""
+        source, chain = self.source_of(target, original, (*seen, package))
+        return source, f"{package}.{name}" + (f" -> {chain}" if chain else "")
+
+    def imports(self, mod: str) -> list[Import]:
+        own = {mod} | {mod.rsplit(".", i)[0] for i in range(1, mod.count(".") + 1)}
+        found: list[Import] = []
+
+        def add(node: ast.stmt, kind: str, target: str, via: str = "") -> None:
+            # ``a.b.c`` runs the ``__init__`` of ``a`` and ``a.b`` first; the importer's own ones are running.
+            chain = [target.rsplit(".", i)[0] for i in range(target.count("."), 0, -1)] + [target]
+            for step in chain:
+                if step in self.mods and (step == target or step not in own) and step != mod:
+                    found.append(Import(mod, node.lineno, step, kind, via if step == target else ""))
+
+        for node, kind in _import_nodes(ast.parse(self.mods[mod].read_text())):
             if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                base = node.module or ""
-                if node.level:
-                    parts = package[: len(package) - (node.level - 1)]
-                    base = ".".join(parts + ([base] if base else []))
-                names = [base] + [f"{base}.{a.name}" for a in node.names]
-            for target in filter(None, map(known, names)):
-                if target != mod:
-                    every[mod].add(target)
-                    if not in_function:
-                        top[mod].add(target)
-    return top, every
+                for alias in node.names:
+                    target = self.known(alias.name)
+                    if target is not None:
+                        add(node, kind, target)
+                continue
+            base = self.base_of(mod, node)
+            target = self.known(base)
+            if target is None:
+                continue
+            if target != base:  # ``from a.b import c`` where only ``a`` is ours: counts as ``a``
+                add(node, kind, target)
+                continue
+            if not self.is_package(target) or target not in own:
+                add(node, kind, target)
+            for alias in node.names:
+                if alias.name != "*" and self.is_package(target):
+                    source, via = self.source_of(target, alias.name)
+                    add(node, kind, source, via)
+        return sorted(dict.fromkeys(found), key=lambda imp: imp.line)
+
+
+def _all_imports() -> list[Import]:
+    mods = _modules()
+    resolver = _Resolver(mods)
+    return [imp for mod in sorted(mods) for imp in resolver.imports(mod)]
+
+
+def _entries_covering(mod: str) -> list[tuple[int, str]]:
+    return [
+        (layer, entry)
+        for layer, entries in enumerate(LAYERS)
+        for entry in entries
+        if mod == entry or (entry not in PACKAGES and mod.startswith(entry + "."))
+    ]
+
+
+def _layer_of(mod: str) -> int | None:
+    entries = _entries_covering(mod)
+    return max(entries, key=lambda e: len(e[1]))[0] if entries else None
+
+
+def _layer_name(layer: int) -> str:
+    table, index = (
+        ("PREFIXFLOW_LAYERS", layer)
+        if layer < len(PREFIXFLOW_LAYERS)
+        else ("HARNESS_LAYERS", layer - len(PREFIXFLOW_LAYERS))
+    )
+    return f"{table}[{index}] ({', '.join(LAYERS[layer])})"
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -100,27 +304,114 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _upward(imports: list[Import], package: str) -> list[str]:
+    bad = []
+    for imp in imports:
+        if not imp.module.startswith(package):
+            continue
+        mine, theirs = _layer_of(imp.module), _layer_of(imp.target)
+        if mine is not None and theirs is not None and theirs > mine:
+            bad.append(f"{imp}: {_layer_name(theirs)} is above {_layer_name(mine)}")
+    return bad
+
+
+def _cycles_in(imports: list[Import], package: str) -> list[str]:
+    graph: dict[str, set[str]] = {}
+    for imp in imports:
+        graph.setdefault(imp.module, set()).add(imp.target)
+    found = []
+    for component in _cycles(graph):
+        if not component[0].startswith(package):
+            continue
+        members = set(component)
+        edges = [str(imp) for imp in imports if imp.module in members and imp.target in members]
+        found.append(f"cycle {component}:\n    " + "\n    ".join(edges))
+    return found
+
+
+def test_every_module_has_a_layer_and_every_entry_a_module():
+    mods = _modules()
+    unplaced = sorted(m for m in mods if _layer_of(m) is None)
+    assert not unplaced, (
+        f"modules with no layer (place each in PREFIXFLOW_LAYERS / HARNESS_LAYERS): {unplaced}"
+    )
+    entries = [e for layer in LAYERS for e in layer]
+    duplicated = sorted({e for e in entries if entries.count(e) > 1})
+    assert not duplicated, f"entries listed twice in the layer tables: {duplicated}"
+    covering = {entry for m in mods for _, entry in _entries_covering(m)}
+    stale = [e for e in entries if e not in covering]
+    assert not stale, f"layer entries that cover no module (remove them): {stale}"
+
+
+def test_prefixflow_imports_point_down():
+    bad = _upward(_all_imports(), "prefixflow")
+    assert not bad, "upward imports in prefixflow/:\n  " + "\n  ".join(bad)
+
+
+def test_harness_imports_point_down():
+    bad = _upward(_all_imports(), "harness")
+    assert not bad, "upward imports in harness/:\n  " + "\n  ".join(bad)
+
+
+def test_no_import_cycle_in_prefixflow():
+    found = _cycles_in(_all_imports(), "prefixflow")
+    assert not found, "import cycles in prefixflow/:\n  " + "\n  ".join(found)
+
+
+def test_no_import_cycle_in_harness():
+    found = _cycles_in(_all_imports(), "harness")
+    assert not found, "import cycles in harness/:\n  " + "\n  ".join(found)
+
+
 def test_prefixflow_never_imports_harness_and_core_never_imports_integrations():
-    _, every = _imports(_modules())
+    imports = _all_imports()
     to_harness = [
-        (m, d) for m, ds in every.items() if m.startswith("prefixflow") for d in ds if d.startswith("harness")
+        str(i) for i in imports if i.module.startswith("prefixflow") and i.target.startswith("harness")
     ]
-    assert not to_harness, f"prefixflow/ imports harness/: {to_harness}"
-    core = [m for m in every if m.startswith("prefixflow") and not m.startswith("prefixflow.integrations")]
-    to_integrations = [(m, d) for m in core for d in every[m] if d.startswith("prefixflow.integrations")]
-    assert not to_integrations, f"the core imports prefixflow/integrations/: {to_integrations}"
+    assert not to_harness, "prefixflow/ imports harness/:\n  " + "\n  ".join(to_harness)
+    to_integrations = [
+        str(i)
+        for i in imports
+        if i.module.startswith("prefixflow")
+        and not i.module.startswith("prefixflow.integrations")
+        and i.target.startswith("prefixflow.integrations")
+    ]
+    assert not to_integrations, "the core imports prefixflow/integrations/:\n  " + "\n  ".join(
+        to_integrations
+    )
 
 
-def test_no_import_cycle_at_import_time():
-    top, _ = _imports(_modules())
-    # A package's modules importing the package itself (re-exports in __init__) is how Python packages work.
-    graph = {m: {d for d in ds if not m.startswith(d + ".")} for m, ds in top.items()}
-    assert not _cycles(graph), f"module-level import cycles: {_cycles(graph)}"
-
-
-def test_the_checks_see_a_planted_cycle_and_a_planted_import():
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
-    assert _cycles(graph) == [["a", "b", "c"]]
-    top, every = _imports(_modules())
-    assert "prefixflow.adapters" in every["prefixflow.integrations.hf"]
-    assert "prefixflow.models" in top["prefixflow.adapters"]
+def test_the_checks_see_planted_imports(tmp_path, monkeypatch):
+    """Each kind of import the checks must see, planted in a throwaway package (and the real tree is read)."""
+    assert {(i.target, i.kind) for i in _all_imports() if i.module == "prefixflow.integrations.hf"} >= {
+        ("prefixflow.adapters", "module-level")
+    }
+    package = tmp_path / "prefixflow"
+    (package / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "from .top import helper\n",
+        "low.py": "from . import helper\n",  # a re-export: really prefixflow.top
+        "top.py": (
+            "from typing import TYPE_CHECKING\n"
+            "import prefixflow.sub.leaf\n"
+            "if TYPE_CHECKING:\n    from .low import x\n"
+            "def helper():\n    from . import low\n"
+        ),
+        "sub/__init__.py": "from .leaf import y as z\n",
+        "sub/leaf.py": "y = 1\n",
+    }
+    for name, text in files.items():
+        (package / name).write_text(text)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ("prefixflow",))
+    got = {(i.module, i.line, i.target, i.kind, i.via) for i in _all_imports()}
+    assert got == {
+        ("prefixflow", 1, "prefixflow.top", "module-level", ""),
+        ("prefixflow.low", 1, "prefixflow.top", "module-level", "prefixflow.helper"),
+        ("prefixflow.top", 2, "prefixflow.sub", "module-level", ""),
+        ("prefixflow.top", 2, "prefixflow.sub.leaf", "module-level", ""),
+        ("prefixflow.top", 4, "prefixflow.low", "TYPE_CHECKING", ""),
+        ("prefixflow.top", 6, "prefixflow.low", "function-local", ""),
+        ("prefixflow.sub", 1, "prefixflow.sub.leaf", "module-level", ""),
+    }
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

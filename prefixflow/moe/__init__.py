@@ -7,11 +7,11 @@ balance loss, and TorchTitan's MoE layers made to run on any device.
 >>> train_group(model, group)                       # both systems replay the same expert ids
 """
 
+from ..group import RoutingMasks, check_routing_masks
 from .apply import MoEConfig, apply_moe, is_moe, moe_hooks_of
 from .balance import tokens_per_expert, update_expert_bias
 from .layers import RoutePlan
 from .record import record_routing
-from .routing import RoutingMasks, check_routing_masks
 from .schedule_hooks import MoEScheduleHooks, moe_layers
 
 __all__ = [

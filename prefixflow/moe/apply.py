@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..hooks import add_hooks
+from ..models import register_build_step
 from .layers import CountingReorderer, PortableExperts, ReplayMoE, ReplayRouter, swap_class
 from .schedule_hooks import MoEScheduleHooks
 
@@ -92,3 +93,13 @@ def moe_hooks_of(model: nn.Module) -> MoEScheduleHooks:
     if hooks is None:
         raise ValueError("this model has no MoE hooks; call prefixflow.moe.apply_moe(model) first")
     return hooks
+
+
+def _apply_moe_to_moe_flavours(model: nn.Module) -> None:
+    """``build_model``'s step for MoE flavours: CPU-capable routing/experts and routing replay (GPU keeps
+    TorchTitan's grouped GEMMs)."""
+    if getattr(getattr(model, "model_args", None), "moe_enabled", False):
+        apply_moe(model)
+
+
+register_build_step(_apply_moe_to_moe_flavours)

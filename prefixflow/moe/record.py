@@ -6,8 +6,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..adapters import adapter_for
+from ..apply import runtime_of
+from ..attention import AttendWithPrefix, CapturePrefix
+from ..group import RoutingMasks
+from ..kv_cache import PrefixKVCache
+from ..layouts import build_microbatch, suffix_segments
 from .layers import RoutePlan
-from .routing import RoutingMasks
 from .schedule_hooks import moe_layers
 
 __all__ = ["record_routing"]
@@ -22,14 +27,6 @@ def record_routing(model: nn.Module, group, *, microbatch: int | None = None) ->
     ``P[-1]``'s row of the prefix mask comes from the first response. Needs ``apply_prefixflow(model)``.
     The model's load counters are not touched.
     """
-    # Imported here: the schedule imports this package (RolloutGroup carries RoutingMasks).
-    from ..adapters import adapter_for
-    from ..apply import runtime_of
-    from ..attention import AttendWithPrefix, CapturePrefix
-    from ..kv_cache import PrefixKVCache
-    from ..layouts import build_microbatch, suffix_segments
-    from ..schedule import forward_hidden
-
     runtime = runtime_of(model)
     layers = moe_layers(model)
     if not layers:
@@ -62,7 +59,7 @@ def record_routing(model: nn.Module, group, *, microbatch: int | None = None) ->
 
             def run_prefix():
                 with runtime.state.use(CapturePrefix(cache, None)):
-                    forward_hidden(model, prefix, None, final_norm=False)
+                    adapter.hidden(model, prefix, None, final_norm=False)
 
             prefix_rows = routed(prefix, run_prefix)
         segments = suffix_segments(group)
@@ -75,7 +72,7 @@ def record_routing(model: nn.Module, group, *, microbatch: int | None = None) ->
 
             def run_suffixes(mb=mb):
                 with runtime.state.use(AttendWithPrefix(cache, mb.mask, variant)):
-                    forward_hidden(model, mb.tokens, mb.positions, final_norm=False)
+                    adapter.hidden(model, mb.tokens, mb.positions, final_norm=False)
 
             rows = routed(mb.tokens, run_suffixes)
             lens = [int(seg.tokens.numel()) for seg in chunk]

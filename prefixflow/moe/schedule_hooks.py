@@ -23,9 +23,9 @@ import contextlib
 import torch
 from torch import nn
 
+from ..group import check_routing_masks
 from ..hooks import ScheduleHooks
 from .layers import ReplayMoE, RoutePlan
-from .routing import check_routing_masks
 
 __all__ = ["MoEScheduleHooks", "moe_layers"]
 

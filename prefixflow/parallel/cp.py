@@ -34,8 +34,6 @@ __all__ = [
     "Collectives",
     "ContextParallel",
     "apply_cp",
-    "cp_hook",
-    "prefetching",
 ]
 
 
@@ -320,23 +318,3 @@ def _twin_group(group):
         if ranks == mine:
             twin = created
     return twin
-
-
-def cp_hook(model: nn.Module) -> ContextParallel | None:
-    """The model's :class:`ContextParallel` hook (None when it is not context-parallel)."""
-    from ..hooks import hooks_of
-
-    return next((h for h in hooks_of(model).hooks if isinstance(h, ContextParallel)), None)
-
-
-@contextlib.contextmanager
-def prefetching(model: nn.Module, enabled: bool):
-    """Run with the prefix K/V prefetch switched on or off for a while (e.g. to compare with on demand)."""
-    hook = cp_hook(model)
-    if hook is None:
-        raise ValueError("this model is not context-parallel (apply_cp / parallelize with cp > 1 first)")
-    old, hook.prefetch = hook.prefetch, bool(enabled)
-    try:
-        yield
-    finally:
-        hook.prefetch = old
