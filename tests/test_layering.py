@@ -47,6 +47,7 @@ PREFIXFLOW_LAYERS = [
         "prefixflow.hooks",
         "prefixflow.offload",
         "prefixflow.offload_storage",
+        "prefixflow.stage",
     ],
     # the driver: the three phases and the per-group run
     ["prefixflow.schedule"],
