@@ -26,17 +26,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .adapters import adapter_for
 from .apply import PrefixFlowRuntime, runtime_of
 from .attention import AttendWithPrefix, CapturePrefix, MaskedAttention, PrefixCaptured
 from .budget import AUTO, BudgetPlan, FixedPlan
-from .compile import is_compiled
 from .grad_guard import keep_grads_on_failure
 from .group import RolloutGroup
 from .hooks import HookChain, hooks_of
 from .kv_cache import PrefixKVCache
 from .layouts import (
-    LAYOUTS,
     Microbatch,
     build_microbatch,
     full_sequence_segments,
@@ -46,6 +43,7 @@ from .layouts import (
 from .loss import LossConfig, resolve_loss
 from .offload import OffloadStats, PrefixOffload, offloading
 from .stage import Stage, attention_mode, forward_hidden
+from .validation import SYSTEMS, validate_call
 
 __all__ = [
     "SYSTEMS",
@@ -54,6 +52,7 @@ __all__ = [
     "GroupStats",
     "train_group",
     "run_group",
+    "group_run",
     "check_group",
     "phase_a_prefix_forward",
     "phase_b_suffix_microbatches",
@@ -61,8 +60,6 @@ __all__ = [
     "phase_full",
     "forward_hidden",
 ]
-
-SYSTEMS = ("prefixflow", "baseline")
 
 
 @dataclass
@@ -252,15 +249,12 @@ def run_group(
     """The one driver: validate, plan the microbatches, then run the phases under the phase clock, the
     non-finite guard and the schedule hooks, and build the stats. ``share``: the part of ``group`` this rank
     trains (:class:`GroupShare`)."""
-    runtime = runtime_of(model)
-    _validate(model, group, system, layout, microbatch)
-    cfg = resolve_loss(loss, loss_config, group)
-    device = next(model.parameters()).device
-    group = group.to(device)
-    hooks = hooks_of(model)
-    run = GroupRun(model, runtime, group, system, layout, loss, cfg, runtime.stage, hooks, device)
-    run.plan = _plan(run, share.responses(group), microbatch)
-    clock = _PhaseClock(device, observer)
+    run = group_run(
+        model, group, share, system=system, layout=layout, microbatch=microbatch, loss=loss,
+        loss_config=loss_config,
+    )  # fmt: skip
+    runtime, hooks, group = run.runtime, run.hooks, run.group
+    clock = _PhaseClock(run.device, observer)
     cache = offload = None
     try:
         with keep_grads_on_failure(model), hooks.group(model, group, system), run.stage.running(run):
@@ -290,6 +284,29 @@ def run_group(
             offload.release()
     value = run.stage.report_loss(value)
     return _stats(run, share, value, clock.times, offload)
+
+
+def group_run(
+    model: nn.Module,
+    group: RolloutGroup,
+    share: GroupShare | None = None,
+    *,
+    system: str = "prefixflow",
+    layout: str = "padded",
+    microbatch: int | str | None = None,
+    loss: str = "pg",
+    loss_config: dict | LossConfig | None = None,
+) -> GroupRun:
+    """Validate one call's input (before any gradient changes) and resolve it into the :class:`GroupRun` the
+    phase functions take: the group on the model's device, the loss config, the stage, the microbatch plan."""
+    runtime = runtime_of(model)
+    validate_call(model, group, system, layout, microbatch)
+    cfg = resolve_loss(loss, loss_config, group)
+    device = next(model.parameters()).device
+    group = group.to(device)
+    run = GroupRun(model, runtime, group, system, layout, loss, cfg, runtime.stage, hooks_of(model), device)
+    run.plan = _plan(run, (share or GroupShare()).responses(group), microbatch)
+    return run
 
 
 def _stats(run: GroupRun, share: GroupShare, value: float, times, offload) -> GroupStats:
@@ -344,46 +361,6 @@ def _plan(run: GroupRun, responses: list[int], microbatch):
     return BudgetPlan(run.model, lengths, run.layout, run.runtime.config.memory_budget_bytes)
 
 
-def _validate(model, group, system, layout, microbatch) -> None:
-    if not isinstance(group, RolloutGroup):
-        raise TypeError(f"group must be a prefixflow.RolloutGroup, got {type(group).__name__}")
-    if system not in SYSTEMS:
-        raise ValueError(f"system {system!r} unknown; valid systems: {SYSTEMS}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout {layout!r} unknown; valid layouts: {LAYOUTS}")
-    runtime = runtime_of(model)
-    if microbatch == AUTO:
-        if runtime.config.memory_budget_bytes is None:
-            raise ValueError(
-                "microbatch='auto' needs a memory budget: apply_prefixflow(model, "
-                "PrefixFlowConfig(memory_budget_bytes=...)), or pass an int microbatch"
-            )
-        if is_compiled(model):
-            raise ValueError(
-                "microbatch='auto' measures memory with a dispatch mode, which compiled blocks cannot run "
-                "under; pass an int microbatch with apply_compile"
-            )
-    elif microbatch is not None and (
-        isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1
-    ):
-        raise ValueError(
-            f"microbatch must be None (all responses), an int >= 1 or 'auto', got {microbatch!r}"
-        )
-    runtime.stage.check(model, system, microbatch)
-    adapter = adapter_for(model)
-    group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
-    group.check_representable(compute_dtype(model))
-    adapter.check(model, group)
-    if group.routing is not None and getattr(model, "_prefixflow_moe", None) is None:
-        raise ValueError("group.routing replays MoE expert choices, but this model has no MoE layers")
-    hooks_of(model).check(model, group, system)
-
-
-def compute_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype the loss is computed in: the parameters' dtype, at least fp32 (see ``token_logprobs``)."""
-    return torch.promote_types(next(model.parameters()).dtype, torch.float32)
-
-
 def check_group(
     model: nn.Module,
     group: RolloutGroup,
@@ -397,7 +374,7 @@ def check_group(
     """Everything ``train_group`` validates, without training: raises ``ValueError``/``TypeError`` naming the
     field. Lets a caller validate several groups before the first one changes any gradient."""
     runtime_of(model)
-    _validate(model, group, system, layout, microbatch)
+    validate_call(model, group, system, layout, microbatch)
     return resolve_loss(loss, loss_config, group)
 
 

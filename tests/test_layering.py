@@ -48,6 +48,7 @@ PREFIXFLOW_LAYERS = [
         "prefixflow.offload",
         "prefixflow.offload_storage",
         "prefixflow.stage",
+        "prefixflow.validation",
     ],
     # the driver: the three phases and the per-group run
     ["prefixflow.schedule"],

@@ -179,16 +179,15 @@ def test_cells_recorded_before_the_data_parallel_split_keep_their_ids():
 def test_split_helpers_derive_the_owners_prefix_kv_geometry_and_a_wrong_one_is_refused(family, dtype):
     """A split group's helpers size their receive from the model and the group alone (no header crosses
     ranks): the geometry must be exactly what Phase A captures, and the owner refuses to send otherwise."""
-    from prefixflow.apply import runtime_of
     from prefixflow.kv_cache import PrefixKVCache
     from prefixflow.parallel.dp import check_captured, prefix_kv_geometry
-    from prefixflow.schedule import phase_a_prefix_forward
+    from prefixflow.schedule import group_run, phase_a_prefix_forward
 
     model = tiny_model(family, dtype=dtype)
     group = pf.synthetic_group(97, 11, [3, 5], seed=0)
     cache = PrefixKVCache()
     with torch.no_grad():
-        phase_a_prefix_forward(model, runtime_of(model), group, cache)
+        phase_a_prefix_forward(group_run(model, group), cache)
     geometry = prefix_kv_geometry(model, group)
     check_captured(cache, geometry)
     assert geometry.layers == (0, 1) and geometry.tokens == 10 and geometry.dtype == dtype

@@ -73,7 +73,9 @@ def apply_moe(model: nn.Module, config: MoEConfig | None = None) -> nn.Module:
         raise ValueError(
             f"{type(model).__name__} has no MoE layers; build an MoE flavour (e.g. qwen3:30B-A3B)"
         )
-    for moe in layers:
+    for index, moe in enumerate(layers):
+        if getattr(moe, "moe_index", None) is None:  # numbered once, on the whole model: a pipeline stage
+            moe.moe_index, moe.moe_count = index, len(layers)  # keeps its layers' places in the routing masks
         swap_class(moe, ReplayMoE)
         swap_class(moe.router, ReplayRouter)
         swap_class(moe.reorderer, CountingReorderer)

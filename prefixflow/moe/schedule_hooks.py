@@ -23,7 +23,7 @@ import contextlib
 import torch
 from torch import nn
 
-from ..group import check_routing_masks
+from ..group import RoutingMasks, check_routing_masks
 from ..hooks import ScheduleHooks
 from .layers import ReplayMoE, RoutePlan
 
@@ -43,6 +43,7 @@ class MoEScheduleHooks(ScheduleHooks):
         self.config = config
         self.layers: list[nn.Module] = []
         self.group_ = None
+        self.routing = None  # the group's routing masks of this model's MoE layers (a pipeline stage's own)
         self.system = None
         self.aux_coef: list[torch.Tensor] | None = None
         self.aux_terms: list[torch.Tensor] = []
@@ -55,7 +56,7 @@ class MoEScheduleHooks(ScheduleHooks):
         if routing is not None:
             check_routing_masks(routing, group.prompt_len, group.response_lens)  # also if set after __init__
             router = layers[0].router
-            routing.check_model(len(layers), router.num_experts, router.top_k)
+            routing.check_model(_moe_count(layers), router.num_experts, router.top_k)
             if self.config.capacity_factor is not None:
                 raise ValueError(
                     f"MoEConfig.capacity_factor={self.config.capacity_factor} drops tokens depending on the "
@@ -73,6 +74,7 @@ class MoEScheduleHooks(ScheduleHooks):
     @contextlib.contextmanager
     def group(self, model, group, system):
         self.layers, self.group_, self.system = moe_layers(model), group, system
+        self.routing = _routing_of(group.routing, self.layers)
         self.aux_coef = self._aux_coefficients(group) if self.config.aux_loss_coef else None
         self.aux_terms, self.aux_loss = [], 0.0
         try:
@@ -80,6 +82,7 @@ class MoEScheduleHooks(ScheduleHooks):
         finally:
             self._set(None)
             self.layers, self.group_, self.aux_coef, self.aux_terms = [], None, None, []
+            self.routing = None
 
     @contextlib.contextmanager
     def phase(self, name):
@@ -107,7 +110,7 @@ class MoEScheduleHooks(ScheduleHooks):
         balance loss, or for the live load counters."""
         if self.group_ is None:
             return False
-        live_counting = self.group_.routing is None and self.layers[-1].load_balance_coeff is not None
+        live_counting = self.routing is None and self.layers[-1].load_balance_coeff is not None
         return bool(self.config.aux_loss_coef) or live_counting
 
     def extra_loss(self) -> torch.Tensor | None:
@@ -139,12 +142,12 @@ class MoEScheduleHooks(ScheduleHooks):
 
     def _prefix_plan(self) -> list[RoutePlan]:
         group = self.group_
-        experts = None if group.routing is None else group.routing.prefix[:, None, :-1]
+        experts = None if self.routing is None else self.routing.prefix[:, None, :-1]
         weight = torch.full((1, group.prompt_len - 1), float(group.n), device=group.prompt.device)
         return self._plans(experts, weight)
 
     def _sequence_masks(self, response: int, full: bool) -> torch.Tensor | None:
-        routing = self.group_.routing
+        routing = self.routing
         if routing is None:
             return None
         prefix = routing.prefix if full else routing.prefix[:, -1:]
@@ -157,8 +160,8 @@ class MoEScheduleHooks(ScheduleHooks):
         slots = [(j * width if rows == len(lens) else sum(lens[:j]), n) for j, n in enumerate(lens)]
         weight = torch.zeros(mb.tokens.numel(), device=mb.tokens.device)
         experts = None
-        if group.routing is not None:
-            k = group.routing.top_k
+        if self.routing is not None:
+            k = self.routing.top_k
             experts = torch.full((len(self.layers), mb.tokens.numel(), k), -1, device=mb.tokens.device)
         for (start, n), r in zip(slots, mb.responses, strict=True):
             weight[start : start + n] = 1.0
@@ -182,7 +185,7 @@ class MoEScheduleHooks(ScheduleHooks):
     def _aux_coefficients(self, group) -> list[torch.Tensor]:
         """Per layer ``alpha * E * f_e / T``: ``f_e`` the fraction of the group's routed slots on expert e, over
         the ``T`` logical tokens of the N full sequences (the prefix counted N times)."""
-        routing, router = group.routing, self.layers[0].router
+        routing, router = self.routing, self.layers[0].router
         num_experts, k = router.num_experts, router.top_k
         tokens = group.n * group.prompt_len + sum(n - 1 for n in group.response_lens)
         coefs = []
@@ -193,3 +196,19 @@ class MoEScheduleHooks(ScheduleHooks):
             fraction = counts.double() / (tokens * k)
             coefs.append(self.config.aux_loss_coef * num_experts * fraction / tokens)
         return coefs
+
+
+def _moe_count(layers: list[nn.Module]) -> int:
+    """MoE layers of the whole model (a pipeline stage holds some of them)."""
+    return getattr(layers[0], "moe_count", len(layers))
+
+
+def _routing_of(routing: RoutingMasks | None, layers: list[nn.Module]) -> RoutingMasks | None:
+    """The masks of ``layers``, by each layer's place among the whole model's MoE layers (``apply_moe``
+    numbers them before a pipeline split), so a stage replays its own layers' routing."""
+    if routing is None:
+        return None
+    index = [getattr(layer, "moe_index", i) for i, layer in enumerate(layers)]
+    if index == list(range(routing.n_layers)):
+        return routing
+    return RoutingMasks(routing.prefix[index], [s[index] for s in routing.suffixes])
