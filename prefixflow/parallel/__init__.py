@@ -126,6 +126,11 @@ def parallelize(
         )
     if parallel_state(model) is not None:
         raise ValueError("parallelize was already applied to this model")
+    if dims.cp > 1 and is_moe(model):
+        raise ValueError(
+            f"cp={dims.cp} with MoE layers is not supported yet: routing replay plans whole sequences, not CP "
+            "shards; train MoE models with cp=1 (tp, ep, dp and pp work)"
+        )
     device = next(model.parameters()).device
     mesh = mesh if mesh is not None else build_mesh(dims, device)
     if dims.pp > 1:
