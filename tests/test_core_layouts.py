@@ -10,7 +10,7 @@ import prefixflow as pf
 from prefixflow.attention import CapturePrefix
 from prefixflow.kv_cache import PrefixKVCache
 from prefixflow.layouts import build_microbatch, full_sequence_segments, suffix_segments
-from prefixflow.schedule import forward_hidden
+from prefixflow.stage import forward_hidden
 
 GROUP = pf.synthetic_group(97, 6, [3, 1, 4], seed=0)
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..apply import runtime_of
 from ..models import model_args
-from ..schedule import forward_hidden
+from ..stage import forward_hidden
 
 __all__ = ["DecodeCache", "Rollout", "sample_responses"]
 

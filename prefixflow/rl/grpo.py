@@ -22,7 +22,8 @@ from ..hooks import hooks_of
 from ..layouts import build_microbatch, full_sequence_segments
 from ..loss import LossConfig, token_logprobs
 from ..parallel import parallel_state
-from ..schedule import forward_hidden, train_group
+from ..schedule import train_group
+from ..stage import forward_hidden
 
 _AC_PREFIX = "_checkpoint_wrapped_module."
 
