@@ -9,8 +9,8 @@ import torch
 
 from harness.spec import Cell
 from harness.systems import get_system
+from prefixflow.dtypes import DTYPES
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 HF_PREFIX = "hf:"
 
 

@@ -400,7 +400,3 @@ def count_flops(fn: Callable[[], object]) -> tuple[Flops, object]:
     gemm = sum(int(v) for op, v in per_op.items() if op.__name__ in GEMM_OPS)
     return Flops(gemm, attention.flops), result
 
-
-def counts_match(model: Flops, counted: Flops, rel: float = 0.02) -> bool:
-    """GEMMs within ``rel`` of the count, attention exact."""
-    return abs(model.gemm - counted.gemm) <= rel * counted.gemm and model.attention == counted.attention

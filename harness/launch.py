@@ -186,12 +186,12 @@ def _align_main(job_path: str, out_path: str) -> int:
     import torch
     import torch.distributed as dist
 
+    from prefixflow.dtypes import DTYPES
     from prefixflow.parallel import init_distributed
     from prefixflow.parallel.align import run_parallel_alignment
 
     spec = json.loads(Path(job_path).read_text())
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
-    spec["dtype"] = dtypes[spec["dtype"]]
+    spec["dtype"] = DTYPES[spec["dtype"]]
     threads = os.environ.get("PF_BENCH_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))

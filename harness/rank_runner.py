@@ -306,7 +306,7 @@ def run_cell_ranks(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]
 def run_alignment_cell(cell: Cell) -> list[dict[str, Any]] | None:
     """An alignment cell: Table 3 rows (one record per run, step and quantity) of PrefixFlow vs the baseline
     in the cell's layout. Multi-rank cells run on local ranks (rank 0 returns the rows, the others None)."""
-    from harness.cell_setup import DTYPES
+    from prefixflow.dtypes import DTYPES
 
     if cell.world_size > 1 and os.environ.get("WORLD_SIZE") != str(cell.world_size):
         from harness.launch import run_cell_local_ranks

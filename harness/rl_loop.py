@@ -40,6 +40,7 @@ from harness.rl_io import (
 from harness.rl_ranks import Ranks
 from harness.rl_spec import RLSpec
 from harness.rl_task import EOS, RetrievalTask
+from prefixflow.dtypes import DTYPES
 from prefixflow.parallel import parallel_state
 from prefixflow.rl import (
     actor_update,
@@ -51,9 +52,8 @@ from prefixflow.rl import (
     sync_weights,
 )
 
-__all__ = ["DTYPES", "RunPlan", "ClosedLoop", "build_model_for", "task_of", "mix_seed", "PHASES"]
+__all__ = ["RunPlan", "ClosedLoop", "build_model_for", "task_of", "mix_seed", "PHASES"]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PHASES = ("generation", "reward", "evaluation", "update", "sync")
 TRAIN_PHASES = ("A", "B", "C", "full")  # train_group's phase_times: A/B/C (PrefixFlow) or full (baseline)
 

@@ -279,7 +279,7 @@ def replay_trace(
     source run's own fp32 rounding, amplified by the optimizer as any fp32 trainer's would be (the floor
     against which another fp32 trainer's replay is read). ``ranks`` (``harness.rl_ranks.Ranks``): replay
     on the loop's parallel layout, every rank calling this (each returns the same rows)."""
-    from harness.rl_loop import DTYPES
+    from prefixflow.dtypes import DTYPES
 
     m = trace.manifest
     if system not in pf.SYSTEMS:

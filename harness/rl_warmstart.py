@@ -10,10 +10,11 @@ from typing import Any
 import torch
 
 from harness.rl_io import load_tensors, save_tensors, state_tensors
-from harness.rl_loop import DTYPES, build_model_for, task_of
+from harness.rl_loop import build_model_for, task_of
 from harness.rl_ranks import Ranks
 from harness.rl_spec import RLSpec
 from harness.rl_task import mean_reward, warm_start
+from prefixflow.dtypes import DTYPES
 from prefixflow.rl import sync_weights
 
 __all__ = ["warm_start_state"]

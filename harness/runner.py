@@ -26,7 +26,6 @@ from harness.cell_columns import (
     step_time_columns,
 )
 from harness.cell_setup import (
-    DTYPES,
     build_cell_model,
     build_for,
     make_group,
@@ -39,7 +38,6 @@ from harness.spec import Cell
 
 # Re-exported: other modules and the tests import these from here.
 __all__ = [
-    "DTYPES",
     "OFFLOAD_BYTES",
     "REPO_ROOT",
     "base_record",

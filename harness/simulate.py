@@ -1,8 +1,7 @@
 """Discrete-event model of PrefixFlow's pipeline schedules and of CP prefix-K/V communication.
 
 The model is driven by per-layer costs. Those come from measured stage timelines
-(``harness/simulate_validate.py``), from a single-process profile (``harness/simulate_profile.py``) or from
-``harness.costmodel`` FLOPs at an assumed throughput (:func:`flop_layer_costs`, for paper-scale panels, which
+(``harness/simulate_validate.py``) or from ``harness.costmodel`` FLOPs at an assumed throughput (:func:`flop_layer_costs`, for paper-scale panels, which
 are labelled simulated).
 
 - **PP** (:func:`simulate_pipeline`): every stage runs :func:`prefixflow.parallel.pp.stage_program`, the same

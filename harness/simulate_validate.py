@@ -14,10 +14,10 @@
   communication), one prefix gather's and one gK/gV reduce-scatter's seconds and the sequence K/V exchange;
   the simulator predicts the prefetch run's Phase B and its exposed communication.
 
-Each row holds the measured and predicted seconds, the relative error and which run calibrated it. Costs
-profiled in a separate single process (``harness.simulate_profile``) are not used here: on this
-2-core machine a stage shares the cores with the other ranks (and other jobs), so its operations ran 1.3-2.7x
-slower than the same blocks profiled alone, the error that dominated the earlier check.
+Each row holds the measured and predicted seconds, the relative error and which run calibrated it. Costs are
+not profiled in a separate single process: on this 2-core machine a stage shares the cores with the other
+ranks (and other jobs), so its operations ran 1.3-2.7x slower than the same blocks profiled alone, the error
+that dominated an earlier check.
 """
 
 from __future__ import annotations

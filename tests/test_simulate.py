@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import tiny_model
 
-import prefixflow as pf
 from harness import simulate as sim
 from harness.simulate_cp import simulate_cp_phase_b
-from harness.simulate_profile import profile_layers
 
 
 def _unit_costs(n_stages: int, n_mb: int, a=1.0, f=1.0, b=2.0, c=2.0, msg=0.0) -> sim.PipelineCosts:
@@ -95,19 +91,12 @@ def test_cp_prefetch_leaves_only_the_first_layer_on_demand():
     assert slow["exposed_s"] == pytest.approx(3.0 + 7 * 2.0)  # a gather longer than a layer is partly exposed
 
 
-def test_profile_layers_measures_every_block_of_every_operation():
-    model = tiny_model("llama3", dtype=torch.float32)
-    group = pf.synthetic_group(97, 24, [6, 9, 4], seed=0)
-    costs = profile_layers(model, group, system="prefixflow", microbatch=1, repeats=1)
-    assert len(costs.forward) == len(costs.backward) == 3
-    assert all(len(row) == 2 and min(row) > 0 for row in costs.forward + costs.backward)
-    assert len(costs.prefix_forward) == 2 and min(costs.prefix_forward + costs.prefix_backward) > 0
-    assert min(costs.head_forward + costs.head_backward) > 0
-    assert all(p.grad is None for p in model.parameters())
-    base = profile_layers(model, group, system="baseline", microbatch=2, repeats=1)
-    assert base.prefix_forward == [] and len(base.forward) == 2
+def test_pipeline_costs_group_layers_into_stages_and_the_head_joins_the_last():
+    fwd, bwd = [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], [[2.0, 4.0], [6.0, 8.0], [10.0, 12.0]]
+    costs = sim.LayerCosts([0.5, 0.7], [1.0, 1.4], fwd, bwd, [0.25] * 3, [0.5] * 3)
     stages = sim.pipeline_costs(costs, [[0], [1]], message_s=0.001)
     assert stages.n_stages == 2 and stages.n_microbatches == 3
+    assert stages.forward[0][0] == pytest.approx(costs.forward[0][0])
     assert stages.forward[1][0] == pytest.approx(costs.forward[0][1] + costs.head_forward[0])
 
 
