@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from harness.cell_setup import HF_PREFIX
-from harness.spec import Cell
+from harness.spec.cell import Cell
 from harness.systems import get_system
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from harness.spec import Cell
+from harness.spec.cell import Cell
 from harness.systems import get_system
 from prefixflow.dtypes import DTYPES
 

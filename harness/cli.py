@@ -38,8 +38,7 @@ from harness.cli_common import (
 )
 from harness.cli_figures import figures, simulate, tables
 from harness.cli_sweep import collect, status, sweep
-from harness.spec import Cell, ModelSpec, Parallel
-from harness.spec_cell import report_steps_for
+from harness.spec.cell import Cell, ModelSpec, Parallel, report_steps_for
 
 # Re-exported: `harness.rl_cli` and the tests import these from here.
 __all__ = ["app", "console", "err_console", "parse_overrides", "report_steps_for", "_fail", "_table"]
@@ -127,7 +126,7 @@ def run(
     from harness.records import write_records
     from harness.runner import run_cell
     from harness.safe_fs import UnsafePathError, check_writable
-    from harness.spec_checks import check_model_spec
+    from harness.spec.checks import check_model_spec
     from harness.sweep import spec_folder
     from harness.systems import available_systems
 

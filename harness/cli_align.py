@@ -29,8 +29,7 @@ from harness.cli_common import (
     err_console,
     parse_overrides,
 )
-from harness.spec import Parallel
-from harness.spec_cell import report_steps_for
+from harness.spec.cell import Parallel, report_steps_for
 
 
 def align(
@@ -117,9 +116,9 @@ def align(
     if out is not None:
         import pandas as pd
 
+        from harness.cell_columns import git_rev
         from harness.records import write_table
-        from harness.runner import git_rev
-        from harness.spec import safe_name
+        from harness.spec.load import safe_name
 
         table = pd.DataFrame([r.as_dict() for r in rows]).rename(columns={"passed": "pass"})
         table.insert(0, "model", model)

@@ -12,7 +12,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from harness.cli_common import ExecutorKind, Preset, _fail, _table, _warn, console, err_console
-from harness.spec import DEFAULT_MAX_CELLS, Cell, SpecError, check_cell_count, load_spec
+from harness.spec.cell import Cell
+from harness.spec.load import DEFAULT_MAX_CELLS, SpecError, check_cell_count, load_spec
 
 
 def _search_label(cell: Cell) -> str:

@@ -399,4 +399,3 @@ def count_flops(fn: Callable[[], object]) -> tuple[Flops, object]:
     per_op = counter.get_flop_counts().get("Global", {})
     gemm = sum(int(v) for op, v in per_op.items() if op.__name__ in GEMM_OPS)
     return Flops(gemm, attention.flops), result
-

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import submitit
 
+from harness.cell_columns import REPO_ROOT, failed_records
 from harness.launch import export_slurm_rank_env, local_ranks_argv
 from harness.local_ranks import loopback_env
 from harness.records import InvalidRecord, cell_status, read_records, write_records
-from harness.runner import REPO_ROOT, failed_records
 from harness.safe_fs import jobs_folder, open_new, trusted_dir
-from harness.spec import Cell, ExecutorSettings
+from harness.spec.cell import Cell
+from harness.spec.schema import ExecutorSettings
 from harness.worker import read_job, run_job, write_job
 
 EXECUTORS = ("local", "slurm", "debug")

@@ -30,9 +30,11 @@ from typing import Any
 
 import torch
 
+from harness.cell_columns import failed_records
+from harness.cell_setup import resolve_device
 from harness.records import read_records, write_records
-from harness.runner import failed_records, resolve_device, run_cell
-from harness.spec import Cell, FrontierSearch
+from harness.runner import run_cell
+from harness.spec.cell import Cell, FrontierSearch
 
 PROBES_DIR = "_probes"
 

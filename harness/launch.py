@@ -128,8 +128,8 @@ def run_cell_local_ranks(cell, timeout_s: float | None = None) -> list[dict[str,
     with the ranks' stderr when they wrote none)."""
     import tempfile
 
+    from harness.cell_columns import failed_records
     from harness.records import read_records
-    from harness.runner import failed_records
     from harness.worker import write_job
 
     with tempfile.TemporaryDirectory(prefix="pf-ranks-") as tmp:

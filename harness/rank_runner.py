@@ -35,8 +35,7 @@ from harness.cell_columns import (
 )
 from harness.cell_setup import build_cell_model, make_group, resolve_device
 from harness.measure import PhaseMeter
-from harness.spec import Cell
-from harness.spec_cell import report_steps_for
+from harness.spec.cell import Cell, report_steps_for
 from harness.systems import get_system
 
 __all__ = ["run_cell_ranks", "merge_rank_samples", "run_alignment_cell", "alignment_rows"]

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
+from harness.cell_columns import git_rev
 from harness.records import read_records
 from harness.rl_io import load_tensors, write_rl_records
 from harness.rl_loop import RunPlan, model_overrides, task_of
 from harness.rl_spec import RLSpec
 from harness.rl_trace import load_trace, replay_trace
-from harness.runner import git_rev
 
 __all__ = [
     "pair_kind",
@@ -156,7 +156,7 @@ def claim3_reference_records(
     On the loop's ranks (a multi-rank ``spec.parallel``) every rank measures, as a multi-rank Claim-3 cell
     does (``harness.rank_runner``: the slowest rank's time per step); ranks other than 0 return no rows."""
     from harness.runner import run_cell
-    from harness.spec import Cell, ModelSpec
+    from harness.spec.cell import Cell, ModelSpec
 
     task, loop = task_of(spec), spec.loop
     split = loop.attention == "split" or (loop.attention == "auto" and device.type == "cpu")

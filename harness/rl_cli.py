@@ -31,7 +31,7 @@ class ReplaySystem(StrEnum):
 
 
 def register(app: typer.Typer) -> None:
-    from harness.cli import _fail, _table, console, err_console
+    from harness.cli_common import _fail, _table, console, err_console
 
     def log(msg: str) -> None:
         console.print(escape(msg), highlight=False)
@@ -41,7 +41,8 @@ def register(app: typer.Typer) -> None:
         spec: Annotated[Path, typer.Argument(help="Claim-2 spec (YAML), e.g. experiments/claim2.yaml")],
         out: Annotated[Path, typer.Option(help="results folder; records go to OUT/<spec>/<preset>/")],
         preset: Annotated[
-            RLPreset | None, typer.Option(help="smoke | ranks | cpu | cpu-tp2 | paper (default: the top level)")
+            RLPreset | None,
+            typer.Option(help="smoke | ranks | cpu | cpu-tp2 | paper (default: the top level)"),
         ] = None,
         executor: Annotated[
             RLExecutor,
@@ -56,7 +57,7 @@ def register(app: typer.Typer) -> None:
         from harness.rl_run import RLRunError, collected, run_claim2
         from harness.rl_spec import load_rl_spec
         from harness.safe_fs import UnsafePathError
-        from harness.spec import SpecError
+        from harness.spec.load import SpecError
 
         name = preset.value if preset else None
         try:
@@ -86,11 +87,11 @@ def register(app: typer.Typer) -> None:
         """Replay a frozen trace with SYSTEM; per-step weight differences to the trace's own run (Fig. 8b)."""
         import pandas as pd
 
+        from harness.cell_setup import resolve_device
         from harness.rl_analysis import replay_records
         from harness.rl_io import TraceError, write_rl_records
-        from harness.runner import resolve_device
         from harness.safe_fs import UnsafePathError
-        from harness.spec import safe_name
+        from harness.spec.load import safe_name
 
         try:
             dev = resolve_device(device)

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     data = read_json(argv[0])
     spec = RLSpec.model_validate(data["spec"])
     torch.set_num_threads(rank_threads(spec.parallel.world_size))
-    from harness.runner import resolve_device
+    from harness.cell_setup import resolve_device
 
     device = init_distributed(resolve_device(spec.device))
     rank = dist.get_rank()

@@ -1,6 +1,6 @@
 """The Claim-2 spec (``experiments/claim2.yaml``): one closed-loop GRPO comparison and its trace replays.
 
-Loaded with ``harness.safe_yaml`` and validated by pydantic, like the sweep specs; presets (``smoke``, ``cpu``,
+Loaded with ``harness.spec.safe_yaml`` and validated by pydantic, like the sweep specs; presets (``smoke``, ``cpu``,
 ``paper``) are deep-merged over the top level. Unknown keys and bad values name the file and the field.
 """
 
@@ -13,8 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from harness.spec import ExecutorSettings, ModelSpec, Parallel, SpecError, _deep_merge, read_spec_yaml
-from harness.spec_checks import describe_validation_error
+from harness.spec.cell import ModelSpec, Parallel
+from harness.spec.checks import describe_validation_error
+from harness.spec.load import SpecError, _deep_merge, read_spec_yaml
+from harness.spec.schema import ExecutorSettings
 
 __all__ = ["RLSpec", "RL_PRESETS", "load_rl_spec", "parse_rl_spec"]
 
@@ -158,7 +160,9 @@ class RLSpec(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     parallel: Parallel = Field(default_factory=Parallel)
     executor: ExecutorSettings = Field(default_factory=ExecutorSettings)
-    presets: dict[Literal["smoke", "ranks", "cpu", "cpu-tp2", "paper"], dict[str, Any]] = Field(default_factory=dict)
+    presets: dict[Literal["smoke", "ranks", "cpu", "cpu-tp2", "paper"], dict[str, Any]] = Field(
+        default_factory=dict
+    )
 
     @field_validator("trainers")
     @classmethod
@@ -236,5 +240,5 @@ def parse_rl_spec(raw: Any, source: str = "<spec>", preset: str | None = None) -
 
 
 def load_rl_spec(path: str | Path, preset: str | None = None) -> RLSpec:
-    """Load a Claim-2 YAML spec as untrusted input (harness.safe_yaml) and resolve it for ``preset``."""
+    """Load a Claim-2 YAML spec as untrusted input (harness.spec.safe_yaml) and resolve it for ``preset``."""
     return parse_rl_spec(read_spec_yaml(path), str(path), preset)

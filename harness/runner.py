@@ -34,7 +34,7 @@ from harness.cell_setup import (
     with_routing,
 )
 from harness.measure import PhaseMeter, rank_max
-from harness.spec import Cell
+from harness.spec.cell import Cell
 
 # Re-exported: other modules and the tests import these from here.
 __all__ = [
@@ -211,7 +211,7 @@ def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | No
 def _resolve_budget(cell: Cell, measured_step, models, failures) -> int | None:
     """The cell's memory budget in bytes: given, or ``peak:SYSTEM``: that system's peak in one metered step
     (CPU: the live-bytes meter; CUDA: ``max_memory_allocated``), measured before anything is timed."""
-    from harness.spec import PEAK_OF
+    from harness.spec.cell import PEAK_OF
 
     if isinstance(cell.memory_budget, int):
         return cell.memory_budget

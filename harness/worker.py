@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.records import cell_status, write_records
-from harness.spec import Cell
+from harness.spec.cell import Cell
 
 THREADS_ENV = "PF_BENCH_THREADS"
 
@@ -45,7 +45,8 @@ def _set_threads() -> None:
 
 def run_job(cell: Cell, record_path: Path) -> str:
     """Run ``cell`` and write its records; returns the cell's status."""
-    from harness.runner import failed_records, run_cell
+    from harness.cell_columns import failed_records
+    from harness.runner import run_cell
 
     _set_threads()
     try:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from harness.cell_columns import base_record
 from harness.executors import DebugExecutor
 from harness.frontier import bracketed_search, probe_split, run_frontier
 from harness.records import cell_status, collect
-from harness.runner import base_record
-from harness.spec import Cell, FrontierSearch, ModelSpec, SpecError, expand, parse_spec
+from harness.spec.cell import Cell, FrontierSearch, ModelSpec
+from harness.spec.load import SpecError, expand, parse_spec
 from harness.sweep import run_sweep
 
 MIB = 2**20

@@ -10,7 +10,8 @@ from pydantic import ValidationError
 pytest.importorskip("transformers")
 
 from harness.runner import run_cell  # noqa: E402
-from harness.spec import Cell, ModelSpec, load_spec  # noqa: E402
+from harness.spec.cell import Cell, ModelSpec
+from harness.spec.load import load_spec
 
 
 def _cell(model: ModelSpec, systems=("baseline", "prefixflow", "prefix_grouper"), **over) -> Cell:
@@ -67,14 +68,14 @@ def test_hf_spec_loads(tmp_path):
 def test_bad_hf_config_fields_fail_before_any_weight(name, overrides, field):
     """The HF twin of issue 14's `n_heads=3 / vocab_size=0` attacks: a one-line error naming the field at
     spec load (and dry-run), never a torch traceback from inside the cell."""
-    from harness.spec_checks import check_model_spec
+    from harness.spec.checks import check_model_spec
 
     with pytest.raises(ValueError, match=field):
         check_model_spec(ModelSpec(name=f"hf:{name}", overrides=overrides))
 
 
 def test_unsupported_hf_model_type_fails_at_load(tmp_path):
-    from harness.spec_checks import check_model_spec
+    from harness.spec.checks import check_model_spec
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(ValueError, match="model_type 'bert'"):

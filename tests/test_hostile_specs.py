@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 import harness.runner
 from harness.cli import app
 from harness.records import write_records
-from harness.spec import SpecError, load_spec
+from harness.spec.load import SpecError, load_spec
 
 REPO = Path(__file__).resolve().parent.parent
 runner = CliRunner()

@@ -137,7 +137,7 @@ def _spec(axes_extra: dict) -> dict:
 
 
 def test_spec_axes_take_torchtitan_names_and_old_dp_is_rejected_naming_the_new_ones():
-    from harness.spec import SpecError, expand, parse_spec
+    from harness.spec.load import SpecError, expand, parse_spec
 
     cells = expand(parse_spec(_spec({"tp": [1, 2], "dp_shard": [1, 2]})))
     assert sorted(c.parallel.label for c in cells) == ["dp_shard2", "dp_shard2-tp2", "single", "tp2"]
@@ -151,7 +151,7 @@ def test_spec_axes_take_torchtitan_names_and_old_dp_is_rejected_naming_the_new_o
 
 
 def test_cells_recorded_before_the_data_parallel_split_keep_their_ids():
-    from harness.spec import Cell, ModelSpec
+    from harness.spec.cell import Cell, ModelSpec
 
     plain = Cell(
         spec="s",

@@ -13,7 +13,7 @@ import pytest
 
 from harness.executors import LocalExecutor
 from harness.records import read_records
-from harness.spec import expand, parse_spec
+from harness.spec.load import expand, parse_spec
 
 SPEC = {
     "name": "pharness",

@@ -12,7 +12,7 @@ import pytest
 
 from harness.executors import LocalExecutor
 from harness.records import read_records
-from harness.spec import expand, parse_spec
+from harness.spec.load import expand, parse_spec
 
 LAYERS, N = 2, 3
 AXES = {

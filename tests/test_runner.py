@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from harness import systems
+from harness.cell_columns import classify
+from harness.cell_setup import make_group
 from harness.executors import CellJob
-from harness.runner import classify, make_group, run_cell
-from harness.spec import Cell, ModelSpec
+from harness.runner import run_cell
+from harness.spec.cell import Cell, ModelSpec
 from harness.systems import TrainGroupSystem, available_systems, get_system, register_system
 
 TINY = ModelSpec(

@@ -1,6 +1,6 @@
 """Sweep specs (pydantic v2, loaded with a safe YAML loader) and their expansion into cells.
 
-Specs are untrusted input: harness.safe_yaml bounds the file and its alias expansion and rejects repeated
+Specs are untrusted input: harness.spec.safe_yaml bounds the file and its alias expansion and rejects repeated
 keys; model overrides and systems are resolved against their registries at load; a spec expands to at most
 ``max_cells`` cells (``--max-cells``); error messages show truncated input.
 """
@@ -15,34 +15,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from harness.spec_cell import (
-    MAX_INT,
-    PEAK_OF,
-    AlignmentSettings,
+from harness.spec.cell import (
     Cell,
-    FrontierSearch,
-    ModelSpec,
-    Parallel,
 )
-from harness.spec_checks import check_registries, describe_validation_error
-from harness.spec_schema import Alignment, Axes, ExecutorSettings, Frontier, Spec
+from harness.spec.checks import check_registries, describe_validation_error
+from harness.spec.schema import Alignment, Axes, Frontier, Spec
 
-# The spec's models live in harness.spec_cell and harness.spec_schema; other modules import them from here.
 __all__ = [
     "DEFAULT_MAX_CELLS",
-    "MAX_INT",
-    "PEAK_OF",
     "PRESETS",
-    "Alignment",
-    "AlignmentSettings",
-    "Axes",
-    "Cell",
-    "ExecutorSettings",
-    "Frontier",
-    "FrontierSearch",
-    "ModelSpec",
-    "Parallel",
-    "Spec",
     "SpecError",
     "check_cell_count",
     "count_cells",
@@ -114,8 +95,8 @@ def parse_spec(raw: Any, source: str = "<spec>", preset: str = "cpu") -> Spec:
 
 
 def read_spec_yaml(path: str | Path) -> Any:
-    """The YAML document at ``path``, read as untrusted input (harness.safe_yaml); SpecError on failure."""
-    from harness import safe_yaml
+    """The YAML document at ``path``, read as untrusted input (harness.spec.safe_yaml); SpecError on failure."""
+    from harness.spec import safe_yaml
 
     try:
         return safe_yaml.load(safe_yaml.read_text(Path(path)))
@@ -126,7 +107,7 @@ def read_spec_yaml(path: str | Path) -> Any:
 
 
 def load_spec(path: str | Path, preset: str = "cpu") -> Spec:
-    """Load a YAML spec as untrusted input (harness.safe_yaml) and resolve it for ``preset``."""
+    """Load a YAML spec as untrusted input (harness.spec.safe_yaml) and resolve it for ``preset``."""
     return parse_spec(read_spec_yaml(path), str(path), preset)
 
 

@@ -1,5 +1,5 @@
 """The blocks of a sweep spec file: axes, capacity-frontier searches, alignment runs, executor settings,
-and the ``Spec`` that holds them (harness.spec loads and expands it)."""
+and the ``Spec`` that holds them (harness.spec.load loads and expands it)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from harness.spec_cell import (
+from harness.spec.cell import (
     MAX_INT,
     PARALLEL_DIMS,
     SYSTEM_NAME,

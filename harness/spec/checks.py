@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 if TYPE_CHECKING:
-    from harness.spec import ModelSpec, Spec
+    from harness.spec.cell import ModelSpec
+    from harness.spec.schema import Spec
 
 _REPR = reprlib.Repr()  # bounded: reprlib stops at these sizes instead of walking the whole value
 _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxtuple = 2, 4, 4, 4
