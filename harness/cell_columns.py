@@ -106,13 +106,13 @@ def failed_records(cell: Cell, status: str, error: str, device: str = "") -> lis
 
 
 def model_shape(model: torch.nn.Module, cell: Cell):
-    """The cost model's :class:`~harness.costmodel.ModelShape` of ``model`` (None when it has none)."""
-    from harness import costmodel
+    """The cost model's :class:`~harness.costmodel.flops.ModelShape` of ``model`` (None when it has none)."""
+    from harness.costmodel import flops
     from prefixflow import model_args
 
     try:
         args = model.config if cell.model.name.startswith(HF_PREFIX) else model_args(model)
-        return costmodel.as_shape(args)
+        return flops.as_shape(args)
     except (TypeError, ValueError, AttributeError):
         return None
 
@@ -133,21 +133,21 @@ def model_columns(model: torch.nn.Module, cell: Cell, system: str) -> dict[str, 
         n_params=sum(p.numel() for p in model.parameters()),
     )
     if hasattr(shape, "num_experts"):  # MoE: the parameters one token runs through, and replayed routing
-        from harness.costmodel_moe import active_params_per_token
+        from harness.costmodel.moe import active_params_per_token
 
         out.update(n_active_params=active_params_per_token(shape), routing="replay")
     return out
 
 
 def cost_columns(shape, cell: Cell, system: Any, lens, device, stats=None) -> dict[str, Any]:
-    """The FLOP model of what ``system`` executes on this cell's step (``harness.costmodel``): its modelled
+    """The FLOP model of what ``system`` executes on this cell's step (``harness.costmodel.flops``): its modelled
     FLOPs (GEMM and attention; activation checkpointing off only, NaN otherwise), the corrected ideal
     speedup, and the paper's §3.1 ideal. ``lens``: the group's response lengths, or one list per group of a
     multi-group step (summed over the groups, wherever they ran)."""
-    from harness import costmodel
+    from harness.costmodel import flops
 
     cost_name = getattr(system, "cost_model", None)
-    if shape is None or cost_name not in costmodel.SYSTEMS:
+    if shape is None or cost_name not in flops.SYSTEMS:
         return {}
     groups = [list(g) for g in lens] if lens and not isinstance(lens[0], int) else [list(lens)]
     p, layout, mb = cell.prefix_len, cell.layout, cell.microbatch
@@ -157,17 +157,17 @@ def cost_columns(shape, cell: Cell, system: Any, lens, device, stats=None) -> di
     ideal_mb = 1 if cell.microbatch == "auto" else mb
     variant = getattr(system, "attention_variant", lambda d: None)(device) or "split"
     base = least = 0
-    modelled = costmodel.Flops(0, 0)
+    modelled = flops.Flops(0, 0)
     for g in groups:
-        base += costmodel.model_flops("baseline", shape, p, g, layout=layout, microbatch=ideal_mb)
-        least += costmodel.least_prefixflow_flops(shape, p, g).total
-        modelled += costmodel.executed_flops(
+        base += flops.model_flops("baseline", shape, p, g, layout=layout, microbatch=ideal_mb)
+        least += flops.least_prefixflow_flops(shape, p, g).total
+        modelled += flops.executed_flops(
             cost_name, shape, p, g, layout=layout, microbatch=mb, attention=variant
         )
     all_lens = [s for g in groups for s in g]
     out = {
         "ideal_speedup": base / least,
-        "paper_ideal_speedup": costmodel.paper_ideal_speedup(
+        "paper_ideal_speedup": flops.paper_ideal_speedup(
             shape, p, round(sum(all_lens) / len(all_lens)), len(groups[0])
         ),
     }

@@ -110,8 +110,8 @@ def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | No
     def measured_step(
         name: str, track_memory: bool, count: bool = False
     ) -> tuple[dict[str, Any], Any] | None:
-        """One step; ``count``: under the FLOP counters too (harness.costmodel.count_flops), untimed."""
-        from harness.costmodel import count_flops
+        """One step; ``count``: under the FLOP counters too (harness.costmodel.flops.count_flops), untimed."""
+        from harness.costmodel.flops import count_flops
 
         model = models[name]
         try:

@@ -1,7 +1,7 @@
 """Discrete-event model of PrefixFlow's pipeline schedules and of CP prefix-K/V communication.
 
 The model is driven by per-layer costs. Those come from measured stage timelines
-(``harness/simulate_validate.py``) or from ``harness.costmodel`` FLOPs at an assumed throughput (:func:`flop_layer_costs`, for paper-scale panels, which
+(``harness/simulate_validate.py``) or from ``harness.costmodel.flops`` FLOPs at an assumed throughput (:func:`flop_layer_costs`, for paper-scale panels, which
 are labelled simulated).
 
 - **PP** (:func:`simulate_pipeline`): every stage runs :func:`prefixflow.parallel.pp.stage_program`, the same
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from harness import costmodel
+from harness.costmodel import flops
 
 __all__ = [
     "PipelineCosts",
@@ -228,10 +228,10 @@ def pipeline_costs(
 def flop_layer_costs(
     shape, P: int, S: int, N: int, *, microbatch: int = 1, flops_per_s: float, tp: int = 1, cp: int = 1
 ) -> LayerCosts:
-    """Per-layer costs from ``harness.costmodel`` FLOPs at ``flops_per_s`` (an assumed sustained throughput),
+    """Per-layer costs from ``harness.costmodel.flops`` FLOPs at ``flops_per_s`` (an assumed sustained throughput),
     with ``tp``/``cp`` dividing every layer's work. Backward = 2x forward. Suffix microbatches of
     ``microbatch`` responses of ``S`` tokens read a ``P-1``-token prefix."""
-    shape = costmodel.as_shape(shape)
+    shape = flops.as_shape(shape)
     split = tp * cp
     p = P - 1
 

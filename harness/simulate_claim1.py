@@ -15,8 +15,8 @@ import hashlib
 import json
 from typing import Any
 
-from harness import costmodel
 from harness import simulate as sim
+from harness.costmodel.shape import ModelShape
 from harness.simulate_cp import simulate_cp_phase_b
 
 __all__ = [
@@ -27,7 +27,7 @@ __all__ = [
     "stage_layers",
 ]
 
-LLAMA3_8B = costmodel.ModelShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+LLAMA3_8B = ModelShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                                  hidden_dim=14336, vocab_size=128256)  # fmt: skip
 ASSUMPTIONS = {
     "gpu": "H20 (paper setup)",

@@ -62,7 +62,7 @@ class TrainGroupSystem:
         self.library_system = library_system
         self.uses_offload = uses_offload
         self.attention = attention
-        self.cost_model = library_system  # harness.costmodel's name for this schedule
+        self.cost_model = library_system  # harness.costmodel.flops's name for this schedule
 
     def attention_variant(self, device) -> str | None:
         """The suffix-attention variant this system runs on ``device`` (None for the baseline)."""

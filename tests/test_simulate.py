@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness import simulate as sim
+from harness.costmodel.shape import ModelShape
 from harness.simulate_cp import simulate_cp_phase_b
 
 
@@ -101,7 +102,7 @@ def test_pipeline_costs_group_layers_into_stages_and_the_head_joins_the_last():
 
 
 def test_flop_costs_scale_with_the_work():
-    shape = sim.costmodel.ModelShape(4096, 32, 32, 8, 128, 14336, 128256)
+    shape = ModelShape(4096, 32, 32, 8, 128, 14336, 128256)
     one = sim.flop_layer_costs(shape, 4096, 4096, 8, flops_per_s=1e14)
     two = sim.flop_layer_costs(shape, 4096, 4096, 8, flops_per_s=1e14, tp=2)
     assert len(one.forward) == 8 and one.n_layers == 32

@@ -7,9 +7,9 @@ Forward GEMM FLOPs per token and MoE layer::
     2·dim·E  +  6·dim·moe_inter_dim·(top_k + num_shared_experts)
 
 and, as for every GEMM, backward costs twice the forward. :class:`MoEShape` is a
-:class:`~harness.costmodel.ModelShape` whose ``hidden_dim`` is the *active* FFN width
+:class:`~harness.costmodel.flops.ModelShape` whose ``hidden_dim`` is the *active* FFN width
 ``moe_inter_dim·(top_k + num_shared_experts)`` and whose per-token layer cost adds the router, so every
-formula of :mod:`harness.costmodel` (baseline, PrefixFlow, the ideal speedup) applies to MoE unchanged.
+formula of :mod:`harness.costmodel.flops` (baseline, PrefixFlow, the ideal speedup) applies to MoE unchanged.
 Dropless routing is assumed (no token is dropped or padded to a capacity), as under routing replay.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.costmodel import ModelShape
+from harness.costmodel.shape import ModelShape
 
 __all__ = ["MoEShape", "moe_shape", "active_params_per_token", "total_params"]
 
