@@ -77,8 +77,8 @@ def simulate(
     the simulator's predictions of measured CP/PP cells (each from costs calibrated on another measured run)."""
     from harness.records import collect as collect_records
     from harness.records import write_cell_records
-    from harness.simulate_claim1 import paper_cp_records, paper_pp_records
-    from harness.simulate_validate import validate_records
+    from harness.simulate.claim1 import paper_cp_records, paper_pp_records
+    from harness.simulate.validate import validate_records
 
     rows = paper_pp_records() + paper_cp_records()
     # one file per cell: collect verifies that a file holds the cell it is named after

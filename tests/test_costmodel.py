@@ -7,7 +7,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness.costmodel.flops import AttentionCounter, as_shape, count_flops, dense_flops_per_token, executed_flops, ideal_speedup, least_prefixflow_flops, model_flops, paper_ideal_speedup, speedup_terms
+from harness.costmodel.flops import (
+    AttentionCounter,
+    as_shape,
+    count_flops,
+    dense_flops_per_token,
+    executed_flops,
+    ideal_speedup,
+    least_prefixflow_flops,
+    model_flops,
+    paper_ideal_speedup,
+    speedup_terms,
+)
 from harness.costmodel.shape import ModelShape
 
 TINY = ModelShape(dim=4, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=2, hidden_dim=8, vocab_size=10)

@@ -1,12 +1,12 @@
-"""harness/simulate.py: the discrete-event pipeline and CP model (no timing claims here: those live in records)."""
+"""harness/simulate/pipeline.py: the discrete-event pipeline and CP model (no timing claims here: those live in records)."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness import simulate as sim
 from harness.costmodel.shape import ModelShape
-from harness.simulate_cp import simulate_cp_phase_b
+from harness.simulate import pipeline as sim
+from harness.simulate.cp import simulate_cp_phase_b
 
 
 def _unit_costs(n_stages: int, n_mb: int, a=1.0, f=1.0, b=2.0, c=2.0, msg=0.0) -> sim.PipelineCosts:
@@ -114,7 +114,7 @@ def test_paper_scale_panels_are_simulated_records_that_figure_6_draws(tmp_path):
     import pandas as pd
 
     from harness.figures.fig6 import cp_breakdown, figure6a, figure6b, pp_gaps
-    from harness.simulate_claim1 import paper_cp_records, paper_pp_records
+    from harness.simulate.claim1 import paper_cp_records, paper_pp_records
 
     df = pd.DataFrame(paper_pp_records(ns=(4, 8, 16)) + paper_cp_records())
     assert set(df["source"]) == {"simulated"}
@@ -133,7 +133,7 @@ def test_paper_scale_panels_are_simulated_records_that_figure_6_draws(tmp_path):
 def test_cp_validation_predicts_the_prefetch_run_from_the_on_demand_run():
     import pandas as pd
 
-    from harness.simulate_validate import validate_records
+    from harness.simulate.validate import validate_records
 
     common = dict(
         cell_id="c1", status="ok", cp=2, pp=1, n=4, microbatch=1, n_layers=2, prefix_len=64, suffix_len=16
@@ -171,7 +171,7 @@ def _family(per_layer: dict, n_layers: int = 4, pp: int = 2, ns=(2, 4, 8), msg: 
 
     import pandas as pd
 
-    from harness.simulate_claim1 import stage_layers
+    from harness.simulate.claim1 import stage_layers
 
     stages = stage_layers(pp, n_layers)
     recs = []
@@ -194,7 +194,7 @@ def _family(per_layer: dict, n_layers: int = 4, pp: int = 2, ns=(2, 4, 8), msg: 
 def test_pp_validation_predicts_each_run_from_the_others():
     import json
 
-    from harness.simulate_validate import validate_records
+    from harness.simulate.validate import validate_records
 
     df = _family(dict(A=0.3, F=0.1, B=0.2, C=0.5))
     rows = validate_records(df)
@@ -218,8 +218,8 @@ def test_pp_validation_predicts_each_run_from_the_others():
 def test_pp_validation_fits_the_cores_the_stages_shared():
     import json
 
-    from harness.simulate_claim1 import stage_layers
-    from harness.simulate_validate import timeline_costs, validate_records
+    from harness.simulate.claim1 import stage_layers
+    from harness.simulate.validate import timeline_costs, validate_records
 
     df = _family(dict(A=0.3, F=0.1, B=0.2, C=0.5))
     stages = stage_layers(2, 4)
@@ -240,7 +240,7 @@ def test_pp_validation_fits_the_cores_the_stages_shared():
 def test_timeline_costs_share_a_stage_between_its_layers_and_find_the_message_latency():
     import json
 
-    from harness.simulate_validate import timeline_costs
+    from harness.simulate.validate import timeline_costs
 
     df = _family(dict(A=0.3, F=0.1, B=0.2, C=0.5), n_layers=4, ns=(4,), msg=0.02)
     steps = [json.loads(t) for t in json.loads(df.loc[0, "pp_timelines_steps"])]

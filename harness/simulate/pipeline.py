@@ -1,7 +1,7 @@
 """Discrete-event model of PrefixFlow's pipeline schedules and of CP prefix-K/V communication.
 
 The model is driven by per-layer costs. Those come from measured stage timelines
-(``harness/simulate_validate.py``) or from ``harness.costmodel.flops`` FLOPs at an assumed throughput (:func:`flop_layer_costs`, for paper-scale panels, which
+(``harness/simulate/validate.py``) or from ``harness.costmodel.flops`` FLOPs at an assumed throughput (:func:`flop_layer_costs`, for paper-scale panels, which
 are labelled simulated).
 
 - **PP** (:func:`simulate_pipeline`): every stage runs :func:`prefixflow.parallel.pp.stage_program`, the same
@@ -9,7 +9,7 @@ are labelled simulated).
   arrived: ``A``/``F m`` after the previous stage's ``A``/``F m`` plus one message, ``B m``/``C`` after the next
   stage's ``B m``/``C`` plus one message; a barrier releases every stage when the last arrives. Sends never
   block (the real schedule's ``isend``). Stages have a core each, or share ``cores`` (processor sharing).
-- **CP** (``harness/simulate_cp.py``): per suffix microbatch and layer, the prefix gather of layer ``l+1`` is
+- **CP** (``harness/simulate/cp.py``): per suffix microbatch and layer, the prefix gather of layer ``l+1`` is
   issued when layer ``l`` reads its view and overlaps layer ``l``'s compute; layer 0 gathers on demand; gK/gV
   reduce-scatters in the backward block. Without prefetch every gather is exposed.
 """

@@ -3,7 +3,7 @@
 - :func:`paper_pp_records`: Llama3-8B, 4k+4k, PP=8 x TP=2 and PP=16 x TP=1, both phase switchings, over N.
 - :func:`paper_cp_records`: Llama3-8B, CP=16, 16k prefix, 8k suffix, N=16, prefetch on and off.
 
-The simulator's check against the measured cells is ``harness/simulate_validate.py``.
+The simulator's check against the measured cells is ``harness/simulate/validate.py``.
 
 Paper-scale costs are FLOPs at an assumed sustained throughput and assumed links (``ASSUMPTIONS``, stored in
 every record); every such record has ``source == "simulated"``.
@@ -15,9 +15,9 @@ import hashlib
 import json
 from typing import Any
 
-from harness import simulate as sim
 from harness.costmodel.shape import ModelShape
-from harness.simulate_cp import simulate_cp_phase_b
+from harness.simulate import pipeline as sim
+from harness.simulate.cp import simulate_cp_phase_b
 
 __all__ = [
     "ASSUMPTIONS",

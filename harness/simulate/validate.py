@@ -28,9 +28,9 @@ from collections import defaultdict
 
 import pandas as pd
 
-from harness import simulate as sim
-from harness.simulate_claim1 import stage_layers
-from harness.simulate_cp import simulate_cp_phase_b
+from harness.simulate import pipeline as sim
+from harness.simulate.claim1 import stage_layers
+from harness.simulate.cp import simulate_cp_phase_b
 
 __all__ = ["validate_records", "timeline_costs", "FAMILY"]
 
