@@ -123,12 +123,12 @@ def run(
     ] = 0.25,
 ) -> None:
     """Run one cell and print its records (a layout with several ranks runs on local ranks, loopback only)."""
+    from harness.contenders import available_contenders
+    from harness.execute.local import run_cell
     from harness.records import write_records
-    from harness.runner import run_cell
     from harness.safe_fs import UnsafePathError, check_writable
     from harness.spec.checks import check_model_spec
     from harness.sweep import spec_folder
-    from harness.systems import available_systems
 
     try:
         model_spec = ModelSpec(name=model, overrides=parse_overrides(override))
@@ -159,9 +159,9 @@ def run(
         )
     except ValidationError as e:
         _fail(_option_errors(e))
-    unknown = [s for s in cell.systems if s not in available_systems()]
+    unknown = [s for s in cell.systems if s not in available_contenders()]
     if unknown:
-        _fail(f"--systems: unknown system {unknown[0]!r}; registered: {', '.join(available_systems())}")
+        _fail(f"--systems: unknown system {unknown[0]!r}; registered: {', '.join(available_contenders())}")
     try:
         check_model_spec(cell.model)
     except (ValueError, TypeError) as e:

@@ -95,7 +95,7 @@ def align(
     )
     try:
         if par != Parallel():
-            from harness.launch import run_alignment_ranks
+            from harness.execute.local import run_alignment_ranks
             from prefixflow.parallel import ParallelDims, check_supported
 
             check_supported(ParallelDims.of(par.model_dump()))
@@ -116,8 +116,8 @@ def align(
     if out is not None:
         import pandas as pd
 
-        from harness.cell_columns import git_rev
         from harness.records import write_table
+        from harness.run.columns import git_rev
         from harness.spec.load import safe_name
 
         table = pd.DataFrame([r.as_dict() for r in rows]).rename(columns={"passed": "pass"})

@@ -23,7 +23,7 @@ def _render(kind: str, results: Path, out: Path) -> None:
     if df.empty:
         _fail(f"no records under {results}; run `pf-bench sweep SPEC --out {results}` first")
     import harness.figures as figures
-    from harness.rank_runner import alignment_rows
+    from harness.run.alignment import alignment_rows
 
     out.mkdir(parents=True, exist_ok=True)
     df, table3 = alignment_rows(df)  # alignment cells' rows (Table 3) apart from the measurements

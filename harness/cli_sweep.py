@@ -48,7 +48,7 @@ def sweep(
     ] = DEFAULT_MAX_CELLS,
 ) -> None:
     """Run every missing cell of SPEC (resumable: recorded cells are skipped). Exits 1 if a cell failed."""
-    from harness.executors import make_executor
+    from harness.execute.executors import make_executor
     from harness.safe_fs import UnsafePathError, check_writable, jobs_folder
     from harness.sweep import plan, run_sweep, spec_folder
 

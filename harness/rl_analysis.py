@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from harness.cell_columns import git_rev
 from harness.records import read_records
 from harness.rl_io import load_tensors, write_rl_records
 from harness.rl_loop import RunPlan, model_overrides, task_of
 from harness.rl_spec import RLSpec
 from harness.rl_trace import load_trace, replay_trace
+from harness.run.columns import git_rev
 
 __all__ = [
     "pair_kind",
@@ -147,15 +147,15 @@ def replay_records(
 def claim3_reference_records(
     spec: RLSpec, device: torch.device, base: dict[str, Any], step: int, suffix_len: int | None = None
 ) -> list[dict[str, Any]]:
-    """``train_group`` alone, Claim 3's way (``harness.runner.run_cell``: fresh models, warm repeats, systems
+    """``train_group`` alone, Claim 3's way (``harness.run.measurement.measure_cell``: fresh models, warm repeats, systems
     alternating), at the loop's P, S and N; measured after loop step ``step``, under the loop's machine load.
 
     ``suffix_len``: the S the loop's trainers actually ran (the padded layout pads each group to its longest
     sampled response), so the reference times the same token slots; None: the task's answer length.
 
     On the loop's ranks (a multi-rank ``spec.parallel``) every rank measures, as a multi-rank Claim-3 cell
-    does (``harness.rank_runner``: the slowest rank's time per step); ranks other than 0 return no rows."""
-    from harness.runner import run_cell
+    does (``harness.run.parallel_step``: the slowest rank's time per step); ranks other than 0 return no rows."""
+    from harness.run.measurement import measure_cell
     from harness.spec.cell import Cell, ModelSpec
 
     task, loop = task_of(spec), spec.loop
@@ -178,7 +178,7 @@ def claim3_reference_records(
         repeats=spec.claim3_reference.repeats,
         parallel=spec.parallel,
     )
-    rows = run_cell(cell) or []
+    rows = measure_cell(cell) or []
     keep = {"spec", "preset", "identity"}
     return [
         {

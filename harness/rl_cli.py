@@ -87,9 +87,9 @@ def register(app: typer.Typer) -> None:
         """Replay a frozen trace with SYSTEM; per-step weight differences to the trace's own run (Fig. 8b)."""
         import pandas as pd
 
-        from harness.cell_setup import resolve_device
         from harness.rl_analysis import replay_records
         from harness.rl_io import TraceError, write_rl_records
+        from harness.run.setup import resolve_device
         from harness.safe_fs import UnsafePathError
         from harness.spec.load import safe_name
 

@@ -11,7 +11,7 @@ same :func:`harness.rl_run.run_claim2`. On many ranks:
 - **times**: each phase's time is the slowest rank's (the ranks meet at the phase's collectives);
 - **files**: rank 0 alone writes (``harness.rl_io``); every rank calls the gathers that precede a write.
 
-Starting the ranks: :func:`run_local` (this machine, loopback only, ``harness.local_ranks``) and
+Starting the ranks: :func:`run_local` (this machine, loopback only, ``harness.execute.local_ranks``) and
 :func:`submit_slurm` (one multi-task Slurm job through submitit, one task per rank). Each rank runs
 ``python -m harness.rl_ranks JOB.json``.
 """
@@ -111,7 +111,7 @@ class Ranks:
 
     def slowest(self, times: dict[str, float]) -> dict[str, float]:
         """Each time the maximum over ranks (NaN only where every rank has NaN)."""
-        from harness.measure import rank_max
+        from harness.run.measure import rank_max
 
         return rank_max(times) if self.world > 1 else dict(times)
 
@@ -146,7 +146,7 @@ def write_job(path: Path, spec_json: dict[str, Any], preset: str | None, out: Pa
 def run_local(job: Path, world: int, timeout_s: float) -> int:
     """Run the loop on ``world`` ranks of this machine (loopback only); the launcher's exit status. The ranks
     print to this process's stdout and stderr."""
-    from harness.launch import rank_threads, run_local_ranks
+    from harness.execute.local import rank_threads, run_local_ranks
 
     try:
         proc = run_local_ranks(
@@ -168,7 +168,7 @@ class _RankJob:
     """The Slurm task body: one rank of the loop (submitit pickles this object into the private jobs folder)."""
 
     def __call__(self, job: str) -> int:
-        from harness.launch import export_slurm_rank_env
+        from harness.execute.slurm import export_slurm_rank_env
 
         export_slurm_rank_env()
         return main([job])
@@ -178,7 +178,7 @@ def submit_slurm(job: Path, world: int, settings, folder: Path, name: str, log: 
     """Run the loop as one Slurm job of ``world`` tasks (``settings``: the spec's ``executor``; submitit's
     files in the private jobs folder of the records ``folder``); waits for it (at most its time limit plus
     10 minutes) and returns 0 when every task succeeded."""
-    from harness.executors import SlurmExecutor
+    from harness.execute.executors import SlurmExecutor
 
     ex = SlurmExecutor(settings)._executor(folder, name, world)
     handle = ex.submit(_RankJob(), str(job))
@@ -231,7 +231,7 @@ def run_on_ranks(
 
 def main(argv: list[str] | None = None) -> int:
     """One rank: join the process group, run the loop, leave. Exit 2 with a one-line message on a user error."""
-    from harness.launch import rank_threads
+    from harness.execute.local import rank_threads
     from harness.rl_io import TraceError, read_json
     from harness.rl_run import RLRunError, run_claim2
     from harness.rl_spec import RLSpec
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     data = read_json(argv[0])
     spec = RLSpec.model_validate(data["spec"])
     torch.set_num_threads(rank_threads(spec.parallel.world_size))
-    from harness.cell_setup import resolve_device
+    from harness.run.setup import resolve_device
 
     device = init_distributed(resolve_device(spec.device))
     rank = dist.get_rank()

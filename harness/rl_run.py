@@ -26,8 +26,6 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from harness.cell_columns import git_rev
-from harness.cell_setup import resolve_device
 from harness.records import read_records
 from harness.rl_analysis import Claim3Reference, divergence_records, replay_records
 from harness.rl_io import (
@@ -41,6 +39,8 @@ from harness.rl_ranks import Ranks, check_loop_layout
 from harness.rl_spec import RLSpec
 from harness.rl_trace import TraceWriter
 from harness.rl_warmstart import warm_start_state
+from harness.run.columns import git_rev
+from harness.run.setup import resolve_device
 from harness.safe_fs import UnsafePathError, check_writable
 from harness.spec.load import safe_name
 

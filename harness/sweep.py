@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.executors import check_record, record_path, recorded_status
+from harness.execute.executors import check_record, record_path, recorded_status
 from harness.records import STATUSES, collect, summarize
 from harness.safe_fs import atomic_write, open_dir, open_lock
 from harness.spec.cell import Cell

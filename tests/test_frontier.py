@@ -5,10 +5,10 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from harness.cell_columns import base_record
-from harness.executors import DebugExecutor
-from harness.frontier import bracketed_search, probe_split, run_frontier
+from harness.execute.executors import DebugExecutor
 from harness.records import cell_status, collect
+from harness.run.columns import base_record
+from harness.run.frontier import bracketed_search, probe_split, run_frontier
 from harness.spec.cell import Cell, FrontierSearch, ModelSpec
 from harness.spec.load import SpecError, expand, parse_spec
 from harness.sweep import run_sweep

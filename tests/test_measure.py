@@ -1,4 +1,4 @@
-"""harness.measure: the CPU live-bytes meter, the phase observer and rank-max."""
+"""harness.run.measure: the CPU live-bytes meter, the phase observer and rank-max."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from harness.measure import LiveBytesMeter, PhaseMeter, rank_max
+from harness.run.measure import LiveBytesMeter, PhaseMeter, rank_max
 from prefixflow.budget import LiveBytes
 
 MIB4 = 1024 * 1024 * 4  # 1024 x 1024 fp32

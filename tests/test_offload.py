@@ -11,7 +11,7 @@ from conftest import tiny_model
 
 import prefixflow as pf
 import prefixflow.schedule as schedule
-from harness.measure import LiveBytesMeter
+from harness.run.measure import LiveBytesMeter
 from prefixflow.group import synthetic_group
 
 MODES = {

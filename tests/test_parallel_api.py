@@ -11,8 +11,8 @@ import torch
 from conftest import tiny_model
 
 import prefixflow as pf
-from harness.launch import local_ranks_argv
-from harness.rank_runner import merge_rank_samples
+from harness.execute.local import local_ranks_argv
+from harness.run.parallel_step import merge_rank_samples
 from prefixflow.parallel import ParallelDims, parallelize
 from prefixflow.parallel.dp import group_costs, place_groups, train_step
 
@@ -120,7 +120,7 @@ def test_rank_samples_merge_to_the_median_of_per_step_rank_max_with_per_rank_val
 
 def test_local_ranks_argv_uses_the_loopback_launcher_and_runs_a_module():
     argv = local_ranks_argv(2, "harness.rank_worker", ["job.json"])
-    assert argv[1:3] == ["-m", "harness.local_ranks"]
+    assert argv[1:3] == ["-m", "harness.execute.local_ranks"]
     assert "--nproc-per-node=2" in argv and argv[-3:] == ["-m", "harness.rank_worker", "job.json"]
 
 
@@ -204,7 +204,7 @@ def test_split_helpers_derive_the_owners_prefix_kv_geometry_and_a_wrong_one_is_r
 
 
 def test_hook_columns_come_from_the_median_timed_step_not_the_last_one():
-    from harness.rank_runner import median_step
+    from harness.run.parallel_step import median_step
 
     assert median_step([{"step_time_s": t} for t in (0.2, 0.3, 0.1)]) == 0
     assert median_step([{"step_time_s": t} for t in (0.5, 0.1, 0.2, 0.4)]) == 2

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from harness.executors import LocalExecutor
+from harness.execute.executors import LocalExecutor
 from harness.records import read_records
 from harness.spec.load import expand, parse_spec
 

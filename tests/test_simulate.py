@@ -153,7 +153,7 @@ def test_cp_validation_predicts_the_prefetch_run_from_the_on_demand_run():
 def test_simulator_validation_rows_are_not_table3_rows():
     import pandas as pd
 
-    from harness.rank_runner import alignment_rows
+    from harness.run.alignment import alignment_rows
 
     table3 = dict(cell_id="a1", status="ok", system="prefixflow", quantity="G", step=1.0, microbatch=1.0,
                   model="m", layout="padded", ac="none", parallel_layout="cp2", dtype="fp64", run="prefixflow",

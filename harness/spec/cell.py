@@ -32,10 +32,10 @@ def check_systems(v: list[str]) -> list[str]:
 
 def _sizes_microbatches(system: str) -> bool:
     """Whether ``system`` splits its suffixes into microbatches (so ``auto`` sizes them by the budget)."""
-    from harness.systems import get_system
+    from harness.contenders import get_contender
 
     try:
-        return getattr(get_system(system), "library_system", None) is not None
+        return getattr(get_contender(system), "library_system", None) is not None
     except ValueError:  # an unknown name is reported by the registry check
         return False
 
@@ -123,7 +123,7 @@ class Parallel(StrictModel):
 
 
 class FrontierSearch(StrictModel):
-    """What one capacity-frontier search needs besides the cell (resolved; see harness.frontier)."""
+    """What one capacity-frontier search needs besides the cell (resolved; see harness.run.frontier)."""
 
     budget_bytes: int | None = Field(None, ge=1, le=2**62, description="None = the device itself (CUDA only)")
     mode: Literal["ratio", "prefix"]
@@ -182,8 +182,10 @@ class Cell(StrictModel):
     warmup: int = Field(1, ge=0, le=MAX_INT)
     repeats: int = Field(3, ge=1, le=MAX_INT)
     timeout_min: float = Field(10.0, gt=0, le=TIMEOUT_MAX_MIN)
-    frontier: FrontierSearch | None = None  # set: this cell is a capacity-frontier search (harness.frontier)
-    alignment: AlignmentSettings | None = None  # set: this cell is a Table 3 run (harness.rank_runner)
+    frontier: FrontierSearch | None = (
+        None  # set: this cell is a capacity-frontier search (harness.run.frontier)
+    )
+    alignment: AlignmentSettings | None = None  # set: this cell is a Table 3 run (harness.run.parallel_step)
 
     @field_validator("systems")
     @classmethod

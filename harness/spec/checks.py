@@ -44,9 +44,9 @@ def describe_validation_error(err: ValidationError, source: str) -> str:
 def check_registries(spec: Spec, source: str) -> None:
     """Resolve every system name against the system registry, and every model (name + overrides) against
     the model registry without building it: a typo fails here, not in each cell."""
-    from harness.systems import available_systems
+    from harness.contenders import available_contenders
 
-    known = available_systems()
+    known = available_contenders()
     named = [("systems", spec.systems)]
     named += [(f"axes[{i}].systems", b.systems or []) for i, b in enumerate(spec.axes_blocks)]
     named += [(f"frontier[{i}].variants", [v.removesuffix("+offload") for v in f.variants])

@@ -214,7 +214,7 @@ def _alignment_cells(spec: Spec, block: Alignment) -> list[Cell]:
 
 
 def _frontier_cells(spec: Spec, front: Frontier) -> list[Cell]:
-    """One search cell per variant; its lengths are the search's first probe (harness.frontier)."""
+    """One search cell per variant; its lengths are the search's first probe (harness.run.frontier)."""
     search = front.search()
     if search.mode == "ratio":
         prefix = max(1, min(search.min_len - 1, round(search.ratio * search.min_len)))

@@ -1,14 +1,13 @@
 """Many ranks: local ranks on this machine, and the environment of one Slurm task per rank.
 
 - :func:`local_ranks_argv` / :func:`run_local_ranks`: start ``nproc`` ranks of a Python module (or script) on
-  this machine under ``harness.local_ranks``, which listens on loopback only (its store on a socket bound to
+  this machine under ``harness.execute.local_ranks``, which listens on loopback only (its store on a socket bound to
   127.0.0.1, gloo and NCCL on ``lo``; ``torchrun`` would listen on every interface). A free port per launch,
   so launches never collide.
-- :func:`run_cell_local_ranks`: a multi-rank cell from a single process (``pf-bench run``, the debug
-  executor): every rank runs ``harness.worker``, rank 0 writes the record (``harness.rank_runner`` merges
-  the ranks: rank-max times, per-rank values and their spread).
-- :func:`export_slurm_rank_env`: inside a Slurm task (one task per rank, submitit), the environment
-  ``torch.distributed`` reads.
+- :func:`run_cell`: a cell here when this process is one of its ranks (or it has one), else on local ranks
+  (:func:`run_cell_local_ranks`: every rank runs ``harness.execute.worker``, rank 0 writes the record;
+  ``harness.run.parallel_step`` merges the ranks: rank-max times, per-rank values and their spread).
+- :func:`run_alignment_ranks`: ``pf-bench align`` on local ranks.
 """
 
 from __future__ import annotations
@@ -20,28 +19,28 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.local_ranks import loopback_env
+from harness.execute.local_ranks import loopback_env
 
 __all__ = [
     "local_ranks_argv",
     "run_local_ranks",
     "local_env",
-    "export_slurm_rank_env",
     "rank_threads",
+    "run_cell",
     "run_cell_local_ranks",
     "run_alignment_ranks",
 ]
 
 
 def local_ranks_argv(nproc: int, target: str, args: Sequence[str] = (), module: bool = True) -> list[str]:
-    """``python -m harness.local_ranks`` starting ``nproc`` ranks of ``python -m target args`` (of the
+    """``python -m harness.execute.local_ranks`` starting ``nproc`` ranks of ``python -m target args`` (of the
     script ``target`` when ``module`` is false), every socket on loopback."""
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     return [
         sys.executable,
         "-m",
-        "harness.local_ranks",
+        "harness.execute.local_ranks",
         f"--nproc-per-node={nproc}",
         *(["-m"] if module else []),
         target,
@@ -56,7 +55,7 @@ def local_env(threads: int | None = None, base: dict[str, str] | None = None) ->
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
         env["PF_BENCH_THREADS"] = str(threads)
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -90,31 +89,6 @@ def run_local_ranks(
     )
 
 
-def export_slurm_rank_env() -> None:
-    """Inside one task of a Slurm multi-task job (one task per rank, submitit): set ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` for ``torch.distributed``. A one-node
-    job keeps its traffic on the loopback interface."""
-    import submitit
-
-    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-    if submitit.JobEnvironment().num_nodes == 1:
-        os.environ["MASTER_ADDR"] = _loopback_address()
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-
-
-def _loopback_address() -> str:
-    """``::1`` where IPv6 loopback works, else ``127.0.0.1``. Rank 0's TCPStore listens on the IPv6 wildcard;
-    on a node that fences every bind to loopback (the local test Slurm) only ``::1`` of it remains."""
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
-            probe.bind(("::1", 0))
-        return "::1"
-    except OSError:
-        return "127.0.0.1"
-
-
 def rank_threads(world_size: int) -> int:
     """Threads per rank: ``PF_BENCH_THREADS`` if set, else the CPUs shared out over the ranks."""
     value = os.environ.get("PF_BENCH_THREADS", "")
@@ -128,9 +102,9 @@ def run_cell_local_ranks(cell, timeout_s: float | None = None) -> list[dict[str,
     with the ranks' stderr when they wrote none)."""
     import tempfile
 
-    from harness.cell_columns import failed_records
+    from harness.execute.jobs import write_job
     from harness.records import read_records
-    from harness.worker import write_job
+    from harness.run.columns import failed_records
 
     with tempfile.TemporaryDirectory(prefix="pf-ranks-") as tmp:
         record = Path(tmp) / f"{cell.cell_id}.parquet"
@@ -139,7 +113,7 @@ def run_cell_local_ranks(cell, timeout_s: float | None = None) -> list[dict[str,
         try:
             proc = run_local_ranks(
                 cell.world_size,
-                "harness.worker",
+                "harness.execute.worker",
                 [str(job)],
                 timeout_s=limit,
                 threads=rank_threads(cell.world_size),
@@ -150,6 +124,20 @@ def run_cell_local_ranks(cell, timeout_s: float | None = None) -> list[dict[str,
             tail = proc.stderr.decode(errors="replace")[-4000:]
             return failed_records(cell, "error", f"ranks exited {proc.returncode} without a record\n{tail}")
         return read_records(record).to_dict("records")
+
+
+def run_cell(cell, folder: str | Path | None = None) -> list[dict[str, Any]] | None:
+    """``cell``'s records (``harness.run.cell.run_cell``) in this process when it is one of the cell's ranks
+    or the cell has one rank; else from its local ranks, after the checks that need no rank (device,
+    layout) so a cell that cannot run starts none. None on a rank other than 0."""
+    from harness.run.cell import run_cell as run_here
+    from harness.run.measurement import refusal
+
+    if cell.world_size > 1 and os.environ.get("WORLD_SIZE") != str(cell.world_size):
+        measured = cell.frontier is None and cell.alignment is None
+        refused = refusal(cell) if measured else None
+        return refused if refused is not None else run_cell_local_ranks(cell)
+    return run_here(cell, folder)
 
 
 def run_alignment_ranks(parallel, kwargs: dict[str, Any], timeout_s: float = 3600) -> list[dict[str, Any]]:
@@ -164,7 +152,7 @@ def run_alignment_ranks(parallel, kwargs: dict[str, Any], timeout_s: float = 360
         try:
             proc = run_local_ranks(
                 parallel.world_size,
-                "harness.launch",
+                "harness.execute.local",
                 ["align", str(job), str(out)],
                 timeout_s=timeout_s,
                 threads=rank_threads(parallel.world_size),
@@ -210,6 +198,6 @@ def _align_main(job_path: str, out_path: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != "align":
-        print("usage: python -m harness.launch align JOB.json OUT.json", file=sys.stderr)
+        print("usage: python -m harness.execute.local align JOB.json OUT.json", file=sys.stderr)
         raise SystemExit(2)
     raise SystemExit(_align_main(sys.argv[2], sys.argv[3]))

@@ -7,8 +7,8 @@ import math
 
 import torch
 
+from harness.contenders import get_contender
 from harness.spec.cell import Cell
-from harness.systems import get_system
 from prefixflow.dtypes import DTYPES
 
 HF_PREFIX = "hf:"
@@ -72,7 +72,7 @@ def build_for(system_name: str, cell: Cell, device: torch.device):
     """A fresh model (same seed for every system) transformed for ``system_name``."""
     from prefixflow import apply_ac
 
-    system = get_system(system_name)
+    system = get_contender(system_name)
     model = build_cell_model(cell, device)
     apply_ac(model, cell.ac)
     model = system.prepare(model, cell)

@@ -1,55 +1,38 @@
-"""One cell: build a model copy per system, warm up, run interleaved repeats, measure, make records."""
+"""A cell of one group per step in one process: a model copy per contender, warm-up, interleaved repeats,
+measurements, records."""
 
 from __future__ import annotations
 
 import gc
 import math
-import os
 import traceback
 from typing import Any
 
 import torch
 
-from harness.cell_columns import (
-    OFFLOAD_BYTES,
-    REPO_ROOT,
+from harness.run.columns import (
     base_record,
     classify,
     cost_columns,
     counted_columns,
     failed_records,
-    git_rev,
     memory_columns,
     model_columns,
     model_shape,
     offload_columns,
     step_time_columns,
 )
-from harness.cell_setup import (
-    build_cell_model,
+from harness.run.measure import PhaseMeter, rank_max
+from harness.run.setup import (
     build_for,
     make_group,
     resolve_device,
     vocab_size_of,
     with_routing,
 )
-from harness.measure import PhaseMeter, rank_max
 from harness.spec.cell import Cell
 
-# Re-exported: other modules and the tests import these from here.
-__all__ = [
-    "OFFLOAD_BYTES",
-    "REPO_ROOT",
-    "base_record",
-    "build_cell_model",
-    "build_for",
-    "classify",
-    "failed_records",
-    "git_rev",
-    "make_group",
-    "resolve_device",
-    "run_cell",
-]
+__all__ = ["run_single_group_cell"]
 
 
 def _release(model: torch.nn.Module | None, device: torch.device) -> None:
@@ -60,30 +43,14 @@ def _release(model: torch.nn.Module | None, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | None:
-    """Run every system of ``cell`` interleaved (A B A B ...); one record per system, never raises for
-    a failing system (status error/oom with the traceback). ``memory_only`` (capacity probes): on CPU one
-    step per system with the live-bytes meter and no timed steps; on CUDA one step and no warm-up."""
+def run_single_group_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]]:
+    """Run every contender of ``cell`` interleaved (A B A B ...); one record per contender, never raises for
+    a failing one (status error/oom with the traceback). ``memory_only`` (capacity probes): on CPU one
+    step per contender with the live-bytes meter and no timed steps; on CUDA one step and no warm-up."""
     try:
         device = resolve_device(cell.device)
     except RuntimeError:
         return failed_records(cell, "error", traceback.format_exc())
-    if cell.parallel != type(cell.parallel)():
-        from prefixflow.parallel import ParallelDims, check_supported
-
-        try:
-            check_supported(ParallelDims.of(cell.parallel.model_dump()))
-        except ValueError as e:
-            return failed_records(cell, "error", str(e), str(device))
-    if cell.world_size > 1 and os.environ.get("WORLD_SIZE") != str(cell.world_size):
-        from harness.launch import run_cell_local_ranks
-
-        return run_cell_local_ranks(cell)  # its ranks come back here, on local ranks
-    if cell.world_size != 1 or cell.groups_per_step != 1:
-        from harness.rank_runner import run_cell_ranks
-
-        return run_cell_ranks(cell, memory_only=memory_only)  # None on ranks other than 0
-
     systems, models, failures, extras, shapes = {}, {}, {}, {}, {}
     for name in cell.systems:
         try:
@@ -119,9 +86,11 @@ def run_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | No
             meter = PhaseMeter(device, model=model, track_memory=track_memory)
             with meter:
                 if count:
-                    counted[name], stats = count_flops(lambda: systems[name].step(model, group, cell, meter))
+                    counted[name], stats = count_flops(
+                        lambda: systems[name].step(model, [group], cell, meter)
+                    )
                 else:
-                    stats = systems[name].step(model, group, cell, meter)
+                    stats = systems[name].step(model, [group], cell, meter)
             res = rank_max(meter.results(extended=True))
             model.zero_grad(set_to_none=True)
             return res, stats

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from harness.cell_setup import HF_PREFIX
+from harness.contenders import get_contender
+from harness.run.setup import HF_PREFIX
 from harness.spec.cell import Cell
-from harness.systems import get_system
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 OFFLOAD_BYTES = ("offloaded_bytes", "prefetched_bytes", "demand_loaded_bytes", "late_bytes", "dropped_bytes")
 _OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
@@ -221,10 +221,10 @@ def offload_columns(cell: Cell, name: str, system: Any, stats: Any) -> dict[str,
     off = getattr(stats, "offload", None)
     if system is None:
         try:
-            system = get_system(name)
+            system = get_contender(name)
         except ValueError:
             system = None
-    out: dict[str, Any] = {"offload": bool(cell.offload and getattr(system, "uses_offload", True))}
+    out: dict[str, Any] = {"offload": bool(cell.offload and getattr(system, "uses_prefixflow_config", True))}
     out["offload_tier"] = off.tier if off is not None else None
     for key in OFFLOAD_BYTES:
         out[key] = getattr(off, key) if off is not None else None

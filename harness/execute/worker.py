@@ -1,38 +1,21 @@
-"""``python -m harness.worker JOB.json``: run one cell and write its record file atomically.
+"""``python -m harness.execute.worker JOB.json``: run one cell and write its record file atomically.
 
-JOB.json holds ``{"cell": <Cell as JSON>, "record_path": "<.../CELL_ID.parquet>"}``. The record is always
-written, whatever the cell does (status ok/error/oom); only a hard kill leaves it to the executor.
+JOB.json (``harness.execute.jobs``) holds the cell and its record path. The record is always written,
+whatever the cell does (status ok/error/oom); only a hard kill leaves it to the executor.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
 
+from harness.execute.jobs import read_job
 from harness.records import cell_status, write_records
 from harness.spec.cell import Cell
 
 THREADS_ENV = "PF_BENCH_THREADS"
-
-
-def write_job(path: Path, cell: Cell, record_path: Path) -> Path:
-    """Write a job file atomically (temp + rename) for ``python -m harness.worker``. The record path is made
-    absolute here: the worker runs in the repository root, not in the directory ``--out`` was given from."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    record = str(Path(record_path).absolute())
-    tmp.write_text(json.dumps({"cell": cell.model_dump(mode="json"), "record_path": record}))
-    os.replace(tmp, path)
-    return path
-
-
-def read_job(path: str | Path) -> tuple[Cell, Path]:
-    data: dict[str, Any] = json.loads(Path(path).read_text())
-    return Cell.model_validate(data["cell"]), Path(data["record_path"])
 
 
 def _set_threads() -> None:
@@ -44,22 +27,14 @@ def _set_threads() -> None:
 
 
 def run_job(cell: Cell, record_path: Path) -> str:
-    """Run ``cell`` and write its records; returns the cell's status."""
-    from harness.cell_columns import failed_records
-    from harness.runner import run_cell
+    """Run ``cell`` (here, or on its local ranks when this process is not one of them) and write its records;
+    returns the cell's status."""
+    from harness.execute.local import run_cell
+    from harness.run.columns import failed_records
 
     _set_threads()
     try:
-        if cell.frontier is not None:
-            from harness.frontier import run_frontier
-
-            records = run_frontier(cell, record_path.parent)
-        elif cell.alignment is not None:
-            from harness.rank_runner import run_alignment_cell
-
-            records = run_alignment_cell(cell)
-        else:
-            records = run_cell(cell)
+        records = run_cell(cell, record_path.parent)
     except Exception:
         records = failed_records(cell, "error", traceback.format_exc())
     if records is None:  # a rank other than 0 of a multi-rank cell: rank 0 writes the record
@@ -73,7 +48,7 @@ def run_job(cell: Cell, record_path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m harness.worker JOB.json", file=sys.stderr)
+        print("usage: python -m harness.execute.worker JOB.json", file=sys.stderr)
         return 2
     cell, record_path = read_job(argv[0])
     status = run_job(cell, record_path)

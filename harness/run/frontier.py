@@ -7,7 +7,7 @@ A search cell (``Cell.frontier`` set; one per spec ``frontier:`` block x variant
 
 The search is bracketed: it probes ``min_len``, doubles until a probe does not fit (or ``max_len`` fits),
 then bisects the bracket on a grid of ``resolution`` tokens until it is one step wide. Each probe is one
-training step of a fresh model (``run_cell(memory_only=True)``):
+training step of a fresh model (``measure_cell(memory_only=True)``):
 
 - on CUDA the device is the budget (``budget_bytes`` caps it through the allocator's memory fraction); an
   out-of-memory error is caught by the runner and recorded as ``oom``, and the search goes on;
@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from harness.cell_columns import failed_records
-from harness.cell_setup import resolve_device
 from harness.records import read_records, write_records
-from harness.runner import run_cell
+from harness.run.columns import failed_records
+from harness.run.measurement import measure_cell
+from harness.run.setup import resolve_device
 from harness.spec.cell import Cell, FrontierSearch
 
 PROBES_DIR = "_probes"
@@ -119,11 +119,11 @@ def run_frontier(
     cell: Cell, folder: str | Path, probe: Callable[[Cell], list[dict]] | None = None
 ) -> list[dict]:
     """Run (or resume) the search of ``cell`` and return every probe's row. ``probe`` runs one probe cell
-    (default: ``run_cell(memory_only=True)``); tests pass a fake memory model."""
+    (default: ``measure_cell(memory_only=True)``); tests pass a fake memory model."""
     search = cell.frontier
     if search is None:
         raise ValueError("run_frontier needs a cell with a frontier search")
-    probe = probe or (lambda c: run_cell(c, memory_only=True))
+    probe = probe or (lambda c: measure_cell(c, memory_only=True))
     try:
         device = resolve_device(cell.device)
         budget = budget_of(search, device)

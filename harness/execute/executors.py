@@ -19,18 +19,20 @@ from pathlib import Path
 
 import submitit
 
-from harness.cell_columns import REPO_ROOT, failed_records
-from harness.launch import export_slurm_rank_env, local_ranks_argv
-from harness.local_ranks import loopback_env
+from harness.execute.jobs import read_job, write_job
+from harness.execute.local import local_ranks_argv
+from harness.execute.local_ranks import loopback_env
+from harness.execute.slurm import export_slurm_rank_env
+from harness.execute.worker import run_job
 from harness.records import InvalidRecord, cell_status, read_records, write_records
+from harness.run.columns import REPO_ROOT, failed_records
 from harness.safe_fs import jobs_folder, open_new, trusted_dir
 from harness.spec.cell import Cell
 from harness.spec.schema import ExecutorSettings
-from harness.worker import read_job, run_job, write_job
 
 EXECUTORS = ("local", "slurm", "debug")
 SLURM_SHIM_DIR = Path("/usr/local/lib/pf-slurm/bin")  # sacct shim written by scripts/slurm_up.sh
-WORKER_ARGV = [sys.executable, "-m", "harness.worker"]
+WORKER_ARGV = [sys.executable, "-m", "harness.execute.worker"]
 OnDone = Callable[[Cell, str], None]
 
 
@@ -109,7 +111,7 @@ def _die_with_parent() -> None:
 
 
 class LocalExecutor:
-    """Worker subprocesses (``python -m harness.worker JOB.json``), at most ``max_jobs`` at once, each in its
+    """Worker subprocesses (``python -m harness.execute.worker JOB.json``), at most ``max_jobs`` at once, each in its
     own process group, killed on timeout and when the sweep process dies."""
 
     name = "local"
@@ -139,7 +141,7 @@ class LocalExecutor:
         logs, root = folder / "_logs", folder.parent
         argv = [*WORKER_ARGV, str(jpath)]
         if cell.world_size > 1:  # one worker per local rank (loopback only); rank 0 writes the record
-            argv = local_ranks_argv(cell.world_size, "harness.worker", [str(jpath)])
+            argv = local_ranks_argv(cell.world_size, "harness.execute.worker", [str(jpath)])
         with (
             open_new(logs / f"{cell.cell_id}.out", root) as out,
             open_new(logs / f"{cell.cell_id}.err", root) as err,

@@ -1,10 +1,11 @@
-"""One cell on many ranks: every rank measures its own steps; rank 0 merges them into the cell's records.
+"""A cell whose step is the data-parallel step (``prefixflow.parallel.train_step`` over the cell's groups),
+on one rank or many: every rank measures its own steps; rank 0 merges them into the cell's records.
 
-Runs inside each rank of a local launch (``harness.local_ranks``) or a Slurm multi-task job
-(``harness.worker`` calls it), or in one process for a single-rank cell with several groups per step. Each system gets its own model copy, built
+Runs in each rank of a local launch or a Slurm multi-task job (``harness.execute`` starts them), or in one
+process for a single-rank cell with several groups per step. Each contender gets its own model copy, built
 from the same seed and parallelized in TorchTitan's order (``prefixflow.parallel.parallelize``); a step is
-``prefixflow.parallel.train_step`` over the cell's groups (one per data-parallel rank unless the cell says
-otherwise), systems alternating A B A B as in the single-process runner.
+the contender's ``step`` over the cell's groups (one per data-parallel rank unless the cell says
+otherwise), contenders alternating A B A B as in the single-group loop.
 
 The record's time of a step is the slowest rank's (the ranks meet at the gradient reduction); the cell's
 ``step_time_s`` is the median of those over the repeats. Each rank's own median is kept
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import traceback
 from typing import Any
@@ -25,7 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.cell_columns import (
+from harness.contenders import get_contender
+from harness.run.columns import (
     base_record,
     classify,
     cost_columns,
@@ -33,35 +34,24 @@ from harness.cell_columns import (
     model_columns,
     model_shape,
 )
-from harness.cell_setup import build_cell_model, make_group, resolve_device
-from harness.measure import PhaseMeter
-from harness.spec.cell import Cell, report_steps_for
-from harness.systems import get_system
+from harness.run.measure import PhaseMeter
+from harness.run.setup import build_cell_model, make_group, resolve_device
+from harness.spec.cell import Cell
 
-__all__ = ["run_cell_ranks", "merge_rank_samples", "run_alignment_cell", "alignment_rows"]
+__all__ = ["run_parallel_step_cell", "merge_rank_samples", "median_step"]
 
 TIMED = ("step_time_s", "phase_a_s", "phase_b_s", "phase_c_s")
 MEMORY = ("peak_mem_bytes", "peak_mem_phase_b_bytes")
 
 
-def _library_system(name: str):
-    system = get_system(name)
-    library = getattr(system, "library_system", None)
-    if library is None:
-        raise ValueError(
-            f"system {name!r} has no multi-rank schedule; parallel cells run baseline/prefixflow systems"
-        )
-    return system, library
-
-
 def _build(name: str, cell: Cell, device: torch.device, dims, mesh):
     from prefixflow.parallel import parallelize
 
-    system, library = _library_system(name)
+    contender = get_contender(name)
     model = build_cell_model(cell, device)
-    model = system.prepare(model, cell)
+    model = contender.prepare(model, cell)
     if dims.world_size > 1:  # a system may turn a knob of the parallel schedule (e.g. CP prefetch off)
-        options = getattr(system, "parallel_options", {})
+        options = getattr(contender, "parallel_options", {})
         model = parallelize(model, dims, ac=cell.ac, compile=cell.compile, mesh=mesh, **options)
     else:
         from prefixflow import apply_ac
@@ -71,7 +61,7 @@ def _build(name: str, cell: Cell, device: torch.device, dims, mesh):
             from prefixflow.compile import apply_compile
 
             apply_compile(model)
-    return model, library
+    return model, contender
 
 
 def _step_columns(stats) -> dict[str, Any]:
@@ -129,14 +119,13 @@ def _hook_columns(stats, timelines: str | None) -> dict[str, Any]:
 def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
     """This rank's record per system, with its raw per-step samples (merged on rank 0)."""
     from prefixflow.parallel import ParallelDims, build_mesh
-    from prefixflow.parallel.dp import train_step
 
     dims = ParallelDims.of(cell.parallel.model_dump())
     mesh = build_mesh(dims, device) if dims.world_size > 1 else None
-    models, libraries, failures, extras = {}, {}, {}, {}
+    models, contenders, failures, extras = {}, {}, {}, {}
     for name in cell.systems:
         try:
-            models[name], libraries[name] = _build(name, cell, device, dims, mesh)
+            models[name], contenders[name] = _build(name, cell, device, dims, mesh)
             extras[name] = model_columns(models[name], cell, name)
         except Exception as e:
             failures[name] = (classify(e), traceback.format_exc())
@@ -152,16 +141,7 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
         model.zero_grad(set_to_none=True)
         meter = PhaseMeter(device, model=model, track_memory=track_memory)
         with meter:
-            stats = train_step(
-                model,
-                groups,
-                system=libraries[name],
-                layout=cell.layout,
-                microbatch=cell.microbatch,
-                loss=cell.loss,
-                split_threshold=cell.split_threshold,
-                observer=meter,
-            )
+            stats = contenders[name].step(model, groups, cell, meter)
         res = meter.results()
         model.zero_grad(set_to_none=True)
         return res, stats
@@ -215,7 +195,7 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
             rec["suffix_tokens"] = sum(g.suffix_tokens for g in st.groups)
         rec["tokens"] = sum(g.prompt_len * g.n + sum(g.response_lens) for g in groups) if groups else None
         if groups and name in models:
-            system = get_system(name)
+            system = get_contender(name)
             rec["attention"] = getattr(system, "attention_variant", lambda d: None)(device)
             lens = [g.response_lens for g in groups]
             rec.update(cost_columns(model_shape(models[name], cell), cell, system, lens, device))
@@ -277,7 +257,7 @@ def merge_rank_samples(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, A
     return merged
 
 
-def run_cell_ranks(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | None:
+def run_parallel_step_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | None:
     """Measure ``cell`` on this rank; rank 0 returns the merged records, other ranks None. Needs the
     process group's environment (local ranks, Slurm) when the layout has more than one rank."""
     if memory_only:
@@ -300,92 +280,3 @@ def run_cell_ranks(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]
     gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(records, gathered, dst=0)
     return merge_rank_samples(gathered) if dist.get_rank() == 0 else None
-
-
-def run_alignment_cell(cell: Cell) -> list[dict[str, Any]] | None:
-    """An alignment cell: Table 3 rows (one record per run, step and quantity) of PrefixFlow vs the baseline
-    in the cell's layout. Multi-rank cells run on local ranks (rank 0 returns the rows, the others None)."""
-    from prefixflow.dtypes import DTYPES
-
-    if cell.world_size > 1 and os.environ.get("WORLD_SIZE") != str(cell.world_size):
-        from harness.launch import run_cell_local_ranks
-
-        return run_cell_local_ranks(cell)
-    settings = cell.alignment
-    kwargs = dict(
-        overrides=dict(cell.model.overrides),
-        dtype=DTYPES[cell.dtype],
-        steps=settings.steps,
-        report_steps=report_steps_for(settings.steps),
-        prefix_len=cell.prefix_len,
-        suffix_len=cell.suffix_len,
-        n=cell.n,
-        layout=cell.layout,
-        microbatch=cell.microbatch,
-        loss=cell.loss,
-        ac=cell.ac,
-        lr=settings.lr,
-        seed=cell.seed,
-    )
-    try:
-        if cell.parallel == type(cell.parallel)() and cell.groups in (None, 1):
-            from prefixflow.alignment import run_alignment
-
-            rows = run_alignment(cell.model.name, **kwargs)
-        else:
-            from prefixflow.parallel import init_distributed
-            from prefixflow.parallel.align import run_parallel_alignment
-
-            if cell.world_size > 1:
-                init_distributed(resolve_device(cell.device))
-            rows = run_parallel_alignment(
-                cell.model.name,
-                dims=cell.parallel.model_dump(),
-                groups_per_step=cell.groups,
-                split_threshold=cell.split_threshold,
-                **kwargs,
-            )
-    except Exception as e:
-        return failed_records(cell, classify(e), traceback.format_exc())
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
-    base = base_record(cell)
-    return [{**base, **r.as_dict(), "system": r.run, "status": "ok", "error": None} for r in rows]
-
-
-ALIGNMENT_KEYS = ("model", "layout", "microbatch", "ac", "parallel")
-
-
-def alignment_rows(records) -> tuple[Any, Any]:
-    """Split collected records into (measurement records, Table 3 rows). The rows take the shape
-    ``pf-bench align --out`` writes, with the parallel layout (``single`` for one process) as a row key."""
-    import pandas as pd
-
-    if "quantity" not in records.columns:
-        return records, pd.DataFrame()
-    is_row = records["quantity"].isin(("G", "L", "W"))  # not the simulator's validation rows (phase_b_s ...)
-    rows = records[is_row].copy()
-    if rows.empty:
-        return records[~is_row], pd.DataFrame()
-    rows["parallel"] = rows["parallel_layout"].fillna("single") if "parallel_layout" in rows else "single"
-    rows["step"] = rows["step"].astype(int)
-    rows["microbatch"] = rows["microbatch"].map(lambda m: "all" if m is None or m != m else str(int(m)))
-    keep = [
-        *ALIGNMENT_KEYS,
-        "dtype",
-        "run",
-        "step",
-        "quantity",
-        "max_abs_diff",
-        "max_abs_value",
-        "passed",
-        "norm_rel_diff",
-        "norm_tol",
-        "worst_tensor",
-        "tau_abs",
-        "tau_rel",
-        "paper_pass",
-        "margin",
-        "git_rev",
-    ]
-    return records[~is_row], rows[[c for c in keep if c in rows.columns]].reset_index(drop=True)
