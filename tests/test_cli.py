@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 import harness
 from harness.cli import app
-from harness.cli_common import parse_overrides
+from harness.cli.common import parse_overrides
 from harness.records import COLUMNS, collect
 from harness.spec.cell import report_steps_for
 from harness.spec.load import expand, load_spec

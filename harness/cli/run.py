@@ -1,8 +1,4 @@
-"""``pf-bench``: the harness command line (thin: parse, call, print).
-
-This module holds the Typer app and ``run``; the other commands live in ``cli_sweep``, ``cli_figures``,
-``cli_align`` and ``rl_cli`` and are registered here in the order ``--help`` lists them.
-"""
+"""``pf-bench run``: one cell from the command line, its records printed (and written with ``--out``)."""
 
 from __future__ import annotations
 
@@ -16,8 +12,7 @@ from pydantic import ValidationError
 from rich.markup import escape
 from rich.text import Text
 
-from harness.cli_align import align
-from harness.cli_common import (
+from harness.cli.common import (
     AC,
     Cp,
     DpReplicate,
@@ -36,18 +31,9 @@ from harness.cli_common import (
     err_console,
     parse_overrides,
 )
-from harness.cli_figures import figures, simulate, tables
-from harness.cli_sweep import collect, status, sweep
-from harness.spec.cell import Cell, ModelSpec, Parallel, report_steps_for
+from harness.spec.cell import Cell, ModelSpec, Parallel
 
-# Re-exported: `harness.rl_cli` and the tests import these from here.
-__all__ = ["app", "console", "err_console", "parse_overrides", "report_steps_for", "_fail", "_table"]
-
-app = typer.Typer(
-    help="PrefixFlow benchmark harness: specs -> cells -> records -> figures.",
-    no_args_is_help=True,
-    add_completion=False,
-)
+__all__ = ["RUN_COLUMNS", "run"]
 
 
 RUN_COLUMNS = [
@@ -77,7 +63,6 @@ RUN_COLUMNS = [
 ]
 
 
-@app.command()
 def run(
     model: Annotated[
         str,
@@ -193,17 +178,3 @@ def run(
             )
     if any(rec["status"] != "ok" for rec in records):
         raise typer.Exit(1)
-
-
-def _register_subcommands() -> None:
-    for command in (sweep, status, collect, figures, tables, simulate, align):
-        app.command()(command)
-    from harness.rl_cli import register as register_rl  # Claim 2: `rl` and `replay`
-
-    register_rl(app)
-
-
-_register_subcommands()
-
-if __name__ == "__main__":
-    app()

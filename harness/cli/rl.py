@@ -31,7 +31,7 @@ class ReplaySystem(StrEnum):
 
 
 def register(app: typer.Typer) -> None:
-    from harness.cli_common import _fail, _table, console, err_console
+    from harness.cli.common import _fail, _table, console, err_console
 
     def log(msg: str) -> None:
         console.print(escape(msg), highlight=False)

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from rich.markup import escape
 from rich.text import Text
 
-from harness.cli_common import (
+from harness.cli.common import (
     AC,
     ALIGNMENT_DIR,
     Cp,

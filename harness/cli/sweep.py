@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from harness.cli_common import ExecutorKind, Preset, _fail, _table, _warn, console, err_console
+from harness.cli.common import ExecutorKind, Preset, _fail, _table, _warn, console, err_console
 from harness.spec.cell import Cell
 from harness.spec.load import DEFAULT_MAX_CELLS, SpecError, check_cell_count, load_spec
 

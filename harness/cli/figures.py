@@ -10,7 +10,7 @@ import pandas as pd
 import typer
 from rich.text import Text
 
-from harness.cli_common import ALIGNMENT_DIR, _fail, _warn, console
+from harness.cli.common import ALIGNMENT_DIR, _fail, _warn, console
 
 
 def _render(kind: str, results: Path, out: Path) -> None:
