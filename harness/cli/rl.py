@@ -52,10 +52,10 @@ def register(app: typer.Typer) -> None:
         """Closed-loop GRPO with every trainer of SPEC (resumable), trace export and replay (Claim 2). A spec
         with a parallel layout runs on that many ranks (TP/CP actor; rank 0 writes the records)."""
         from harness.figures.fig8 import claim2_summary
-        from harness.rl_io import TraceError
-        from harness.rl_ranks import run_on_ranks
-        from harness.rl_run import RLRunError, collected, run_claim2
-        from harness.rl_spec import load_rl_spec
+        from harness.rl.io import TraceError
+        from harness.rl.launch import run_on_ranks
+        from harness.rl.run import RLRunError, collected, run_claim2
+        from harness.rl.spec import load_rl_spec
         from harness.safe_fs import UnsafePathError
         from harness.spec.load import SpecError
 
@@ -87,8 +87,8 @@ def register(app: typer.Typer) -> None:
         """Replay a frozen trace with SYSTEM; per-step weight differences to the trace's own run (Fig. 8b)."""
         import pandas as pd
 
-        from harness.rl_analysis import replay_records
-        from harness.rl_io import TraceError, write_rl_records
+        from harness.rl.analysis import replay_records
+        from harness.rl.io import TraceError, write_rl_records
         from harness.run.setup import resolve_device
         from harness.safe_fs import UnsafePathError
         from harness.spec.load import safe_name

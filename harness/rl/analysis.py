@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from harness.records import read_records
-from harness.rl_io import load_tensors, write_rl_records
-from harness.rl_loop import RunPlan, model_overrides, task_of
-from harness.rl_spec import RLSpec
-from harness.rl_trace import load_trace, replay_trace
+from harness.rl.io import load_tensors, write_rl_records
+from harness.rl.loop import RunPlan, model_overrides, task_of
+from harness.rl.spec import RLSpec
+from harness.rl.trace import load_trace, replay_trace
 from harness.run.columns import git_rev
 
 __all__ = [

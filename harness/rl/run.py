@@ -27,18 +27,18 @@ import torch
 import torch.distributed as dist
 
 from harness.records import read_records
-from harness.rl_analysis import Claim3Reference, divergence_records, replay_records
-from harness.rl_io import (
+from harness.rl.analysis import Claim3Reference, divergence_records, replay_records
+from harness.rl.io import (
     TraceError,
     save_tensors,
     write_json,
     write_rl_records,
 )
-from harness.rl_loop import ClosedLoop, RunPlan, model_overrides, task_of
-from harness.rl_ranks import Ranks, check_loop_layout
-from harness.rl_spec import RLSpec
-from harness.rl_trace import TraceWriter
-from harness.rl_warmstart import warm_start_state
+from harness.rl.loop import ClosedLoop, RunPlan, model_overrides, task_of
+from harness.rl.ranks import Ranks, check_loop_layout
+from harness.rl.spec import RLSpec
+from harness.rl.trace import TraceWriter
+from harness.rl.warmstart import warm_start_state
 from harness.run.columns import git_rev
 from harness.run.setup import resolve_device
 from harness.safe_fs import UnsafePathError, check_writable
@@ -58,7 +58,7 @@ def preflight(
 ) -> torch.device | None:
     """Refuse, before any work, what this build cannot run; returns the device (None unless
     ``device_here``: the ranks run elsewhere, e.g. a Slurm job). ``launched``: this process is one rank of
-    the spec's multi-rank job, or starts them (``harness.rl_ranks``)."""
+    the spec's multi-rank job, or starts them (``harness.rl.ranks``)."""
     par = spec.parallel
     try:
         check_loop_layout(par.model_dump())
@@ -302,7 +302,7 @@ def run_claim2(
     spec: RLSpec, preset: str | None, out: str | Path, log: Log = print, device: torch.device | None = None
 ) -> Path:
     """Everything Claim 2 records, resumably; returns the records folder. In a process group (every rank
-    runs this, ``harness.rl_ranks``) the actor is parallelized over ``spec.parallel`` and rank 0 writes."""
+    runs this, ``harness.rl.ranks``) the actor is parallelized over ``spec.parallel`` and rank 0 writes."""
     launched = dist.is_available() and dist.is_initialized()
     dev = preflight(spec, preset, launched)
     device = device or dev

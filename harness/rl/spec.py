@@ -29,7 +29,7 @@ class _Strict(BaseModel):
 
 
 class TaskSpec(_Strict):
-    """The retrieval task (``harness.rl_task.RetrievalTask``): the prefix ratio sets the passage count."""
+    """The retrieval task (``harness.rl.task.RetrievalTask``): the prefix ratio sets the passage count."""
 
     prefix_ratio: float = Field(0.95, ge=0.5, lt=1.0)
     value_len: int = Field(4, ge=1, le=4096)

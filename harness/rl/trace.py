@@ -23,7 +23,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 import prefixflow as pf
-from harness.rl_io import (
+from harness.rl.io import (
     TraceError,
     load_optimizer,
     load_tensors,
@@ -277,7 +277,7 @@ def replay_trace(
 
     ``fp64``: replay in float64 (weights, AdamW state, compute) an fp32 trace: the difference is then the
     source run's own fp32 rounding, amplified by the optimizer as any fp32 trainer's would be (the floor
-    against which another fp32 trainer's replay is read). ``ranks`` (``harness.rl_ranks.Ranks``): replay
+    against which another fp32 trainer's replay is read). ``ranks`` (``harness.rl.ranks.Ranks``): replay
     on the loop's parallel layout, every rank calling this (each returns the same rows)."""
     from prefixflow.dtypes import DTYPES
 

@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import prefixflow as pf
-from harness.rl_io import (
+from harness.rl.io import (
     TraceError,
     load_optimizer,
     load_tensors,
@@ -37,9 +37,9 @@ from harness.rl_io import (
     save_tensors,
     state_tensors,
 )
-from harness.rl_ranks import Ranks
-from harness.rl_spec import RLSpec
-from harness.rl_task import EOS, RetrievalTask
+from harness.rl.ranks import Ranks
+from harness.rl.spec import RLSpec
+from harness.rl.task import EOS, RetrievalTask
 from prefixflow.dtypes import DTYPES
 from prefixflow.parallel import parallel_state
 from prefixflow.rl import (
