@@ -168,7 +168,7 @@ class PrefixGrouperContender:
         return apply_prefixflow(model)
 
     def step(self, model: nn.Module, groups: list, cell: Any, observer: Any) -> Any:
-        from harness.peers import train_group_prefix_grouper
+        from harness.peers.prefix_grouper import train_group_prefix_grouper
 
         (group,) = groups
         return train_group_prefix_grouper(model, group, loss=cell.loss, observer=observer)

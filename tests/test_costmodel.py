@@ -121,7 +121,7 @@ def test_model_matches_what_runs(family, extra, P, lens, layout, microbatch):
     from conftest import tiny_model
 
     import prefixflow as pf
-    from harness.peers import train_group_prefix_grouper
+    from harness.peers.prefix_grouper import train_group_prefix_grouper
 
     model = tiny_model(family, dtype=torch.float32, **extra)
     shape = as_shape(pf.model_args(model))
