@@ -50,7 +50,7 @@ def _build(name: str, cell: Cell, device: torch.device, dims, mesh):
     contender = get_contender(name)
     model = build_cell_model(cell, device)
     model = contender.prepare(model, cell)
-    if dims.world_size > 1:  # a system may turn a knob of the parallel schedule (e.g. CP prefetch off)
+    if dims.world_size > 1:  # a contender may turn a knob of the parallel schedule (e.g. CP prefetch off)
         options = getattr(contender, "parallel_options", {})
         model = parallelize(model, dims, ac=cell.ac, compile=cell.compile, mesh=mesh, **options)
     else:
@@ -117,7 +117,7 @@ def _hook_columns(stats, timelines: str | None) -> dict[str, Any]:
 
 
 def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
-    """This rank's record per system, with its raw per-step samples (merged on rank 0)."""
+    """This rank's record per contender, with its raw per-step samples (merged on rank 0)."""
     from prefixflow.parallel import ParallelDims, build_mesh
 
     dims = ParallelDims.of(cell.parallel.model_dump())
@@ -146,7 +146,7 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
         model.zero_grad(set_to_none=True)
         return res, stats
 
-    # Collectives need every rank in the same call order: a failing system fails on every rank alike.
+    # Collectives need every rank in the same call order: a failing contender fails on every rank alike.
     for it in range(cell.warmup + cell.repeats):
         for name in cell.systems:
             if name in failures:

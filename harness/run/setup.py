@@ -1,4 +1,4 @@
-"""What one cell runs on: the device, a fresh model per system (same seed), and the synthetic rollout group."""
+"""What one cell runs on: the device, a fresh model per contender (same seed), and the synthetic rollout group."""
 
 from __future__ import annotations
 
@@ -68,19 +68,21 @@ def with_routing(group, model: torch.nn.Module):
     return dataclasses.replace(group, routing=record_routing(model, group))
 
 
-def build_for(system_name: str, cell: Cell, device: torch.device):
-    """A fresh model (same seed for every system) transformed for ``system_name``."""
+def build_for(name: str, cell: Cell, device: torch.device):
+    """The contender ``name`` and a fresh model (same seed for every contender) transformed for it."""
     from prefixflow import apply_ac
 
-    system = get_contender(system_name)
+    contender = get_contender(name)
     model = build_cell_model(cell, device)
     apply_ac(model, cell.ac)
-    model = system.prepare(model, cell)
+    model = contender.prepare(model, cell)
     if cell.compile:
         from prefixflow.compile import apply_compile
 
-        apply_compile(model)  # per-block, shared by both systems; the first (warm-up) step pays compile time
-    return system, model
+        apply_compile(
+            model
+        )  # per-block, shared by every contender; the first (warm-up) step pays compile time
+    return contender, model
 
 
 def vocab_size_of(model: torch.nn.Module) -> int:

@@ -51,10 +51,10 @@ def run_single_group_cell(cell: Cell, memory_only: bool = False) -> list[dict[st
         device = resolve_device(cell.device)
     except RuntimeError:
         return failed_records(cell, "error", traceback.format_exc())
-    systems, models, failures, extras, shapes = {}, {}, {}, {}, {}
+    contenders, models, failures, extras, shapes = {}, {}, {}, {}, {}
     for name in cell.systems:
         try:
-            systems[name], models[name] = build_for(name, cell, device)
+            contenders[name], models[name] = build_for(name, cell, device)
             extras[name] = model_columns(models[name], cell, name)
             shapes[name] = model_shape(models[name], cell)
         except Exception as e:
@@ -87,10 +87,10 @@ def run_single_group_cell(cell: Cell, memory_only: bool = False) -> list[dict[st
             with meter:
                 if count:
                     counted[name], stats = count_flops(
-                        lambda: systems[name].step(model, [group], cell, meter)
+                        lambda: contenders[name].step(model, [group], cell, meter)
                     )
                 else:
-                    stats = systems[name].step(model, [group], cell, meter)
+                    stats = contenders[name].step(model, [group], cell, meter)
             res = rank_max(meter.results(extended=True))
             model.zero_grad(set_to_none=True)
             return res, stats
@@ -142,11 +142,11 @@ def run_single_group_cell(cell: Cell, memory_only: bool = False) -> list[dict[st
     for name in cell.systems:
         rec = {**base_record(cell, str(device)), "system": name, "tokens": tokens, **extras.get(name, {})}
         rec["threads"] = torch.get_num_threads()
-        system = systems.get(name)
-        rec["attention"] = getattr(system, "attention_variant", lambda d: None)(device)
+        contender = contenders.get(name)
+        rec["attention"] = getattr(contender, "attention_variant", lambda d: None)(device)
         if group is not None and name in shapes:
             rec.update(
-                cost_columns(shapes[name], cell, system, group.response_lens, device, last_stats.get(name))
+                cost_columns(shapes[name], cell, contender, group.response_lens, device, last_stats.get(name))
             )
         rec.update(counted_columns(counted.get(name)))
         if cell.memory_budget is not None:
@@ -156,7 +156,7 @@ def run_single_group_cell(cell: Cell, memory_only: bool = False) -> list[dict[st
                 rec["microbatch_sizes"] = ",".join(map(str, plan["microbatch_sizes"]))
                 rec["auto_resident_bytes"] = plan["resident_bytes"]
                 rec["auto_per_token_bytes"] = plan["per_token_bytes"]
-        rec.update(offload_columns(cell, name, systems.get(name), last_stats.get(name)))
+        rec.update(offload_columns(cell, name, contenders.get(name), last_stats.get(name)))
         if name in failures:
             rec["status"], rec["error"] = failures[name]
         else:
