@@ -191,7 +191,7 @@ def test_sweep_runs_real_probes_and_is_resumable(tmp_path):
 
 
 def test_frontier_table_reads_one_search_at_a_time(tmp_path):
-    from harness.figures import frontier_table
+    from harness.figures.fig10 import frontier_table
 
     ratio = run_frontier(_cell(), tmp_path, probe=FakeMemory(per_token=0.1 * MIB))
     prefix = run_frontier(
