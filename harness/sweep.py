@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.executors import check_record, record_path, recorded_status
+from harness.execute.executors import check_record, record_path, recorded_status
 from harness.records import STATUSES, collect, summarize
 from harness.safe_fs import atomic_write, open_dir, open_lock
-from harness.spec import DEFAULT_MAX_CELLS, Cell, Spec, expand, safe_name
+from harness.spec.cell import Cell
+from harness.spec.load import DEFAULT_MAX_CELLS, expand, safe_name
+from harness.spec.schema import Spec
 
 MANIFEST = "_manifest.json"
 MANIFEST_MAX_BYTES = 16 * 2**20

@@ -14,7 +14,7 @@ need no model). The first two microbatches run one response each. The first allo
 group (parameter gradients, gK/gV); the second is the probe: the memory live at its start (``resident``) and
 its peak above that, per token slot (``per_token``), give the plan ``resident + per_token x slots(b) <=
 budget`` for the rest (slots: ``b x longest`` padded, ``Σ lengths`` packed), filled greedily in response
-order. Memory is read by a small live-bytes dispatch mode (:class:`LiveBytes`, which counts the model's
+order. Memory is read by a small live-bytes dispatch mode (``prefixflow.live_bytes.LiveBytesMeter``, which counts the model's
 parameters, buffers and gradients and what it sees allocated), active during Phase A (on CPU, where nothing
 else knows the bytes the prefix left live) and the two probes; it needs eager blocks (not ``apply_compile``).
 A probe above the budget still runs the rest one response at a time; ``GroupStats.plan`` says so.
@@ -23,65 +23,17 @@ A probe above the budget still runs the rest one response at a time; ``GroupStat
 from __future__ import annotations
 
 import contextlib
-import threading
-import weakref
 from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytes", "FixedPlan", "BudgetPlan", "AUTO"]
+from prefixflow.live_bytes import LiveBytesMeter
+
+__all__ = ["FixedPlan", "BudgetPlan", "AUTO"]
 
 AUTO = "auto"
 PROBES = 2  # microbatches of one response before the plan: warm-up (grads, gK/gV), then the measured one
-
-
-class LiveBytes(TorchDispatchMode):
-    """Live and peak bytes of the tensor storages of one device type created under it (and registered ones)."""
-
-    def __init__(self, device_type: str) -> None:
-        super().__init__()
-        self.device_type = device_type
-        # re-entrant: an allocation under the lock can run the GC, whose finalizers free other storages
-        self._lock = threading.RLock()
-        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.current = self.peak = 0
-
-    def _track(self, storage: torch.UntypedStorage) -> None:
-        if storage.device.type != self.device_type:
-            return
-        with self._lock:
-            entry = self._seen.get(storage)
-            if entry is None:
-                entry = self._seen[storage] = [0]
-                weakref.finalize(storage, self._free, entry).atexit = False
-            delta, entry[0] = storage.nbytes() - entry[0], storage.nbytes()
-            self.current += delta
-            self.peak = max(self.peak, self.current)
-
-    def _free(self, entry: list) -> None:
-        with self._lock:
-            self.current -= entry[0]
-            entry[0] = 0
-
-    def register(self, module: nn.Module) -> None:
-        """Count a module's parameters, their gradients and its buffers as live."""
-        for t in (*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None)):
-            self._track(t.untyped_storage())
-        for t in module.buffers():
-            self._track(t.untyped_storage())
-
-    def reset_peak(self) -> None:
-        self.peak = self.current
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
-                self._track(leaf.untyped_storage())
-        return out
 
 
 class FixedPlan:
@@ -119,7 +71,7 @@ class BudgetPlan:
     def __init__(self, model: nn.Module, lengths: list[int], layout: str, budget: int) -> None:
         self.model, self.lengths, self.layout, self.budget = model, list(lengths), layout, int(budget)
         self.device = next(model.parameters()).device
-        self.meter = LiveBytes(self.device.type)
+        self.meter = LiveBytesMeter(self.device.type)
         self.meter.register(self.model)
         self.resident: int | None = None
         self.per_token: float | None = None

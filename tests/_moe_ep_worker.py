@@ -1,6 +1,6 @@
 """Multi-rank MoE cases (EP, EP x TP, MoE under TP), run on local ranks by tests/test_moe_ep.py.
 
-    python -m harness.local_ranks --nproc-per-node=2 -m _moe_ep_worker OUT.json
+    python -m harness.execute.local_ranks --nproc-per-node=2 -m _moe_ep_worker OUT.json
 
 Every rank runs every case in the same order; rank 0 writes ``{case: result}`` to OUT.json. A case trains
 one step with routing replay (fp64) and compares the loss and every gradient, gathered to a full tensor,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.launch import run_local_ranks
+from harness.execute.local import run_local_ranks
 
 TESTS = Path(__file__).resolve().parent
 TOL = 1e-9

@@ -1,6 +1,6 @@
 """Multi-rank exactness cases, run on local ranks by tests/test_parallel_*.py (one launch per test module).
 
-    python -m harness.local_ranks --nproc-per-node=N -m _parallel_worker SUITE OUT.json
+    python -m harness.execute.local_ranks --nproc-per-node=N -m _parallel_worker SUITE OUT.json
 
 Every rank runs every case of SUITE in the same order; rank 0 writes ``{case: result}`` to OUT.json, where a
 result holds the measured differences from a single-process reference (fp64) or the error's traceback.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.rl_spec import parse_rl_spec
+from harness.rl.spec import parse_rl_spec
 
 TINY_SPEC = {
     "name": "tiny",

@@ -2,7 +2,7 @@
 
 A test module calls :func:`launch_cases` once (module-scoped fixture); its ``__main__`` block runs on every
 rank, calls :func:`run_worker` with its case list, and rank 0 writes one JSON of results. A launch costs
-~20 s (importing torchtitan), so cases share it. The ranks start under ``harness.local_ranks``: the store
+~20 s (importing torchtitan), so cases share it. The ranks start under ``harness.execute.local_ranks``: the store
 listens on 127.0.0.1 only, and gloo is pinned to the loopback interface.
 """
 
@@ -19,9 +19,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def launch_cases(script: Path, nproc: int, out: Path, *args: str, timeout: float = 900) -> dict:
-    """Run ``script`` on ``nproc`` local ranks (``harness.local_ranks``: loopback only); return rank 0's JSON
+    """Run ``script`` on ``nproc`` local ranks (``harness.execute.local_ranks``: loopback only); return rank 0's JSON
     (raises with the ranks' output when the launch fails)."""
-    from harness.launch import run_local_ranks
+    from harness.execute.local import run_local_ranks
 
     proc = run_local_ranks(
         nproc,

@@ -8,7 +8,7 @@ from _reference import max_rel_diff
 from conftest import tiny_model
 
 import prefixflow as pf
-from harness.measure import PhaseMeter
+from harness.run.measure import PhaseMeter
 
 GROUP = dict(vocab_size=97, prompt_len=60, response_lens=[12] * 10)
 

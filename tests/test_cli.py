@@ -13,9 +13,11 @@ import torch
 from typer.testing import CliRunner
 
 import harness
-from harness.cli import app, parse_overrides, report_steps_for
+from harness.cli import app
+from harness.cli.common import parse_overrides
 from harness.records import COLUMNS, collect
-from harness.spec import expand, load_spec
+from harness.spec.cell import report_steps_for
+from harness.spec.load import expand, load_spec
 
 REPO = Path(__file__).resolve().parent.parent
 SMOKE = REPO / "experiments" / "smoke.yaml"

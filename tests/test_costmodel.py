@@ -1,4 +1,4 @@
-"""harness.costmodel: executed FLOPs by hand, against FlopCounterMode and the attention pairs that run, the
+"""harness.costmodel.flops: executed FLOPs by hand, against FlopCounterMode and the attention pairs that run, the
 ideal speedup, the paper's §3.1 model, and TorchTitan's own count."""
 
 from __future__ import annotations
@@ -7,9 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness.costmodel import (
+from harness.costmodel.flops import (
     AttentionCounter,
-    ModelShape,
     as_shape,
     count_flops,
     dense_flops_per_token,
@@ -20,6 +19,7 @@ from harness.costmodel import (
     paper_ideal_speedup,
     speedup_terms,
 )
+from harness.costmodel.shape import ModelShape
 
 TINY = ModelShape(dim=4, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=2, hidden_dim=8, vocab_size=10)
 LLAMA8B = ModelShape(
@@ -121,7 +121,7 @@ def test_model_matches_what_runs(family, extra, P, lens, layout, microbatch):
     from conftest import tiny_model
 
     import prefixflow as pf
-    from harness.peers import train_group_prefix_grouper
+    from harness.peers.prefix_grouper import train_group_prefix_grouper
 
     model = tiny_model(family, dtype=torch.float32, **extra)
     shape = as_shape(pf.model_args(model))

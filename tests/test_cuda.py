@@ -53,7 +53,7 @@ def test_pinned_pool_offload_is_bitwise_and_released(prefetch):
 
 
 def test_phase_b_peak_drops_with_offload_on_cuda():
-    from harness.measure import PhaseMeter
+    from harness.run.measure import PhaseMeter
 
     group = pf.synthetic_group(97, 1000, [100] * 4, seed=2)
     peaks = {}

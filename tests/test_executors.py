@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness import executors
-from harness.executors import DebugExecutor, LocalExecutor, make_executor, record_path
+from harness.execute import executors
+from harness.execute.executors import DebugExecutor, LocalExecutor, make_executor, record_path
 from harness.records import collect, read_records
-from harness.spec import Cell, ExecutorSettings, ModelSpec, expand, load_spec
+from harness.spec.cell import Cell, ModelSpec
+from harness.spec.load import expand, load_spec
+from harness.spec.schema import ExecutorSettings
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ModelSpec(
@@ -157,7 +159,7 @@ def _plan_spec(tmp_path: Path):
 
 
 def test_plan_skips_recorded_cells_and_retry_failed_reruns_them(tmp_path):
-    from harness.runner import failed_records
+    from harness.run.columns import failed_records
     from harness.sweep import plan, spec_folder
 
     spec = _plan_spec(tmp_path)

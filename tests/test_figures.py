@@ -7,8 +7,9 @@ import logging
 import pandas as pd
 import pytest
 
-from harness.figures import FIGURES, frontier_table, pair_speedups, render_all, render_tables
-from harness.figures.fig10 import fixed_total_peaks
+from harness.figures import FIGURES, render_all, render_tables
+from harness.figures.common import pair_speedups
+from harness.figures.fig10 import fixed_total_peaks, frontier_table
 from harness.figures.fig11 import budget_points
 from harness.figures.tables import alignment_frame, speedup_frame, to_latex, to_markdown
 

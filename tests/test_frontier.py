@@ -5,11 +5,12 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from harness.executors import DebugExecutor
-from harness.frontier import bracketed_search, probe_split, run_frontier
+from harness.execute.executors import DebugExecutor
 from harness.records import cell_status, collect
-from harness.runner import base_record
-from harness.spec import Cell, FrontierSearch, ModelSpec, SpecError, expand, parse_spec
+from harness.run.columns import base_record
+from harness.run.frontier import bracketed_search, probe_split, run_frontier
+from harness.spec.cell import Cell, FrontierSearch, ModelSpec
+from harness.spec.load import SpecError, expand, parse_spec
 from harness.sweep import run_sweep
 
 MIB = 2**20
@@ -190,7 +191,7 @@ def test_sweep_runs_real_probes_and_is_resumable(tmp_path):
 
 
 def test_frontier_table_reads_one_search_at_a_time(tmp_path):
-    from harness.figures import frontier_table
+    from harness.figures.fig10 import frontier_table
 
     ratio = run_frontier(_cell(), tmp_path, probe=FakeMemory(per_token=0.1 * MIB))
     prefix = run_frontier(

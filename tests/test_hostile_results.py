@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 from test_hostile_specs import TINY, cli, spec_file, user_error
 
-from harness.executors import job_path
+from harness.execute.executors import job_path
 from harness.records import InvalidRecord, collect, read_records, write_records
 from harness.safe_fs import JOBS_DIR_ENV, UnsafePathError, jobs_folder
-from harness.spec import expand, load_spec
+from harness.spec.load import expand, load_spec
 from harness.sweep import plan, spec_folder, status_table
 
 

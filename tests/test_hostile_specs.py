@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import harness.runner
+import harness.execute.local
 from harness.cli import app
 from harness.records import write_records
-from harness.spec import SpecError, load_spec
+from harness.spec.load import SpecError, load_spec
 
 REPO = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -207,12 +207,12 @@ def test_duplicate_keys_are_an_error(tmp_path):
     ],
 )
 def test_run_rejects_bad_options_before_running(monkeypatch, args, fragments):
-    monkeypatch.setattr(harness.runner, "run_cell", lambda *a, **k: pytest.fail("the cell ran"))
+    monkeypatch.setattr(harness.execute.local, "run_cell", lambda *a, **k: pytest.fail("the cell ran"))
     user_error(cli(*RUN, *args), *fragments)
 
 
 def test_run_checks_out_before_the_cell_runs(tmp_path, monkeypatch):
-    monkeypatch.setattr(harness.runner, "run_cell", lambda *a, **k: pytest.fail("the cell ran"))
+    monkeypatch.setattr(harness.execute.local, "run_cell", lambda *a, **k: pytest.fail("the cell ran"))
     afile = tmp_path / "file"
     afile.write_text("x")
     user_error(cli(*RUN, "--out", afile), f"--out {afile}", "not a directory")

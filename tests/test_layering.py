@@ -113,6 +113,22 @@ HARNESS_LAYERS = [
 LAYERS = PREFIXFLOW_LAYERS + HARNESS_LAYERS
 
 
+# --- harness layers (bottom first) ---
+# Each entry is a module or package name prefix (the longest matching prefix places a module). A module may
+# import only its own layer or lower ones (function-local and TYPE_CHECKING imports included) and must not
+# form a cycle within its layer. The order reads as the pipeline: spec -> run -> execute -> sweep -> cli.
+HARNESS_LAYERS = [
+    ["harness", "harness.safe_fs", "harness.peers", "harness.costmodel", "harness.figures"],
+    ["harness.records", "harness.contenders", "harness.simulate"],
+    ["harness.spec"],
+    ["harness.run"],
+    ["harness.execute"],
+    ["harness.sweep", "harness.rl", "harness.local_ranks"],
+    ["harness.cli", "harness.rl_precision"],
+]
+# --- end harness layers ---
+
+
 def _modules() -> dict[str, Path]:
     mods = {}
     for package in PACKAGES:

@@ -1,4 +1,4 @@
-"""Local multi-rank launches listen on loopback only, and fail as one job (``harness.local_ranks``).
+"""Local multi-rank launches listen on loopback only, and fail as one job (``harness.execute.local_ranks``).
 
 While two real gloo ranks hold their process group open, every listening TCP socket of the launch's process
 tree (the launcher's store, each rank's gloo pairs) is read from ``/proc/net/tcp{,6}``: each must be bound to
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.launch import local_env, local_ranks_argv, run_local_ranks
+from harness.execute.local import local_env, local_ranks_argv, run_local_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 LISTEN = "0A"

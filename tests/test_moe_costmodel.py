@@ -8,8 +8,8 @@ from _moe import one_thread, tiny_moe
 from torch.utils.flop_counter import FlopCounterMode
 
 import prefixflow as pf
-from harness import costmodel
-from harness.costmodel_moe import MoEShape, active_params_per_token, moe_shape, total_params
+from harness.costmodel import flops
+from harness.costmodel.moe import MoEShape, active_params_per_token, moe_shape, total_params
 from prefixflow.moe import RoutePlan, moe_layers
 
 __all__ = ["one_thread"]  # the module's autouse fixture
@@ -21,7 +21,7 @@ def _non_norm_params(model) -> int:
 
 def test_qwen3_30b_a3b_has_3b_active_of_30b_parameters():
     model = pf.build_model("qwen3:30B-A3B", device="meta", dtype=torch.bfloat16)
-    shape = costmodel.as_shape(pf.model_args(model))
+    shape = flops.as_shape(pf.model_args(model))
     assert isinstance(shape, MoEShape) and shape.hidden_dim == 8 * 768
     assert total_params(shape) == _non_norm_params(model)  # every expert of every layer, untied head
     assert 3.3e9 < active_params_per_token(shape) < 3.4e9  # the "A3B"
@@ -70,7 +70,7 @@ def test_replayed_routing_costs_what_live_routing_costs():
 
 
 def test_ideal_speedup_of_an_moe_model_follows_prefix_reuse():
-    shape = costmodel.as_shape(pf.model_args(tiny_moe()))
-    low = costmodel.ideal_speedup(shape, 256, 1280, 16)
-    high = costmodel.ideal_speedup(shape, 1280, 256, 16)
+    shape = flops.as_shape(pf.model_args(tiny_moe()))
+    low = flops.ideal_speedup(shape, 256, 1280, 16)
+    high = flops.ideal_speedup(shape, 1280, 256, 16)
     assert 1.0 < low < high < 6.0

@@ -15,7 +15,7 @@ import json
 import pytest
 from _moe_ep_worker import CASES
 
-from harness.launch import run_local_ranks
+from harness.execute.local import run_local_ranks
 
 TOL = 1e-9
 RECORDS = ("ep2-record-routing", "ep2xtp2-record-routing")

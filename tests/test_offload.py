@@ -11,8 +11,8 @@ from conftest import tiny_model
 
 import prefixflow as pf
 import prefixflow.stage as stage_module
-from harness.measure import LiveBytesMeter
 from prefixflow.group import synthetic_group
+from prefixflow.live_bytes import LiveBytesMeter
 
 MODES = {
     "off": pf.PrefixFlowConfig(),

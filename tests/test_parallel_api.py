@@ -11,8 +11,8 @@ import torch
 from conftest import tiny_model
 
 import prefixflow as pf
-from harness.launch import local_ranks_argv
-from harness.rank_runner import merge_rank_samples
+from harness.execute.local import local_ranks_argv
+from harness.run.parallel_step import merge_rank_samples
 from prefixflow.parallel import ParallelDims, parallelize
 from prefixflow.parallel.dp import group_costs, place_groups, train_step
 
@@ -120,7 +120,7 @@ def test_rank_samples_merge_to_the_median_of_per_step_rank_max_with_per_rank_val
 
 def test_local_ranks_argv_uses_the_loopback_launcher_and_runs_a_module():
     argv = local_ranks_argv(2, "harness.rank_worker", ["job.json"])
-    assert argv[1:3] == ["-m", "harness.local_ranks"]
+    assert argv[1:3] == ["-m", "harness.execute.local_ranks"]
     assert "--nproc-per-node=2" in argv and argv[-3:] == ["-m", "harness.rank_worker", "job.json"]
 
 
@@ -137,7 +137,7 @@ def _spec(axes_extra: dict) -> dict:
 
 
 def test_spec_axes_take_torchtitan_names_and_old_dp_is_rejected_naming_the_new_ones():
-    from harness.spec import SpecError, expand, parse_spec
+    from harness.spec.load import SpecError, expand, parse_spec
 
     cells = expand(parse_spec(_spec({"tp": [1, 2], "dp_shard": [1, 2]})))
     assert sorted(c.parallel.label for c in cells) == ["dp_shard2", "dp_shard2-tp2", "single", "tp2"]
@@ -151,7 +151,7 @@ def test_spec_axes_take_torchtitan_names_and_old_dp_is_rejected_naming_the_new_o
 
 
 def test_cells_recorded_before_the_data_parallel_split_keep_their_ids():
-    from harness.spec import Cell, ModelSpec
+    from harness.spec.cell import Cell, ModelSpec
 
     plain = Cell(
         spec="s",
@@ -203,7 +203,7 @@ def test_split_helpers_derive_the_owners_prefix_kv_geometry_and_a_wrong_one_is_r
 
 
 def test_hook_columns_come_from_the_median_timed_step_not_the_last_one():
-    from harness.rank_runner import median_step
+    from harness.run.parallel_step import median_step
 
     assert median_step([{"step_time_s": t} for t in (0.2, 0.3, 0.1)]) == 0
     assert median_step([{"step_time_s": t} for t in (0.5, 0.1, 0.2, 0.4)]) == 2

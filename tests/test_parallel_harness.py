@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from harness.executors import LocalExecutor
+from harness.execute.executors import LocalExecutor
 from harness.records import read_records
-from harness.spec import expand, parse_spec
+from harness.spec.load import expand, parse_spec
 
 SPEC = {
     "name": "pharness",

@@ -6,10 +6,11 @@ import json
 
 from _slurm_marks import SLURM_JOB_MARKS
 
-from harness.executors import SlurmExecutor
+from harness.execute.executors import SlurmExecutor
 from harness.records import read_records
 from harness.safe_fs import jobs_folder
-from harness.spec import ExecutorSettings, expand, parse_spec
+from harness.spec.load import expand, parse_spec
+from harness.spec.schema import ExecutorSettings
 
 pytestmark = SLURM_JOB_MARKS
 

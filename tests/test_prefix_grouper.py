@@ -8,8 +8,7 @@ from _reference import max_rel_diff
 from conftest import TINY, tiny_model
 
 import prefixflow as pf
-from harness.peers import train_group_prefix_grouper
-from harness.peers.prefix_grouper import grouped_attention_func
+from harness.peers.prefix_grouper import grouped_attention_func, train_group_prefix_grouper
 
 TOL = 1e-12  # measured ~1e-15: nothing in PrefixGrouper drops below fp64
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from harness.cli import app
 from harness.records import collect, read_records
-from harness.rl_spec import RL_PRESETS, load_rl_spec
+from harness.rl.spec import RL_PRESETS, load_rl_spec
 
 REPO = Path(__file__).resolve().parent.parent
 CLAIM2 = REPO / "experiments" / "claim2.yaml"
@@ -118,7 +118,7 @@ def test_smoke_preset_records_figures_and_resume(tmp_path):
 
 
 def test_rl_records_are_verified_records_kept_apart_by_preset(tmp_path):
-    from harness.rl_io import write_rl_records
+    from harness.rl.io import write_rl_records
 
     def rows(preset):
         return [

@@ -10,9 +10,9 @@ from _rl_tiny import TINY_SPEC, tiny_spec
 
 import prefixflow as pf
 from harness.records import read_records
-from harness.rl_loop import ClosedLoop, RunPlan, build_model_for, task_of
-from harness.rl_run import run_claim2
-from harness.rl_task import EOS, RetrievalTask
+from harness.rl.loop import ClosedLoop, RunPlan, build_model_for, task_of
+from harness.rl.run import run_claim2
+from harness.rl.task import EOS, RetrievalTask
 from prefixflow.rl import (
     actor_update,
     group_advantages,
@@ -217,7 +217,7 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path, monkeypatch):
 
 
 def test_sequential_schedule_gives_the_lockstep_numbers_and_frees_each_run(tmp_path, monkeypatch):
-    import harness.rl_run as rl_run
+    import harness.rl.run as rl_run
 
     spec = tiny_spec(reference_seed=1, claim3_reference={"enabled": True, "warmup": 0, "repeats": 1})
     lockstep = run_claim2(spec, None, tmp_path / "lockstep", log=lambda _: None)

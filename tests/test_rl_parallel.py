@@ -6,7 +6,7 @@ parallelized actor, takes two ``actor_update`` steps (GRPO loss with KL, norm cl
 and syncs the actor into a full rollout replica (``sync_weights`` gathers sharded parameters); each is
 compared with the same calls on an unparallelized copy. Under ``dp_shard``/``dp_replicate`` the groups are
 placed across the ranks (3 groups on 2 ranks: uneven, a group split); loss and token counts still cover all
-groups. Then the actor's weights and AdamW state are saved whole (``harness.rl_io``, as checkpoints and
+groups. Then the actor's weights and AdamW state are saved whole (``harness.rl.io``, as checkpoints and
 traces do), restored into a fresh parallel actor, and one more update must match. The ``*-inf-one-rank``
 case puts an inf in one TP rank's gradient shard only: every rank must raise NonFiniteError with gradients
 and weights untouched (the guard's verdict is collective), and the next update must match one process.
@@ -188,7 +188,7 @@ def _case(dims: dict, system: str, clip: str, n_groups: int = 2) -> dict:
     out["sharded_params"] = any(hasattr(p, "full_tensor") for p in actor.parameters())
     sync_weights(actor, replica)
     out["synced_rel"] = max_rel(_whole(replica), _whole(single))
-    from harness.rl_io import load_optimizer, load_weights, optimizer_tensors, state_tensors
+    from harness.rl.io import load_optimizer, load_weights, optimizer_tensors, state_tensors
 
     saved = {**state_tensors(actor, "w."), **optimizer_tensors(actor, opts[1])}
     want = {**state_tensors(single, "w."), **optimizer_tensors(single, opts[0])}

@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 
 from harness.cli import app
 from harness.records import read_records
-from harness.rl_io import load_tensors
-from harness.rl_run import RLRunError, run_claim2
-from harness.rl_spec import parse_rl_spec
+from harness.rl.io import load_tensors
+from harness.rl.run import RLRunError, run_claim2
+from harness.rl.spec import parse_rl_spec
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = {

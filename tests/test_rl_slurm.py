@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from harness.cli import app
 from harness.records import read_records
-from harness.rl_run import run_claim2
-from harness.rl_spec import parse_rl_spec
+from harness.rl.run import run_claim2
+from harness.rl.spec import parse_rl_spec
 from harness.safe_fs import jobs_folder
 
 pytestmark = SLURM_JOB_MARKS

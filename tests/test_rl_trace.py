@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 
 from harness.cli import app
 from harness.records import read_records
-from harness.rl_io import TraceError, load_tensors, sha256_of
-from harness.rl_precision import step_gradients
-from harness.rl_run import run_claim2
-from harness.rl_trace import load_trace, replay_trace
+from harness.rl.io import TraceError, load_tensors, sha256_of
+from harness.rl.precision import step_gradients
+from harness.rl.run import run_claim2
+from harness.rl.trace import load_trace, replay_trace
 
 
 @pytest.fixture(scope="module")

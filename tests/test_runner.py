@@ -8,11 +8,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from harness import systems
-from harness.executors import CellJob
-from harness.runner import classify, make_group, run_cell
-from harness.spec import Cell, ModelSpec
-from harness.systems import TrainGroupSystem, available_systems, get_system, register_system
+from harness import contenders
+from harness.contenders import TrainGroupContender, available_contenders, get_contender, register_contender
+from harness.execute.executors import CellJob
+from harness.run.columns import classify
+from harness.run.measurement import measure_cell
+from harness.run.setup import make_group
+from harness.spec.cell import Cell, ModelSpec
 
 TINY = ModelSpec(
     name="llama3:debugmodel", overrides={"dim": 32, "n_layers": 2, "n_heads": 2, "vocab_size": 128}
@@ -26,19 +28,19 @@ def _cell(systems_, **over) -> Cell:
     return Cell(**{**base, **over})
 
 
-class Recorder(TrainGroupSystem):
+class Recorder(TrainGroupContender):
     log: list[tuple[str, int, float]] = []
 
-    def step(self, model, group, cell, observer):
+    def step(self, model, groups, cell, observer):
         first = next(model.parameters())
         Recorder.log.append((self.name, id(model), float(first.detach().sum())))
-        return super().step(model, group, cell, observer)
+        return super().step(model, groups, cell, observer)
 
 
-class Exploding(TrainGroupSystem):
+class Exploding(TrainGroupContender):
     exc: type[BaseException] = RuntimeError
 
-    def step(self, model, group, cell, observer):
+    def step(self, model, groups, cell, observer):
         raise self.exc("boom from the test system")
 
 
@@ -50,23 +52,23 @@ def test_systems():
         "explode": lambda: Exploding("explode", "baseline", False),
     }
     for name, factory in added.items():
-        register_system(name, factory)
+        register_contender(name, factory)
     Recorder.log = []
     yield
     for name in added:
-        systems._REGISTRY.pop(name)
+        contenders._REGISTRY.pop(name)
 
 
 def test_registry():
-    assert {"baseline", "prefixflow"} <= set(available_systems())
+    assert {"baseline", "prefixflow"} <= set(available_contenders())
     with pytest.raises(ValueError, match="already registered"):
-        register_system("baseline", lambda: None)
+        register_contender("baseline", lambda: None)
     with pytest.raises(ValueError, match="unknown system 'prefix_grouperx'.*baseline"):
-        get_system("prefix_grouperx")
+        get_contender("prefix_grouperx")
 
 
 def test_systems_interleave_on_separate_identical_models(test_systems):
-    records = run_cell(_cell(["rec_a", "rec_b"]))
+    records = measure_cell(_cell(["rec_a", "rec_b"]))
     assert [r["status"] for r in records] == ["ok", "ok"]
     names = [name for name, _, _ in Recorder.log]
     assert names == ["rec_a", "rec_b"] * 4  # warm-up, 2 timed repeats, 1 CPU memory step: A B A B ...
@@ -78,7 +80,7 @@ def test_systems_interleave_on_separate_identical_models(test_systems):
 
 
 def test_a_failing_system_does_not_stop_the_other(test_systems):
-    records = {r["system"]: r for r in run_cell(_cell(["explode", "rec_a"]))}
+    records = {r["system"]: r for r in measure_cell(_cell(["explode", "rec_a"]))}
     assert records["explode"]["status"] == "error"
     assert (
         "Traceback" in records["explode"]["error"]
@@ -89,7 +91,7 @@ def test_a_failing_system_does_not_stop_the_other(test_systems):
 
 def test_memory_errors_are_oom(test_systems, monkeypatch):
     monkeypatch.setattr(Exploding, "exc", MemoryError)
-    assert run_cell(_cell(["explode"]))[0]["status"] == "oom"
+    assert measure_cell(_cell(["explode"]))[0]["status"] == "oom"
     assert classify(torch.OutOfMemoryError("CUDA out of memory")) == "oom"
     assert classify(RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory")) == "oom"
     assert classify(ValueError("bad shape")) == "error"
@@ -111,10 +113,10 @@ def test_offload_is_passed_to_prefixflow():
 
     # the harness's "prefixflow" system is the library default (attention="auto"); the variants pin theirs
     default = PrefixFlowConfig()
-    assert systems.prefixflow_config(_cell(["prefixflow"], offload=True)) == replace(default, offload=True)
-    assert systems.prefixflow_config(_cell(["prefixflow"])) == default
+    assert contenders.prefixflow_config(_cell(["prefixflow"], offload=True)) == replace(default, offload=True)
+    assert contenders.prefixflow_config(_cell(["prefixflow"])) == default
     concat = PrefixFlowConfig(attention="concat")
-    assert systems.prefixflow_config(_cell(["prefixflow_concat"]), "concat") == concat
+    assert contenders.prefixflow_config(_cell(["prefixflow_concat"]), "concat") == concat
 
 
 def test_slurm_job_is_checkpointable_and_requeues_the_same_cell(tmp_path):
@@ -125,7 +127,7 @@ def test_slurm_job_is_checkpointable_and_requeues_the_same_cell(tmp_path):
 
 
 def test_memory_only_is_one_metered_step_per_system(test_systems):
-    records = run_cell(_cell(["rec_a", "rec_b"]), memory_only=True)
+    records = measure_cell(_cell(["rec_a", "rec_b"]), memory_only=True)
     assert [name for name, _, _ in Recorder.log] == ["rec_a", "rec_b"]  # no warm-up, no timed repeats
     assert all(r["status"] == "ok" and r["mem_meter"] == "cpu-live-bytes" for r in records)
     assert all(r["peak_mem_bytes"] > 0 and r["step_time_s"] > 0 for r in records)
@@ -133,7 +135,7 @@ def test_memory_only_is_one_metered_step_per_system(test_systems):
 
 def test_baseline_rows_of_an_offload_cell_do_not_claim_offload():
     records = {
-        r["system"]: r for r in run_cell(_cell(["baseline", "prefixflow"], offload=True, prefix_len=200))
+        r["system"]: r for r in measure_cell(_cell(["baseline", "prefixflow"], offload=True, prefix_len=200))
     }
     assert records["baseline"]["offload"] is False and records["baseline"]["offloaded_bytes"] is None
     pf = records["prefixflow"]
@@ -142,7 +144,7 @@ def test_baseline_rows_of_an_offload_cell_do_not_claim_offload():
 
 
 def test_records_carry_modelled_and_counted_flops_and_the_revision():
-    records = {r["system"]: r for r in run_cell(_cell(["baseline", "prefixflow", "prefixflow_concat"]))}
+    records = {r["system"]: r for r in measure_cell(_cell(["baseline", "prefixflow", "prefixflow_concat"]))}
     for name, rec in records.items():
         assert rec["status"] == "ok", rec["error"]
         assert rec["model_flops"] == rec["counted_flops"] > 0, name  # this tiny case: exact
@@ -160,10 +162,23 @@ def test_records_carry_modelled_and_counted_flops_and_the_revision():
     assert concat["counted_gemm_flops"] == pf["counted_gemm_flops"]
 
 
+def test_both_loops_run_a_registered_contender_through_its_step(test_systems):
+    """The single-group loop and the data-parallel step loop (two groups, here on one process) both call the
+    contender's ``step``: a newly registered contender runs on ranks too."""
+    for groups in (None, 2):
+        Recorder.log = []
+        records = measure_cell(_cell(["rec_a", "rec_b"], repeats=1, groups=groups))
+        assert [r["status"] for r in records] == ["ok", "ok"], [r["error"] for r in records]
+        assert [name for name, _, _ in Recorder.log] == ["rec_a", "rec_b"] * 3, (
+            groups
+        )  # warm-up, repeat, memory
+    assert records[0]["groups_per_step"] == 2 and records[0]["grad_sync"]  # the data-parallel step's columns
+
+
 def test_multi_group_records_model_the_whole_step():
     """A step of two groups (the multi-rank runner, here on one process) models both groups' FLOPs."""
-    one = {r["system"]: r for r in run_cell(_cell(["baseline", "prefixflow"], repeats=1))}
-    two = {r["system"]: r for r in run_cell(_cell(["baseline", "prefixflow"], repeats=1, groups=2))}
+    one = {r["system"]: r for r in measure_cell(_cell(["baseline", "prefixflow"], repeats=1))}
+    two = {r["system"]: r for r in measure_cell(_cell(["baseline", "prefixflow"], repeats=1, groups=2))}
     for name in ("baseline", "prefixflow"):
         assert two[name]["status"] == "ok", two[name]["error"]
         assert two[name]["groups_per_step"] == 2
@@ -194,7 +209,7 @@ def test_auto_microbatch_cells_are_validated_and_record_their_plan():
         suffix_len=8,
         seed=1,
     )
-    records = {r["system"]: r for r in run_cell(cell)}
+    records = {r["system"]: r for r in measure_cell(cell)}
     pf, pg = records["prefixflow"], records["prefix_grouper"]
     assert pf["status"] == pg["status"] == "ok", pf["error"]
     assert pf["microbatch_auto"] and pf["memory_budget"] == peer and pf["memory_budget_bytes"] > 0

@@ -1,15 +1,12 @@
-"""harness/simulate.py: the discrete-event pipeline and CP model (no timing claims here: those live in records)."""
+"""harness/simulate/pipeline.py: the discrete-event pipeline and CP model (no timing claims here: those live in records)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import tiny_model
 
-import prefixflow as pf
-from harness import simulate as sim
-from harness.simulate_cp import simulate_cp_phase_b
-from harness.simulate_profile import profile_layers
+from harness.costmodel.shape import ModelShape
+from harness.simulate import pipeline as sim
+from harness.simulate.cp import simulate_cp_phase_b
 
 
 def _unit_costs(n_stages: int, n_mb: int, a=1.0, f=1.0, b=2.0, c=2.0, msg=0.0) -> sim.PipelineCosts:
@@ -95,24 +92,17 @@ def test_cp_prefetch_leaves_only_the_first_layer_on_demand():
     assert slow["exposed_s"] == pytest.approx(3.0 + 7 * 2.0)  # a gather longer than a layer is partly exposed
 
 
-def test_profile_layers_measures_every_block_of_every_operation():
-    model = tiny_model("llama3", dtype=torch.float32)
-    group = pf.synthetic_group(97, 24, [6, 9, 4], seed=0)
-    costs = profile_layers(model, group, system="prefixflow", microbatch=1, repeats=1)
-    assert len(costs.forward) == len(costs.backward) == 3
-    assert all(len(row) == 2 and min(row) > 0 for row in costs.forward + costs.backward)
-    assert len(costs.prefix_forward) == 2 and min(costs.prefix_forward + costs.prefix_backward) > 0
-    assert min(costs.head_forward + costs.head_backward) > 0
-    assert all(p.grad is None for p in model.parameters())
-    base = profile_layers(model, group, system="baseline", microbatch=2, repeats=1)
-    assert base.prefix_forward == [] and len(base.forward) == 2
+def test_pipeline_costs_group_layers_into_stages_and_the_head_joins_the_last():
+    fwd, bwd = [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], [[2.0, 4.0], [6.0, 8.0], [10.0, 12.0]]
+    costs = sim.LayerCosts([0.5, 0.7], [1.0, 1.4], fwd, bwd, [0.25] * 3, [0.5] * 3)
     stages = sim.pipeline_costs(costs, [[0], [1]], message_s=0.001)
     assert stages.n_stages == 2 and stages.n_microbatches == 3
+    assert stages.forward[0][0] == pytest.approx(costs.forward[0][0])
     assert stages.forward[1][0] == pytest.approx(costs.forward[0][1] + costs.head_forward[0])
 
 
 def test_flop_costs_scale_with_the_work():
-    shape = sim.costmodel.ModelShape(4096, 32, 32, 8, 128, 14336, 128256)
+    shape = ModelShape(4096, 32, 32, 8, 128, 14336, 128256)
     one = sim.flop_layer_costs(shape, 4096, 4096, 8, flops_per_s=1e14)
     two = sim.flop_layer_costs(shape, 4096, 4096, 8, flops_per_s=1e14, tp=2)
     assert len(one.forward) == 8 and one.n_layers == 32
@@ -124,7 +114,7 @@ def test_paper_scale_panels_are_simulated_records_that_figure_6_draws(tmp_path):
     import pandas as pd
 
     from harness.figures.fig6 import cp_breakdown, figure6a, figure6b, pp_gaps
-    from harness.simulate_claim1 import paper_cp_records, paper_pp_records
+    from harness.simulate.claim1 import paper_cp_records, paper_pp_records
 
     df = pd.DataFrame(paper_pp_records(ns=(4, 8, 16)) + paper_cp_records())
     assert set(df["source"]) == {"simulated"}
@@ -143,7 +133,7 @@ def test_paper_scale_panels_are_simulated_records_that_figure_6_draws(tmp_path):
 def test_cp_validation_predicts_the_prefetch_run_from_the_on_demand_run():
     import pandas as pd
 
-    from harness.simulate_validate import validate_records
+    from harness.simulate.validate import validate_records
 
     common = dict(
         cell_id="c1", status="ok", cp=2, pp=1, n=4, microbatch=1, n_layers=2, prefix_len=64, suffix_len=16
@@ -163,7 +153,7 @@ def test_cp_validation_predicts_the_prefetch_run_from_the_on_demand_run():
 def test_simulator_validation_rows_are_not_table3_rows():
     import pandas as pd
 
-    from harness.rank_runner import alignment_rows
+    from harness.run.alignment import alignment_rows
 
     table3 = dict(cell_id="a1", status="ok", system="prefixflow", quantity="G", step=1.0, microbatch=1.0,
                   model="m", layout="padded", ac="none", parallel_layout="cp2", dtype="fp64", run="prefixflow",
@@ -181,7 +171,7 @@ def _family(per_layer: dict, n_layers: int = 4, pp: int = 2, ns=(2, 4, 8), msg: 
 
     import pandas as pd
 
-    from harness.simulate_claim1 import stage_layers
+    from harness.simulate.claim1 import stage_layers
 
     stages = stage_layers(pp, n_layers)
     recs = []
@@ -204,7 +194,7 @@ def _family(per_layer: dict, n_layers: int = 4, pp: int = 2, ns=(2, 4, 8), msg: 
 def test_pp_validation_predicts_each_run_from_the_others():
     import json
 
-    from harness.simulate_validate import validate_records
+    from harness.simulate.validate import validate_records
 
     df = _family(dict(A=0.3, F=0.1, B=0.2, C=0.5))
     rows = validate_records(df)
@@ -228,8 +218,8 @@ def test_pp_validation_predicts_each_run_from_the_others():
 def test_pp_validation_fits_the_cores_the_stages_shared():
     import json
 
-    from harness.simulate_claim1 import stage_layers
-    from harness.simulate_validate import timeline_costs, validate_records
+    from harness.simulate.claim1 import stage_layers
+    from harness.simulate.validate import timeline_costs, validate_records
 
     df = _family(dict(A=0.3, F=0.1, B=0.2, C=0.5))
     stages = stage_layers(2, 4)
@@ -250,7 +240,7 @@ def test_pp_validation_fits_the_cores_the_stages_shared():
 def test_timeline_costs_share_a_stage_between_its_layers_and_find_the_message_latency():
     import json
 
-    from harness.simulate_validate import timeline_costs
+    from harness.simulate.validate import timeline_costs
 
     df = _family(dict(A=0.3, F=0.1, B=0.2, C=0.5), n_layers=4, ns=(4,), msg=0.02)
     steps = [json.loads(t) for t in json.loads(df.loc[0, "pp_timelines_steps"])]

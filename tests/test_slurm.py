@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from harness.cli import app
 from harness.records import collect
 from harness.safe_fs import jobs_folder
-from harness.spec import expand, load_spec
+from harness.spec.load import expand, load_spec
 
 pytestmark = SLURM_JOB_MARKS
 SMOKE = Path(__file__).resolve().parent.parent / "experiments" / "smoke.yaml"

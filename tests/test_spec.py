@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.spec import Cell, ModelSpec, Parallel, SpecError, expand, load_spec, parse_spec, safe_name
+from harness.spec.cell import Cell, ModelSpec, Parallel
+from harness.spec.load import SpecError, expand, load_spec, parse_spec, safe_name
 
 SMOKE = Path(__file__).resolve().parent.parent / "experiments" / "smoke.yaml"
 

@@ -10,21 +10,21 @@ from _reference import max_rel_diff
 from conftest import TINY
 
 import prefixflow as pf
-from harness.systems import available_systems, get_system
+from harness.contenders import available_contenders, get_contender
 
 PREFIXFLOW = ("prefixflow", "prefixflow_concat", "prefixflow_split")
 
 
 def test_registered_systems_agree_with_the_baseline():
-    assert {"baseline", *PREFIXFLOW, "prefix_grouper"} <= set(available_systems())
+    assert {"baseline", *PREFIXFLOW, "prefix_grouper"} <= set(available_contenders())
     name, overrides = TINY["qwen3"]
     group = pf.synthetic_group(97, 17, [4, 9, 2], seed=3)
     cell = SimpleNamespace(layout="packed", microbatch=2, loss="pg", offload=False)
     results = {}
     for system_name in ("baseline", *PREFIXFLOW, "prefix_grouper"):
-        system = get_system(system_name)
+        system = get_contender(system_name)
         model = system.prepare(pf.build_model(name, dtype=torch.float64, overrides=overrides), cell)
-        stats = system.step(model, group, cell, None)
+        stats = system.step(model, [group], cell, None)
         results[system_name] = (stats.loss, [p.grad for p in model.parameters()])
     want_loss, want = results.pop("baseline")
     for system_name, (loss, grads) in results.items():
@@ -39,10 +39,10 @@ def test_names_match_the_library():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     default = pf.PrefixFlowConfig()
     for system_name, attention in zip(PREFIXFLOW, ("auto", "concat", "split"), strict=True):
-        system = get_system(system_name)
+        system = get_contender(system_name)
         model = system.prepare(pf.build_model(name, overrides=overrides), cell)
         assert model._prefixflow.config.attention == attention, system_name
         want = default.attention_for if attention == "auto" else (lambda d, a=attention: a)
         assert system.attention_variant(cpu) == want(cpu) and system.attention_variant(cuda) == want(cuda)
-    assert get_system("baseline").attention_variant(cpu) is None
-    assert get_system("prefix_grouper").attention_variant(cpu) is None
+    assert get_contender("baseline").attention_variant(cpu) is None
+    assert get_contender("prefix_grouper").attention_variant(cpu) is None

@@ -1,5 +1,5 @@
 """Figure 8: (a) training reward and actor loss of the closed loop per trainer, and the weight RMSE between
-runs over each run's own drift, per pair kind (``harness.rl_analysis.pair_kind``: one trainer at two seeds
+runs over each run's own drift, per pair kind (``harness.rl.analysis.pair_kind``: one trainer at two seeds
 is the seed-change reference; two trainers at one seed, or at two seeds as in the paper, the cross-system
 fork); (b) frozen-trace replay: max / RMSE / mean-abs parameter differences per replayed step. Also the
 Claim-2 summary table."""

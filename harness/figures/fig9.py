@@ -2,7 +2,7 @@
 
 (a) eager (``compile`` false on both sides), (b) compiled (``compile`` true on both sides). The system
 ``prefixflow`` is the library default (its resolved attention variant is in the title); ``_concat``/``_split``
-pin one. The dashed line is the corrected ideal of ``harness.costmodel`` (what the schedule must execute).
+pin one. The dashed line is the corrected ideal of ``harness.costmodel.flops`` (what the schedule must execute).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ SPEEDUP_SYSTEMS = ("prefixflow", "prefixflow_concat", "prefixflow_split", "prefi
 def speedup_frame(df: pd.DataFrame) -> pd.DataFrame:
     """One row per paired configuration and non-baseline system, sorted for reading.
 
-    ``ideal``: the corrected ideal (``harness.costmodel.ideal_speedup``), ``of ideal`` = speedup / ideal;
+    ``ideal``: the corrected ideal (``harness.costmodel.flops.ideal_speedup``), ``of ideal`` = speedup / ideal;
     ``paper ideal``: the paper's §3.1 model. Memory compares like with like: ``peak ÷ base`` is the system's
     whole-step peak over the baseline's whole-step peak; ``B peak MiB`` is PrefixFlow's Phase-B peak (its
     own scope; the baseline and PrefixGrouper have no Phase B).

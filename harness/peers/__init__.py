@@ -1,5 +1,2 @@
-"""Peer systems run on our models for side-by-side comparisons (PrefixGrouper)."""
-
-from .prefix_grouper import train_group_prefix_grouper
-
-__all__ = ["train_group_prefix_grouper"]
+"""Peer implementations run on our models for side-by-side comparisons (``prefix_grouper``: PrefixGrouper;
+``timing``: its timing harness)."""

@@ -1,0 +1,231 @@
+"""The columns of a cell's records: what the cell was (``base_record``), and what each system's steps
+measured: times, peak memory, offload traffic, model shape, modelled and counted FLOPs."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import socket
+import statistics
+import subprocess
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.contenders import get_contender
+from harness.run.setup import HF_PREFIX
+from harness.spec.cell import Cell
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+OFFLOAD_BYTES = ("offloaded_bytes", "prefetched_bytes", "demand_loaded_bytes", "late_bytes", "dropped_bytes")
+_OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+@functools.cache
+def git_rev() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    rev = out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+    if rev != "unknown":  # uncommitted changes to tracked files: the revision alone does not say what ran
+        try:
+            dirty = subprocess.run(
+                ["git", "diff", "--quiet", "HEAD", "--"], cwd=REPO_ROOT, capture_output=True, timeout=10
+            )
+        except (OSError, subprocess.SubprocessError):
+            return rev
+        if dirty.returncode == 1:
+            rev += "-dirty"
+    return rev
+
+
+def classify(exc: BaseException) -> str:
+    """'oom' for allocator failures (CUDA or host), else 'error'."""
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return "oom"
+    return "oom" if any(t in str(exc).lower() for t in _OOM_TEXT) else "error"
+
+
+def base_record(cell: Cell, device: str = "") -> dict[str, Any]:
+    """The columns every row of a cell shares (also used for error/timeout rows written by executors)."""
+    par = cell.parallel
+    return {
+        "cell_id": cell.cell_id,
+        "spec": cell.spec,
+        "git_rev": git_rev(),
+        "timestamp": datetime.now(UTC).isoformat(timespec="milliseconds"),
+        "host": socket.gethostname(),
+        "device": device or cell.device,
+        "model": cell.model.display,
+        "model_overrides": json.dumps(cell.model.overrides, sort_keys=True),
+        "dtype": cell.dtype,
+        "prefix_len": cell.prefix_len,
+        "suffix_len": cell.suffix_len,
+        "n": cell.n,
+        "prefix_ratio": cell.prefix_ratio,
+        "suffix_spread": cell.suffix_spread,
+        "layout": cell.layout,
+        "microbatch": None if cell.microbatch == "auto" else cell.microbatch,
+        "microbatch_auto": cell.microbatch == "auto",
+        "memory_budget": None if cell.memory_budget is None else str(cell.memory_budget),
+        "compile": cell.compile,
+        "ac": cell.ac,
+        "offload": cell.offload,
+        "dp_replicate": par.dp_replicate,
+        "dp_shard": par.dp_shard,
+        "tp": par.tp,
+        "cp": par.cp,
+        "pp": par.pp,
+        "dp": par.batch,  # the data-parallel degree (dp_replicate x dp_shard)
+        "ep": par.ep,
+        "world_size": cell.world_size,
+        "parallel_layout": par.label,
+        "groups_per_step": cell.groups_per_step,
+        "warmup": cell.warmup,
+        "repeats": cell.repeats,
+        "seed": cell.seed,
+        "config": cell.model_dump_json(),
+    }
+
+
+def failed_records(cell: Cell, status: str, error: str, device: str = "") -> list[dict[str, Any]]:
+    """One row per system of the cell, all with ``status`` and ``error``."""
+    return [
+        {**base_record(cell, device), "system": s, "status": status, "error": error} for s in cell.systems
+    ]
+
+
+def model_shape(model: torch.nn.Module, cell: Cell):
+    """The cost model's :class:`~harness.costmodel.flops.ModelShape` of ``model`` (None when it has none)."""
+    from harness.costmodel import flops
+    from prefixflow import model_args
+
+    try:
+        args = model.config if cell.model.name.startswith(HF_PREFIX) else model_args(model)
+        return flops.as_shape(args)
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def model_columns(model: torch.nn.Module, cell: Cell, system: str) -> dict[str, Any]:
+    """Model shape columns, so figures need nothing but the table."""
+    shape = model_shape(model, cell)
+    if shape is None:
+        return {}
+    out: dict[str, Any] = dict(
+        dim=shape.dim,
+        n_layers=shape.n_layers,
+        n_heads=shape.n_heads,
+        n_kv_heads=shape.n_kv_heads,
+        head_dim=shape.head_dim,
+        hidden_dim=shape.hidden_dim,
+        vocab_size=shape.vocab_size,
+        n_params=sum(p.numel() for p in model.parameters()),
+    )
+    if hasattr(shape, "num_experts"):  # MoE: the parameters one token runs through, and replayed routing
+        from harness.costmodel.moe import active_params_per_token
+
+        out.update(n_active_params=active_params_per_token(shape), routing="replay")
+    return out
+
+
+def cost_columns(shape, cell: Cell, system: Any, lens, device, stats=None) -> dict[str, Any]:
+    """The FLOP model of what ``system`` executes on this cell's step (``harness.costmodel.flops``): its modelled
+    FLOPs (GEMM and attention; activation checkpointing off only, NaN otherwise), the corrected ideal
+    speedup, and the paper's §3.1 ideal. ``lens``: the group's response lengths, or one list per group of a
+    multi-group step (summed over the groups, wherever they ran)."""
+    from harness.costmodel import flops
+
+    cost_name = getattr(system, "cost_model", None)
+    if shape is None or cost_name not in flops.SYSTEMS:
+        return {}
+    groups = [list(g) for g in lens] if lens and not isinstance(lens[0], int) else [list(lens)]
+    p, layout, mb = cell.prefix_len, cell.layout, cell.microbatch
+    if mb == "auto":  # the sizes this system's plan chose (the ideal: the baseline one sequence at a time)
+        plan = getattr(stats, "plan", None)
+        mb = plan["microbatch_sizes"] if plan else 1
+    ideal_mb = 1 if cell.microbatch == "auto" else mb
+    variant = getattr(system, "attention_variant", lambda d: None)(device) or "split"
+    base = least = 0
+    modelled = flops.Flops(0, 0)
+    for g in groups:
+        base += flops.model_flops("baseline", shape, p, g, layout=layout, microbatch=ideal_mb)
+        least += flops.least_prefixflow_flops(shape, p, g).total
+        modelled += flops.executed_flops(
+            cost_name, shape, p, g, layout=layout, microbatch=mb, attention=variant
+        )
+    all_lens = [s for g in groups for s in g]
+    out = {
+        "ideal_speedup": base / least,
+        "paper_ideal_speedup": flops.paper_ideal_speedup(
+            shape, p, round(sum(all_lens) / len(all_lens)), len(groups[0])
+        ),
+    }
+    known = cell.ac == "none"
+    out["model_flops"] = float(modelled.total) if known else math.nan
+    out["model_gemm_flops"] = float(modelled.gemm) if known else math.nan
+    out["model_attention_flops"] = float(modelled.attention) if known else math.nan
+    return out
+
+
+def counted_columns(counted) -> dict[str, Any]:
+    if counted is None:
+        return {}
+    return {
+        "counted_flops": float(counted.total),
+        "counted_gemm_flops": float(counted.gemm),
+        "counted_attention_flops": float(counted.attention),
+    }
+
+
+def step_time_columns(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    steps = [s["step_time_s"] for s in samples]
+    out = {
+        "step_time_s": statistics.median(steps),
+        "step_time_min_s": min(steps),
+        "step_time_max_s": max(steps),
+    }
+    for key in ("phase_a_s", "phase_b_s", "phase_c_s"):
+        vals = [s[key] for s in samples]
+        out[key] = math.nan if any(math.isnan(v) for v in vals) else statistics.median(vals)
+    return out
+
+
+def memory_columns(mem: dict[str, Any] | None, samples: list[dict[str, Any]], cell: Cell) -> dict[str, Any]:
+    """Peak-memory columns: from the memory step on CPU, from the timed steps on CUDA."""
+    src = [mem] if mem is not None else samples
+    if src[0]["mem_meter"] == "none":
+        why = "none (torch.compile cannot run under the CPU live-bytes meter)" if cell.compile else "none"
+        return {"peak_mem_bytes": math.nan, "peak_mem_phase_b_bytes": math.nan, "mem_meter": why}
+    return {
+        "peak_mem_bytes": max(s["peak_mem_bytes"] for s in src),
+        "peak_mem_phase_b_bytes": max(s["peak_mem_phase_b_bytes"] for s in src),
+        "offloaded_peak_bytes": max(s.get("offloaded_peak_bytes", math.nan) for s in src),
+        "offloaded_peak_phase_b_bytes": max(s.get("offloaded_peak_phase_b_bytes", math.nan) for s in src),
+        "mem_meter": src[0]["mem_meter"],
+    }
+
+
+def offload_columns(cell: Cell, name: str, system: Any, stats: Any) -> dict[str, Any]:
+    """Whether this system offloaded (the baseline never does) and, if so, what its offload moved."""
+    off = getattr(stats, "offload", None)
+    if system is None:
+        try:
+            system = get_contender(name)
+        except ValueError:
+            system = None
+    out: dict[str, Any] = {"offload": bool(cell.offload and getattr(system, "uses_prefixflow_config", True))}
+    out["offload_tier"] = off.tier if off is not None else None
+    for key in OFFLOAD_BYTES:
+        out[key] = getattr(off, key) if off is not None else None
+    return out

@@ -1,0 +1,43 @@
+"""A measurement cell (not an alignment or capacity-frontier cell) in this process or on this rank: which
+loop measures it. Starts no process: a multi-rank cell's ranks are started by ``harness.execute``."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+from harness.run.columns import failed_records
+from harness.run.parallel_step import run_parallel_step_cell
+from harness.run.setup import resolve_device
+from harness.run.single_group import run_single_group_cell
+from harness.spec.cell import Cell
+
+__all__ = ["measure_cell", "refusal"]
+
+
+def refusal(cell: Cell) -> list[dict[str, Any]] | None:
+    """Failure records for a cell that cannot be measured here (no such device, a layout the library does not
+    support), before any model is built or rank started; None when it can."""
+    try:
+        device = resolve_device(cell.device)
+    except RuntimeError:
+        return failed_records(cell, "error", traceback.format_exc())
+    if cell.parallel != type(cell.parallel)():
+        from prefixflow.parallel import ParallelDims, check_supported
+
+        try:
+            check_supported(ParallelDims.of(cell.parallel.model_dump()))
+        except ValueError as e:
+            return failed_records(cell, "error", str(e), str(device))
+    return None
+
+
+def measure_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | None:
+    """``cell``'s records: one group per step in one process (``single_group``), else the data-parallel step
+    on this rank (``parallel_step``: rank 0 returns the merged records, the other ranks None)."""
+    refused = refusal(cell)
+    if refused is not None:
+        return refused
+    if cell.world_size != 1 or cell.groups_per_step != 1:
+        return run_parallel_step_cell(cell, memory_only=memory_only)
+    return run_single_group_cell(cell, memory_only=memory_only)

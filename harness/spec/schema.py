@@ -1,0 +1,274 @@
+"""The blocks of a sweep spec file: axes, capacity-frontier searches, alignment runs, executor settings,
+and the ``Spec`` that holds them (harness.spec.load loads and expands it)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from harness.spec.cell import (
+    MAX_INT,
+    PARALLEL_DIMS,
+    SYSTEM_NAME,
+    TIMEOUT_MAX_MIN,
+    AlignmentSettings,
+    Count,
+    FrontierSearch,
+    MemoryBudget,
+    ModelSpec,
+    Parallel,
+    Seed,
+    StrictModel,
+    check_budget,
+    check_systems,
+)
+
+
+class LengthPair(StrictModel):
+    prefix: int = Field(ge=1, le=MAX_INT)
+    suffix: int = Field(ge=1, le=MAX_INT)
+
+
+class Axes(StrictModel):
+    """The swept axes; their cartesian product is the set of cells."""
+
+    models: list[ModelSpec] = Field(min_length=1)
+    lengths: list[LengthPair] | None = Field(None, min_length=1, description="explicit prefix/suffix")
+    prefix_ratio: list[float] | None = Field(None, min_length=1)
+    total_len: list[Count] | None = Field(None, min_length=1)
+    n: list[Count] = Field(min_length=1)
+    suffix_spread: list[float] = Field(default_factory=lambda: [0.0], min_length=1)
+    layout: list[Literal["padded", "packed"]] = Field(default_factory=lambda: ["padded"], min_length=1)
+    microbatch: list[Count | Literal["auto"] | None] = Field(default_factory=lambda: [None], min_length=1)
+    memory_budget: list[MemoryBudget] = Field(
+        default_factory=lambda: [None],
+        min_length=1,
+        description="microbatch 'auto' only: bytes, or 'peak:SYSTEM' (that system's measured peak in the cell)",
+    )
+    dtype: list[Literal["fp32", "bf16", "fp64"]] = Field(default_factory=lambda: ["fp32"], min_length=1)
+    compile: list[bool] = Field(default_factory=lambda: [False], min_length=1)
+    ac: list[Literal["selective", "full", "none"]] = Field(default_factory=lambda: ["none"], min_length=1)
+    offload: list[bool] = Field(default_factory=lambda: [False], min_length=1)
+    parallel: list[Parallel] = Field(default_factory=lambda: [Parallel()], min_length=1)
+    # or one axis per TorchTitan dimension (their product gives the layouts), e.g. tp: [1, 2]
+    dp_replicate: list[int] | None = Field(None, min_length=1)
+    dp_shard: list[int] | None = Field(None, min_length=1)
+    cp: list[int] | None = Field(None, min_length=1)
+    tp: list[int] | None = Field(None, min_length=1)
+    pp: list[int] | None = Field(None, min_length=1)
+    ep: list[int] | None = Field(None, min_length=1)
+    groups: list[int | None] = Field(
+        default_factory=lambda: [None], min_length=1, description="groups per step (null: one per DP rank)"
+    )
+    split_threshold: float | None = Field(
+        0.25, ge=0, description="split a group when the busiest DP rank exceeds the mean load by this"
+    )
+    # per-block overrides of the spec's settings (a spec may list several axes blocks)
+    systems: list[str] | None = Field(None, min_length=1, description="systems of this block only")
+    warmup: int | None = Field(None, ge=0, le=MAX_INT)
+    repeats: int | None = Field(None, ge=1, le=MAX_INT)
+
+    @field_validator("prefix_ratio")
+    @classmethod
+    def _ratios(cls, v: list[float] | None) -> list[float] | None:
+        for r in v or []:
+            if not 0.0 < r < 1.0:
+                raise ValueError(f"prefix_ratio {r} must be strictly between 0 and 1")
+        return v
+
+    @field_validator("total_len", "n")
+    @classmethod
+    def _positive(cls, v: list[int] | None) -> list[int] | None:
+        for x in v or []:
+            if x < 1:
+                raise ValueError(f"{x} must be >= 1")
+        return v
+
+    @field_validator("microbatch")
+    @classmethod
+    def _microbatch(cls, v: list) -> list:
+        for x in v:
+            if x is not None and x != "auto" and x < 1:
+                raise ValueError(f"microbatch {x} must be >= 1, null (whole group) or 'auto'")
+        return v
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _memory_budget(cls, v: list[MemoryBudget]) -> list[MemoryBudget]:
+        for x in v:
+            check_budget(x)
+        return v
+
+    @field_validator("suffix_spread")
+    @classmethod
+    def _spread(cls, v: list[float]) -> list[float]:
+        for x in v:
+            if not 0.0 <= x < 1.0:
+                raise ValueError(f"suffix_spread {x} must be in [0, 1)")
+        return v
+
+    @field_validator(*PARALLEL_DIMS)
+    @classmethod
+    def _degrees(cls, v: list[int] | None) -> list[int] | None:
+        for x in v or []:
+            if x < 1:
+                raise ValueError(f"parallel degree {x} must be >= 1")
+        return v
+
+    @field_validator("groups")
+    @classmethod
+    def _groups(cls, v: list[int | None]) -> list[int | None]:
+        for x in v:
+            if x is not None and x < 1:
+                raise ValueError(f"groups {x} must be >= 1 or null (one per data-parallel rank)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_parallel_form(self) -> Axes:
+        per_dim = [d for d in PARALLEL_DIMS if getattr(self, d) is not None]
+        if per_dim and "parallel" in self.model_fields_set:
+            raise ValueError(
+                f"give either 'parallel' (a list of layouts) or per-dimension axes {per_dim}, not both"
+            )
+        return self
+
+    def layouts(self) -> list[Parallel]:
+        """The parallel layouts of this block: the explicit list, or the product of the per-dimension axes."""
+        if all(getattr(self, d) is None for d in PARALLEL_DIMS):
+            return list(self.parallel)
+        axes = [getattr(self, d) or [1] for d in PARALLEL_DIMS]
+        return [
+            Parallel(**dict(zip(PARALLEL_DIMS, combo, strict=True))) for combo in itertools.product(*axes)
+        ]
+
+    @model_validator(mode="after")
+    def _one_length_form(self) -> Axes:
+        ratio_form = self.prefix_ratio is not None or self.total_len is not None
+        if self.lengths is not None and ratio_form:
+            raise ValueError("give either 'lengths' or 'prefix_ratio' x 'total_len', not both")
+        if self.lengths is None and (self.prefix_ratio is None or self.total_len is None):
+            raise ValueError(
+                "give 'lengths' (list of {prefix, suffix}) or both 'prefix_ratio' and 'total_len'"
+            )
+        return self
+
+    def length_pairs(self) -> list[tuple[int, int]]:
+        if self.lengths is not None:
+            return [(p.prefix, p.suffix) for p in self.lengths]
+        pairs = []
+        for total in self.total_len or []:
+            for r in self.prefix_ratio or []:
+                prefix = round(r * total)
+                if prefix < 1 or prefix >= total:
+                    raise ValueError(f"prefix_ratio {r} x total_len {total} leaves an empty prefix or suffix")
+                pairs.append((prefix, total - prefix))
+        return pairs
+
+
+class ExecutorSettings(StrictModel):
+    """Where and how cells run; Slurm keys are ignored by the local and debug executors."""
+
+    max_jobs: int = Field(
+        2, ge=1, le=10_000, description="concurrent cells (local) / array parallelism (slurm)"
+    )
+    timeout_min: float = Field(10.0, gt=0, le=TIMEOUT_MAX_MIN, description="per-cell limit in minutes")
+    partition: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    nodes: int = Field(1, ge=1, le=MAX_INT)
+    gpus_per_node: int = Field(0, ge=0, le=MAX_INT)
+    cpus_per_task: int = Field(1, ge=1, le=MAX_INT)
+    mem_gb: float = Field(4.0, gt=0, le=2**40)
+    overcommit: bool = Field(
+        False, description="Slurm --overcommit for multi-rank cells: more ranks than CPUs (small CPU nodes)"
+    )
+
+
+class Frontier(FrontierSearch):
+    """A ``frontier:`` block: the search settings plus the fixed configuration and the variants."""
+
+    variants: list[str] = Field(
+        default_factory=lambda: ["baseline", "prefixflow", "prefixflow+offload"], min_length=1
+    )
+    model: ModelSpec | None = Field(None, description="default: the first model of the first axes block")
+    n: Count
+    layout: Literal["padded", "packed"] = "padded"
+    microbatch: Count | None = None
+    dtype: Literal["fp32", "bf16", "fp64"] = "fp32"
+    ac: Literal["selective", "full", "none"] = "none"
+    timeout_min: float | None = Field(
+        None, gt=0, le=TIMEOUT_MAX_MIN, description="per search; default: the executor's"
+    )
+
+    @field_validator("variants")
+    @classmethod
+    def _variants(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not SYSTEM_NAME.fullmatch(name.removesuffix("+offload")):
+                raise ValueError(f"variant {name!r} must be a system name, optionally with '+offload'")
+        return v
+
+    def search(self) -> FrontierSearch:
+        return FrontierSearch.model_validate(self.model_dump(include=set(FrontierSearch.model_fields)))
+
+
+class Alignment(AlignmentSettings):
+    """An ``alignment:`` block: Table 3 (G/L/W of PrefixFlow vs the baseline) for each dtype x layout x
+    microbatch x AC x parallel layout; both systems run in the same layout."""
+
+    model: ModelSpec | None = Field(None, description="default: the first model of the first axes block")
+    dtype: list[Literal["fp32", "bf16", "fp64"]] = Field(default_factory=lambda: ["bf16"], min_length=1)
+    prefix_len: int = Field(96, ge=1)
+    suffix_len: int = Field(32, ge=1)
+    n: int = Field(4, ge=1)
+    layout: list[Literal["padded", "packed"]] = Field(default_factory=lambda: ["padded"], min_length=1)
+    microbatch: list[int | None] = Field(default_factory=lambda: [None], min_length=1)
+    ac: list[Literal["selective", "full", "none"]] = Field(default_factory=lambda: ["none"], min_length=1)
+    parallel: list[Parallel] = Field(default_factory=lambda: [Parallel()], min_length=1)
+    groups: int | None = Field(None, ge=1, description="groups per step (null: one per data-parallel rank)")
+    timeout_min: float | None = Field(None, gt=0, description="per cell; default: the executor's")
+
+    def settings(self) -> AlignmentSettings:
+        return AlignmentSettings(steps=self.steps, lr=self.lr)
+
+
+class Spec(StrictModel):
+    """A sweep: axes x systems, with measurement and executor settings."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,79}$")
+    description: str = ""
+    systems: list[str] = Field(default_factory=lambda: ["baseline", "prefixflow"], min_length=1)
+    loss: Literal["pg", "grpo"] = "pg"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: Seed = 0
+    warmup: int = Field(1, ge=0, le=MAX_INT)
+    repeats: int = Field(3, ge=1, le=MAX_INT)
+    axes: Axes
+    extra_axes: list[Axes] = Field(default_factory=list, description="more blocks; cells are the union")
+    frontier: list[Frontier] = Field(default_factory=list, description="capacity-frontier searches")
+    alignment: list[Alignment] = Field(default_factory=list, description="Table 3 runs (alignment cells)")
+    executor: ExecutorSettings = Field(default_factory=ExecutorSettings)
+    presets: dict[Literal["cpu", "paper"], dict[str, Any]] = Field(default_factory=dict)
+
+    @field_validator("systems")
+    @classmethod
+    def _systems(cls, v: list[str]) -> list[str]:
+        return check_systems(v)
+
+    @model_validator(mode="after")
+    def _block_systems(self) -> Spec:
+        for block in self.axes_blocks:
+            check_systems(block.systems or [])
+        return self
+
+    @property
+    def axes_blocks(self) -> list[Axes]:
+        return [self.axes, *self.extra_axes]
+
+    @field_validator("presets")
+    @classmethod
+    def _no_nested_presets(cls, v: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for key, body in v.items():
+            if "presets" in body:
+                raise ValueError(f"preset {key!r} may not itself contain 'presets'")
+        return v
