@@ -35,6 +35,7 @@ PREFIXFLOW_LAYERS = [
         "prefixflow.group",
         "prefixflow.kv_cache",
         "prefixflow.layouts",
+        "prefixflow.live_bytes",
         "prefixflow.loss",
         "prefixflow.models",
         "prefixflow.split_attention",
@@ -63,55 +64,6 @@ PREFIXFLOW_LAYERS = [
     ["prefixflow"],
 ]
 
-# --- harness layers (bottom first) ---
-HARNESS_LAYERS = [
-    # files and records
-    ["harness.safe_fs", "harness.safe_yaml", "harness.records"],
-    # the systems a cell can name, the peers among them included
-    ["harness.peers", "harness.systems"],
-    # YAML -> Spec -> cells, and their checks
-    ["harness.spec_schema", "harness.spec_cell", "harness.spec_checks", "harness.spec"],
-    ["harness.costmodel", "harness.costmodel_moe"],
-    [
-        "harness.simulate",
-        "harness.simulate_cp",
-        "harness.simulate_claim1",
-        "harness.simulate_profile",
-        "harness.simulate_validate",
-    ],
-    # one cell in this process or rank -> records
-    [
-        "harness.measure",
-        "harness.cell_setup",
-        "harness.cell_columns",
-        "harness.runner",
-        "harness.rank_runner",
-    ],
-    # processes: job files, workers, local ranks, Slurm
-    ["harness.local_ranks", "harness.launch", "harness.worker", "harness.executors"],
-    ["harness.sweep", "harness.frontier"],
-    ["harness.figures"],
-    # Claim 2: the RL loop
-    [
-        "harness.rl_spec",
-        "harness.rl_io",
-        "harness.rl_task",
-        "harness.rl_loop",
-        "harness.rl_ranks",
-        "harness.rl_trace",
-        "harness.rl_warmstart",
-        "harness.rl_analysis",
-        "harness.rl_run",
-        "harness.rl_precision",
-        "harness.rl_cli",
-    ],
-    ["harness.cli_common", "harness.cli_align", "harness.cli_figures", "harness.cli_sweep", "harness.cli"],
-    ["harness"],
-]
-# --- end harness layers ---
-
-LAYERS = PREFIXFLOW_LAYERS + HARNESS_LAYERS
-
 
 # --- harness layers (bottom first) ---
 # Each entry is a module or package name prefix (the longest matching prefix places a module). A module may
@@ -127,6 +79,8 @@ HARNESS_LAYERS = [
     ["harness.cli", "harness.rl_precision"],
 ]
 # --- end harness layers ---
+
+LAYERS = PREFIXFLOW_LAYERS + HARNESS_LAYERS
 
 
 def _modules() -> dict[str, Path]:
