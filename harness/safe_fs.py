@@ -1,6 +1,6 @@
 """File-system guards: writes that never follow a link out of a results folder, and the private job folder.
 
-Trust model (README, "Security and trust model"): a results folder (``--out``) may be shared, so anything in
+Trust model (docs/security.md): a results folder (``--out``) may be shared, so anything in
 it is data another user may have planted. Below ``--out`` every directory is opened without following
 symbolic links and every file is created fresh (``O_EXCL | O_NOFOLLOW``, then renamed into place), so a
 planted link or hard link is refused or replaced, never written through. Code is never loaded from the

@@ -1,4 +1,4 @@
-"""A/B of the Phase-A early stop (on vs off), 1 thread, alternating, warm, median of 5 (README, Claim 3).
+"""A/B of the Phase-A early stop (on vs off), 1 thread, alternating, warm, median of 5 (docs/claim3.md).
 
 Run: .venv/bin/python scripts/ab_phase_a_stop.py
 """

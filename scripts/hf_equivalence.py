@@ -1,4 +1,4 @@
-"""Measure what tests/test_hf.py and tests/test_trl.py bound: the README's HF/TRL equivalence numbers.
+"""Measure what tests/prefixflow/integrations/test_hf.py and tests/prefixflow/integrations/test_trl.py bound: the HF/TRL equivalence numbers of docs/hf-trl.md.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python scripts/hf_equivalence.py
 
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import test_hf as H  # noqa: E402
 import test_trl as T  # noqa: E402
-from _reference import max_rel_diff  # noqa: E402
+from support.reference import max_rel_diff  # noqa: E402
 
 import prefixflow as pf  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Profile one warm PrefixFlow (or baseline) training step on local ranks and print where rank 0's time went:
 compute, waits on collectives, DTensor dispatch. It shows the fixed cost per microbatch that TP and ZeRO-3
-FSDP add on CPU/gloo (README, Claim 1 scale-out).
+FSDP add on CPU/gloo (docs/claim1.md, scale-out).
 
     python -m harness.local_ranks --nproc-per-node=2 scripts/profile_parallel_step.py --tp 2 --microbatch 1
 """

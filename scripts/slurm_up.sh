@@ -6,13 +6,13 @@
 #                                             write (it is backed up; slurm_down.sh puts it back)
 # The fence: Slurm 22.05 binds 0.0.0.0 and has no bind-address option, so the daemons, and through
 # TaskProlog every job step (srun listens too), run with an LD_PRELOAD shim (scripts/slurm/loopback_bind.c,
-# compiled here) that moves every bind to 127.0.0.1 / ::1. tests/test_slurm_fence.py checks the sockets.
+# compiled here) that moves every bind to 127.0.0.1 / ::1. tests/harness/execute/test_slurm_fence.py checks the sockets.
 # What this script adds is listed in $OWN_DIR/added; scripts/slurm_down.sh stops the daemons it started
 # and removes exactly that. See ../shared/notes/slurm-single-node.md.
 set -euo pipefail
 
 OWN_DIR=/usr/local/lib/pf-slurm                 # everything this script installs lives here
-SHIM_DIR=$OWN_DIR/bin                           # harness.executors prepends this to PATH (sacct shim)
+SHIM_DIR=$OWN_DIR/bin                           # harness.execute.executors prepends this to PATH (sacct shim)
 BIND_SHIM=$OWN_DIR/libpf_loopback_bind.so
 TASK_PROLOG=$OWN_DIR/task_prolog.sh
 ADDED=$OWN_DIR/added                            # one line per thing added, read by slurm_down.sh

@@ -1,5 +1,5 @@
 """Why an fp32 frozen-trace replay differs: gradient accuracy of each trainer against float64, and the first
-AdamW step's sensitivity to it (Claim 2.2's fp32 check, README Claim 2).
+AdamW step's sensitivity to it (Claim 2.2's fp32 check, docs/claim2.md).
 
     python -m harness.rl.precision results/claim2/cpu/_state/traces/baseline-fp32-s0 [--step 1]
 

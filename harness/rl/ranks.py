@@ -26,7 +26,7 @@ from torch import nn
 
 __all__ = ["Ranks", "LOOP_DIMS", "check_loop_layout"]
 
-# The mesh dimensions the loop's actor runs on (the trainer pieces are tested on them: tests/test_rl_parallel.py).
+# The mesh dimensions the loop's actor runs on (the trainer pieces are tested on them: tests/prefixflow/rl/test_rl_parallel.py).
 LOOP_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
 

@@ -1,0 +1,201 @@
+"""PrefixFlowGRPOTrainer against TRL's GRPOTrainer: the same loss and gradients, and the same optimizer step.
+
+Everything is local: a WordLevel tokenizer, a tiny HF model with random weights, four prompts of different
+lengths (TRL left-pads them), completions of different lengths (EOS grows likelier with length). fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+import support.trl_fixtures as F  # noqa: E402
+from support.reference import max_rel_diff  # noqa: E402
+
+from prefixflow.integrations.trl import PrefixFlowGRPOTrainer, plan_groups  # noqa: E402
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+def trainer(tmp_path, cls=PrefixFlowGRPOTrainer, model=None, **config):
+    extra = {k: config.pop(k) for k in list(config) if k.startswith("prefixflow_")}
+    return cls(
+        model=model if model is not None else F.model(),
+        reward_funcs=F.reward_even_words,
+        args=F.config(tmp_path, **config),
+        train_dataset=F.dataset(),
+        processing_class=F.tokenizer(),
+        **extra,
+    )
+
+
+def micro_batch(tr, seed: int = 0) -> dict:
+    """One micro-batch exactly as TRL's training_step sees it, with off-policy old log-probs and reference
+    log-probs injected so clipping and the KL term are active."""
+    tr.model.train()
+    tr.current_gradient_accumulation_steps = tr.args.gradient_accumulation_steps  # set by train() otherwise
+    torch.manual_seed(seed)
+    inputs = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    gen = torch.Generator().manual_seed(seed)
+    shape = inputs["completion_ids"].shape
+    with torch.no_grad():
+        logps, _, _ = tr._get_per_token_logps_and_entropies(
+            tr.model,
+            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
+            shape[1],
+        )
+    inputs["old_per_token_logps"] = logps + 0.3 * torch.randn(shape, generator=gen)
+    inputs["ref_per_token_logps"] = logps + 0.3 * torch.randn(shape, generator=gen)
+    return inputs
+
+
+def grads(model):
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+CASES = {
+    "grpo-token-kl-biascorr-temp": dict(loss_type="grpo", beta=0.04, temperature=0.7, epsilon_high=0.28),
+    "bnpo-sequence-packed": dict(
+        loss_type="bnpo",
+        importance_sampling_level="sequence",
+        epsilon=0.1,
+        prefixflow_layout="packed",
+        prefixflow_microbatch=1,
+    ),
+    "dr_grpo-kl-nocorr-delta": dict(loss_type="dr_grpo", beta=0.1, use_bias_correction_kl=False, delta=1.2),
+    "dapo-ga2": dict(
+        loss_type="dapo", gradient_accumulation_steps=2, steps_per_generation=2, epsilon_high=0.28
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_loss_and_gradients_equal_trl_compute_loss(tmp_path, case):
+    """TRL's own ``compute_loss -> backward`` and PrefixFlow's update on the same micro-batch."""
+    options = dict(CASES[case])
+    beta = options.pop("beta", 0.0)
+    tr = trainer(tmp_path, **options)
+    inputs = micro_batch(tr)
+    tr.beta = beta  # no reference model is needed: its log-probs are injected into the micro-batch
+    assert len(set(inputs["completion_mask"].sum(-1).tolist())) > 1, "completions should differ in length"
+    if case.startswith("bnpo"):
+        inputs["completion_mask"][3] = 0  # a fully masked completion (mask_truncated_completions)
+    model = tr.model
+    model.zero_grad(set_to_none=True)
+    want_loss = tr.compute_loss(model, inputs)
+    want_loss.backward()
+    want = grads(model)
+    model.zero_grad(set_to_none=True)
+    got_loss = tr._prefixflow_update(model, inputs)
+    assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-5, abs=1e-7)
+    assert max_rel_diff(grads(model), want) <= 1e-5
+    plans = tr._plan(inputs)
+    assert sorted(len(p.rows) for p in plans) != [1] * len(plans)  # prompts really share completions
+    if case.startswith("bnpo"):  # every completion masked: both add zero gradients, no error
+        inputs["completion_mask"][:] = 0
+        model.zero_grad(set_to_none=True)
+        assert float(tr._prefixflow_update(model, inputs)) == 0.0 and tr._plan(inputs) == []
+        assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_one_optimizer_step_equals_grpo_trainer(tmp_path, loss_type):
+    """Same model, data and seed: one SGD step of GRPOTrainer and of PrefixFlowGRPOTrainer."""
+    params = {}
+    for cls in (PrefixFlowGRPOTrainer.__mro__[1], PrefixFlowGRPOTrainer):
+        tr = trainer(tmp_path / cls.__name__, cls=cls, loss_type=loss_type)
+        before = [p.detach().clone() for p in tr.model.parameters()]
+        tr.train()
+        after = [p.detach().clone() for p in tr.model.parameters()]
+        params[cls] = (after, [a - b for a, b in zip(after, before, strict=True)])
+        logged = tr.state.log_history[0]
+        assert tr.model.model.layers[0].gradient_checkpointing  # TRL's default, on in both trainers
+        if cls is PrefixFlowGRPOTrainer:  # the update really ran train_group: 2 prompts x 4 completions
+            assert logged["prefixflow/group_size"] == 4 and logged["prefixflow/prefix_tokens_reused"] > 0
+        else:
+            assert "prefixflow/group_size" not in logged
+    (base, base_step), (pf, pf_step) = params.values()
+    assert max_rel_diff(pf, base) <= 1e-5
+    assert max(float(s.abs().max()) for s in base_step) > 1e-3  # the step really moved the weights
+    assert max_rel_diff(pf_step, base_step) <= 1e-4  # SGD: the update is the gradient, compared directly
+
+
+def test_verify_first_step_passes_and_catches_a_wrong_update(tmp_path, monkeypatch):
+    tr = trainer(tmp_path, model=F.model("llama"), loss_type="grpo")
+    tr.verify_first_step = True
+    tr.train()
+    assert tr._prefixflow_verified
+    broken = trainer(tmp_path / "broken", model=F.model("llama"), loss_type="grpo")
+    broken.verify_first_step = True
+    real = broken._plan
+
+    def doubled(inputs):
+        plans = real(inputs)
+        for plan in plans:
+            object.__setattr__(
+                plan,
+                "loss_config",
+                plan.loss_config.__class__(
+                    **{**plan.loss_config.__dict__, "group_weight": 2 * plan.loss_config.group_weight}
+                ),
+            )
+        return plans
+
+    monkeypatch.setattr(broken, "_plan", doubled)
+    with pytest.raises(RuntimeError, match="differs from TRL's"):
+        broken.train()
+
+
+def test_bf16_autocast_first_step_verifies(tmp_path):
+    """TRL's default mixed precision (bf16 autocast over fp32 weights), packed suffixes: within bf16 tolerance."""
+    tr = trainer(tmp_path, bf16=True, loss_type="dapo", prefixflow_layout="packed")
+    tr.verify_first_step = True
+    tr.train()
+    assert tr._prefixflow_verified
+    assert 0 < tr.state.log_history[0]["prefixflow/verify_max_rel_diff"] <= 5e-2
+
+
+def test_unsupported_options_raise_at_construction(tmp_path):
+    for options, text in (
+        (dict(loss_type="cispo"), "loss_type='cispo'"),
+        (dict(top_entropy_quantile=0.5), "entropy mask"),
+        (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+        (dict(entropy_coef=0.01), "entropy bonus"),
+    ):
+        with pytest.raises(ValueError, match=text):
+            trainer(tmp_path, **options)
+
+
+def test_plan_rejects_inputs_it_cannot_reproduce():
+    base = dict(
+        loss_type="grpo",
+        beta=0.0,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        delta=None,
+        importance_sampling_level="token",
+        use_bias_correction_kl=True,
+        temperature=1.0,
+        max_completion_length=4,
+        gradient_accumulation_steps=1,
+    )
+    inputs = {
+        "prompt_ids": torch.tensor([[0, 5, 6], [0, 5, 6]]),
+        "prompt_mask": torch.tensor([[0, 1, 1], [0, 1, 1]]),
+        "completion_ids": torch.tensor([[7, 8, 9], [7, 9, 0]]),
+        "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+        "advantages": torch.tensor([1.0, -1.0]),
+    }
+    (plan,) = plan_groups(inputs, **base)
+    assert plan.rows == [0, 1] and plan.group.prompt.tolist() == [5, 6]
+    assert plan.group.response_lens == [3, 2] and plan.loss_config.group_weight == 1.0
+    gaps = {**inputs, "completion_mask": torch.tensor([[1, 0, 1], [1, 1, 0]])}
+    with pytest.raises(ValueError, match="has gaps"):
+        plan_groups(gaps, **base)
+    with pytest.raises(ValueError, match="tool_mask"):
+        plan_groups({**inputs, "tool_mask": torch.ones(2, 3)}, **base)
+    with pytest.raises(ValueError, match="one value per completion"):
+        plan_groups({**inputs, "advantages": torch.ones(2, 3)}, **base)

@@ -1,0 +1,78 @@
+"""Multi-rank test support: one launch of local ranks per test module, every case inside it.
+
+A test module calls :func:`launch_cases` once (module-scoped fixture); its ``__main__`` block runs on every
+rank, calls :func:`run_worker` with its case list, and rank 0 writes one JSON of results. A launch costs
+~20 s (importing torchtitan), so cases share it. The ranks start under ``harness.execute.local_ranks``: the store
+listens on 127.0.0.1 only, and gloo is pinned to the loopback interface.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def launch_cases(script: Path, nproc: int, out: Path, *args: str, timeout: float = 900) -> dict:
+    """Run ``script`` on ``nproc`` local ranks (``harness.execute.local_ranks``: loopback only); return rank 0's JSON
+    (raises with the ranks' output when the launch fails)."""
+    from harness.execute.local import run_local_ranks
+
+    proc = run_local_ranks(
+        nproc,
+        str(script),
+        [str(out), *args],
+        timeout_s=timeout,
+        module=False,
+        cwd=REPO,
+        extra_path=[REPO / "tests"],
+    )
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(
+            f"ranks failed ({proc.returncode}):\n{proc.stdout.decode(errors='replace')[-4000:]}\n"
+            f"{proc.stderr.decode(errors='replace')[-8000:]}"
+        )
+    return json.loads(out.read_text())
+
+
+def max_rel(got, want) -> float:
+    """Max over tensors of max|got - want| / max|want|; NaN or inf anywhere gives inf (``max()`` would drop it)."""
+    import math
+
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        if g is None:
+            return math.inf
+        d = float((g - w).abs().max()) / (float(w.abs().max()) or 1.0)
+        if not math.isfinite(d):
+            return math.inf
+        worst = max(worst, d)
+    return worst
+
+
+def run_worker(cases: dict[str, Callable[[], dict]], out: str, select: list[str] | None = None) -> None:
+    """On every rank: run each case (a callable returning JSON-able numbers, identical on every rank for the
+    keys that matter); rank 0 writes ``{name: result}``. A case that raises records its traceback."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank = dist.get_rank()
+    results = {}
+    for name, case in cases.items():
+        if select and name not in select:
+            continue
+        print(f"[rank {rank}] case {name}", file=sys.stderr, flush=True)
+        try:
+            results[name] = case()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+            print(f"[rank {rank}] case {name} failed:\n{results[name]['error']}", file=sys.stderr, flush=True)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
