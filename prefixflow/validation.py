@@ -56,6 +56,8 @@ def validate_call(model: nn.Module, group: RolloutGroup, system: str, layout: st
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} unknown; valid layouts: {LAYOUTS}")
     runtime = runtime_of(model)
+    if isinstance(group, RolloutTree):
+        _check_tree_call(model, group, microbatch)  # before the generic checks: trees refuse 'auto'
     if microbatch == AUTO:
         if runtime.config.memory_budget_bytes is None:
             raise ValueError(
@@ -75,7 +77,6 @@ def validate_call(model: nn.Module, group: RolloutGroup, system: str, layout: st
         )
     runtime.stage.check(model, system, microbatch)
     if isinstance(group, RolloutTree):
-        _check_tree_call(model, group, microbatch)
         return
     adapter = adapter_for(model)
     group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
