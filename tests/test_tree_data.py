@@ -163,3 +163,17 @@ def test_tree_refusals_name_what_is_missing():
         pf.train_group(offloaded, tree)
     with pytest.raises(TypeError, match="group must be a prefixflow.RolloutGroup or RolloutTree"):
         pf.train_group(tiny_model("llama3"), [t(1, 2)])
+
+
+def test_trees_refuse_parallel_paths_in_one_line():
+    from prefixflow.parallel.dp import train_step
+
+    tree = pf.build_tree([t(1, 2, 3), t(1, 2, 4)], [1.0, -1.0])
+    model = tiny_model("llama3")
+    with pytest.raises(ValueError, match="train_step does not place prefix trees on DP ranks yet"):
+        train_step(model, [tree])
+    pf.add_hooks(model, pf.ScheduleHooks())
+    with pytest.raises(
+        ValueError, match=r"prefix trees do not run under parallelism \(TP/FSDP/CP/DP hooks\)"
+    ):
+        pf.train_group(model, tree)
