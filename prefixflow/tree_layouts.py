@@ -46,6 +46,7 @@ class TreePlan:
         self.scores: dict[int, tuple[list[int], list[int]]] = {j: ([], []) for j in self.cached}
         self.shared: list[list[tuple[int, int, int]]] = []  # per path: (node, index in its scores, slot)
         self.leaf_rows: dict[int, TreeRow] = {}  # path -> its Phase-B row (paths with leaf loss tokens)
+        tokens = [seg.tolist() for seg in tree.segments]  # host copies: no device sync per token
         for i in range(tree.n):
             nodes = tree.path_nodes(i)
             node_of = torch.repeat_interleave(
@@ -57,7 +58,7 @@ class TreePlan:
                 m = node_of[t]
                 o = t - tree.first_position[m]
                 scorer, row = (m, o - 1) if o > 0 else (tree.parents[m], tree.node_len(tree.parents[m]) - 1)
-                target = int(tree.segments[m][o])
+                target = tokens[m][o]
                 if scorer in index:
                     k = index[scorer].setdefault((m, o), len(index[scorer]))
                     if k == len(self.scores[scorer][0]):

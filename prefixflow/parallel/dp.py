@@ -130,8 +130,10 @@ def train_step(
     """
     if not groups:
         raise ValueError("train_step needs at least one group")
-    if any(isinstance(g, RolloutTree) for g in groups):
-        raise ValueError("train_step does not place prefix trees on DP ranks yet; call train_group per tree")
+    if any(isinstance(g, RolloutTree) or getattr(g, "loss_masks", None) is not None for g in groups):
+        raise ValueError(
+            "train_step does not place prefix trees (or groups with loss_masks) on DP ranks yet; call train_group per tree"
+        )
     if microbatch == "auto":
         raise ValueError(
             "microbatch='auto' (sized to a memory budget) runs in train_group on one process; "
