@@ -161,3 +161,13 @@ def test_forest_trains_every_tree_in_one_call(family):
     for layout in ("padded", "packed"):
         loss, got, _ = train(model, tree, layout=layout, microbatch=2)
         assert_close(loss, got, want_loss, want, layout)
+
+
+def test_min_shared_tokens_merges_short_nodes_and_stays_exact():
+    model = tiny_model("qwen3")
+    fine, coarse = random_tree(13, 3, 3), random_tree(13, 3, 3, min_shared_tokens=3)
+    assert coarse.n_nodes < fine.n_nodes
+    want_loss, want = reference_tree(model, fine)
+    for layout in ("padded", "packed"):
+        loss, got, _ = train(model, coarse, layout=layout, microbatch=2)
+        assert_close(loss, got, want_loss, want, layout)
