@@ -18,6 +18,8 @@ from .models import build_model, list_models, model_args
 from .moe import MoEConfig, RoutingMasks, apply_moe, record_routing, update_expert_bias
 from .offload import OffloadStats, PrefixOffload
 from .schedule import SYSTEMS, GroupStats, train_group
+from .tree import RolloutTree
+from .tree_build import build_tree
 
 __all__ = [
     "AC_MODES",
@@ -34,6 +36,7 @@ __all__ = [
     "PrefixKVCache",
     "PrefixOffload",
     "RolloutGroup",
+    "RolloutTree",
     "TorchTitanAdapter",
     "adapter_for",
     "RoutingMasks",
@@ -44,6 +47,7 @@ __all__ = [
     "add_hooks",
     "apply_prefixflow",
     "build_model",
+    "build_tree",
     "list_models",
     "model_args",
     "register_adapter",

@@ -35,6 +35,7 @@ __all__ = [
     "PrefixCaptured",
     "AttendWithPrefix",
     "MaskedAttention",
+    "AttendWithAncestors",
     "ATTENTION_VARIANTS",
     "sdpa_backends",
 ]
@@ -227,4 +228,30 @@ class MaskedAttention:
         if self.mask is None and self.sequence is None:
             return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
         k, v = _whole_sequence(self.sequence, k, v)
+        return _masked_sdpa(wrapper, q, k, v, self.mask, scale, enable_gqa)
+
+
+class AttendWithAncestors:
+    """Prefix trees: queries attend to the cached K/V of their ancestor nodes and to their own K/V.
+
+    ``read(layer, dtype)``: the K/V of the nodes this microbatch reads, concatenated along the keys
+    (``[1, H_kv, U, D]``, differentiable w.r.t. each node's leaves), or None when it reads none. ``mask``: bool
+    ``[b, 1, L, U + L]`` (None: no keys before the tokens, plain causal). ``capture``: a node's
+    :class:`~prefixflow.kv_cache.PrefixKVCache` that keeps this forward's live K/V (Phase A); None in Phase B
+    and when a checkpointed node block recomputes in Phase C.
+    """
+
+    def __init__(self, read, mask: torch.Tensor | None, capture: PrefixKVCache | None = None) -> None:
+        self.read, self.mask, self.capture = read, mask, capture
+
+    def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
+        if self.capture is not None:
+            self.capture.capture(wrapper.layer, k, v)
+        cached = self.read(wrapper.layer, k.dtype)
+        if cached is None and self.mask is None:
+            return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
+        if cached is not None:
+            b = q.shape[0]
+            k = torch.cat([cached[0].expand(b, -1, -1, -1), k], dim=2)
+            v = torch.cat([cached[1].expand(b, -1, -1, -1), v], dim=2)
         return _masked_sdpa(wrapper, q, k, v, self.mask, scale, enable_gqa)

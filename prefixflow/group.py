@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .tree import RolloutTree, check_loss_mask
+
 __all__ = ["RolloutGroup", "RoutingMasks", "check_routing_masks", "synthetic_group"]
 
 
@@ -148,7 +150,9 @@ class RolloutGroup:
     ``advantages``: Tensor[N]; ``old_logprobs`` / ``ref_logprobs``: optional lists of N Tensor[S_i]
     (per-token log-probs of the responses under the sampling / reference policy). ``routing``: optional
     recorded MoE routing (:class:`prefixflow.RoutingMasks`: one prefix mask, per-response suffix masks) that
-    both systems replay. Validated on construction.
+    both systems replay. ``loss_masks``: optional list of N bool Tensor[S_i], True where a response token
+    carries loss (False e.g. on tool output); a group with masks trains as its tree (:meth:`as_tree`).
+    Validated on construction.
     """
 
     prompt: torch.Tensor
@@ -157,6 +161,7 @@ class RolloutGroup:
     old_logprobs: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
     routing: RoutingMasks | None = None
+    loss_masks: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.prompt = _check_tokens("prompt", self.prompt)
@@ -206,6 +211,13 @@ class RolloutGroup:
             setattr(self, field, checked)
         if self.routing is not None:
             self.routing = check_routing_masks(self.routing, self.prompt_len, self.response_lens)
+        if self.loss_masks is not None:
+            if not isinstance(self.loss_masks, (list, tuple)) or len(self.loss_masks) != n:
+                raise ValueError(f"loss_masks must be a list of {n} bool tensors, one per response")
+            self.loss_masks = [
+                check_loss_mask(f"loss_masks[{i}]", m, len_i, first_trainable=True)
+                for i, (m, len_i) in enumerate(zip(self.loss_masks, self.response_lens, strict=True))
+            ]
 
     @property
     def n(self) -> int:
@@ -262,7 +274,29 @@ class RolloutGroup:
             move(self.old_logprobs),
             move(self.ref_logprobs),
             None if self.routing is None else self.routing.to(device),
+            move(self.loss_masks),
         )
+
+    def as_tree(self) -> RolloutTree:
+        """This group as a depth-1 :class:`~prefixflow.RolloutTree`: the prompt is the root, each response a
+        child and a path; the loss masks (all response tokens when None) cover the responses only."""
+        if self.routing is not None:
+            raise ValueError(
+                "RolloutGroup.as_tree does not carry MoE routing masks; trees do not replay them yet"
+            )
+        p = self.prompt_len
+        masks = self.loss_masks or [torch.ones(n, dtype=torch.bool) for n in self.response_lens]
+        masks = [torch.cat([torch.zeros(p, dtype=torch.bool, device=m.device), m]) for m in masks]
+
+        def padded(values):
+            if values is None:
+                return None
+            return [torch.cat([v.new_zeros(p), v]) for v in values]
+
+        return RolloutTree(
+            [self.prompt, *self.responses], [-1] + [0] * self.n, list(range(1, self.n + 1)), self.advantages,
+            masks, padded(self.old_logprobs), padded(self.ref_logprobs),
+        )  # fmt: skip
 
 
 def synthetic_group(

@@ -55,6 +55,9 @@ class Microbatch:
     # Plain causal attention over the tokens is exact on every row that carries loss (padded: a real query's
     # visible own keys are exactly its causal predecessors; pad rows feed nothing real).
     causal_suffix: bool = False
+    # Prefix trees: log-probs of this microbatch's paths' trained tokens that ancestor nodes scored in Phase A,
+    # as ``(logprobs, path ids, loss slots)``; the loss joins them to the tokens scored here.
+    shared_logprobs: tuple | None = None
 
     @property
     def n_tokens(self) -> int:

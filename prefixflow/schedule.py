@@ -13,8 +13,8 @@ Every shape runs this driver (:func:`run_group`) and these phase functions. What
 - *which part of the group* this rank trains: a :class:`GroupShare` (the whole group; a split group's part,
   ``prefixflow.parallel.dp_split``, which receives the prefix K/V instead of computing them);
 - parallelism and MoE: the model's schedule hooks (:mod:`prefixflow.hooks`).
-The prefix is one node with its own cache and its own delayed backward; a prefix tree repeats Phase A per
-node top-down and Phase C per node bottom-up, with the flat group its depth-1 case.
+The prefix is one node with its own cache and its own delayed backward; a prefix tree (``RolloutTree``)
+repeats Phase A per node top-down and Phase C per node bottom-up (:mod:`prefixflow.tree_phases`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import tree_phases
 from .apply import PrefixFlowRuntime, runtime_of
 from .attention import AttendWithPrefix, CapturePrefix, MaskedAttention, PrefixCaptured
 from .budget import AUTO, BudgetPlan, FixedPlan
@@ -43,7 +44,9 @@ from .layouts import (
 from .loss import LossConfig, resolve_loss
 from .offload import OffloadStats, PrefixOffload, offloading
 from .stage import Stage, attention_mode, forward_hidden
-from .validation import SYSTEMS, validate_call
+from .tree import RolloutTree
+from .tree_layouts import TreePlan
+from .validation import SYSTEMS, check_group, run_input, validate_call
 
 __all__ = [
     "SYSTEMS",
@@ -93,7 +96,7 @@ class GroupRun:
 
     model: nn.Module
     runtime: PrefixFlowRuntime
-    group: RolloutGroup  # on the model's device
+    group: RolloutGroup | RolloutTree  # on the model's device
     system: str
     layout: str
     loss: str
@@ -102,6 +105,8 @@ class GroupRun:
     hooks: HookChain
     device: torch.device
     plan: FixedPlan | BudgetPlan | None = None  # this rank's microbatches (response indices)
+    tree_plan: TreePlan | None = None  # a tree's scoring plan (None for a flat group)
+    loss_data: object = None  # what the loss reads per response/path: the group, or the tree's PathLosses
 
 
 class GroupShare:
@@ -128,7 +133,10 @@ def phase_a_prefix_forward(
     """Phase A: run the shared prefix ``P[:-1]`` forward once; each layer leaves its live K/V in ``cache``.
     With ``offload``, the other tensors the prefix graph saves move out of device memory as they are saved.
     Loss terms the hooks add during this forward (``extra_loss``) join Phase C's backward.
-    Returns the prefix microbatch this rank ran (Phase C recomputes under its attention), None if empty."""
+    Returns the prefix microbatch this rank ran (Phase C recomputes under its attention), None if empty.
+    A tree (``cache``: its ``NodeCaches``) runs each internal node's forward once, top-down."""
+    if run.tree_plan is not None:
+        return tree_phases.node_forwards(run, cache)
     if run.group.prompt_len == 1:
         return None  # one-token prompt: nothing to cache, suffixes start at position 0
     mb = run.hooks.shard(prefix_microbatch(run.group, run.device))
@@ -158,7 +166,9 @@ def _last_needed_layer(run: GroupRun) -> int | None:
 def phase_b_suffix_microbatches(run: GroupRun, cache: PrefixKVCache) -> float:
     """Phase B: train the suffixes as ordinary microbatches reading the cache; returns the group loss.
     ``run.plan`` yields each microbatch's responses (:mod:`prefixflow.budget`: fixed sizes, or sized to a
-    budget)."""
+    budget). A tree trains its paths' leaf rows, reading each path's ancestor nodes."""
+    if run.tree_plan is not None:
+        return tree_phases.leaf_microbatches(run, cache)
     segments = suffix_segments(run.group)
     variant = run.runtime.config.attention_for(run.device)
 
@@ -176,7 +186,10 @@ def phase_c_prefix_backward(
     """Phase C: inject the accumulated gK/gV into the retained prefix graph; one prefix backward.
     With ``offload``, its saved tensors are prefetched in reverse layer order (or demand-loaded).
     Checkpointed prefix blocks recompute under the prefix's attention (Phase A's minus the capture: plain
-    causal, or the sharded prefix's when its tokens are spread over ranks)."""
+    causal, or the sharded prefix's when its tokens are spread over ranks). A tree runs each internal node's
+    backward once, children before parents."""
+    if run.tree_plan is not None:
+        return tree_phases.node_backwards(run, cache)
     if offload is not None:
         offload.prefetch()
     recompute = None  # unsharded: no mode, the plain forward's causal attention
@@ -187,7 +200,10 @@ def phase_c_prefix_backward(
 
 
 def phase_full(run: GroupRun) -> float:
-    """The baseline's one phase: every ``[P || S_i]`` sequence forward and backward, in microbatches."""
+    """The baseline's one phase: every ``[P || S_i]`` sequence (a tree: every path) forward and backward, in
+    microbatches."""
+    if run.tree_plan is not None:
+        return tree_phases.path_microbatches(run)
     segments = full_sequence_segments(run.group)
 
     def build(chunk):
@@ -262,10 +278,13 @@ def run_group(
                 with clock("full"), hooks.phase("full"):
                     value = phase_full(run)
             else:
-                cache = PrefixKVCache(runtime.grad_kv_dtype(model))
-                if runtime.config.offload and share.computes_prefix():
-                    offload = PrefixOffload(model, cache, prefetch=runtime.config.offload_prefetch)
-                cache.view = hooks.prefix_view(model, group) or cache.view
+                if run.tree_plan is not None:
+                    cache = tree_phases.NodeCaches(run.tree_plan, runtime.grad_kv_dtype(model))
+                else:
+                    cache = PrefixKVCache(runtime.grad_kv_dtype(model))
+                    if runtime.config.offload and share.computes_prefix():
+                        offload = PrefixOffload(model, cache, prefetch=runtime.config.offload_prefetch)
+                    cache.view = hooks.prefix_view(model, group) or cache.view
                 with run.plan.prefix_window(), clock("A"), hooks.phase("A"):
                     prefix = share.prefix_forward(
                         run, cache, lambda: phase_a_prefix_forward(run, cache, offload)
@@ -298,27 +317,39 @@ def group_run(
     loss_config: dict | LossConfig | None = None,
 ) -> GroupRun:
     """Validate one call's input (before any gradient changes) and resolve it into the :class:`GroupRun` the
-    phase functions take: the group on the model's device, the loss config, the stage, the microbatch plan."""
+    phase functions take: the group on the model's device, the loss config, the stage, the microbatch plan.
+    A group with ``loss_masks`` runs as its tree (``RolloutGroup.as_tree``)."""
     runtime = runtime_of(model)
+    group = run_input(group)
     validate_call(model, group, system, layout, microbatch)
-    cfg = resolve_loss(loss, loss_config, group)
     device = next(model.parameters()).device
     group = group.to(device)
-    run = GroupRun(model, runtime, group, system, layout, loss, cfg, runtime.stage, hooks_of(model), device)
-    run.plan = _plan(run, (share or GroupShare()).responses(group), microbatch)
+    run = GroupRun(model, runtime, group, system, layout, loss, None, runtime.stage, hooks_of(model), device)
+    run.loss_data = group
+    if isinstance(group, RolloutTree):
+        run.tree_plan, run.loss_data = TreePlan(group), group.path_losses()
+    run.cfg = resolve_loss(loss, loss_config, run.loss_data)
+    paths = (share or GroupShare()).responses(group)
+    if run.tree_plan is not None and system != "baseline":
+        paths = [i for i in paths if i in run.tree_plan.leaf_rows]  # the rest have no leaf row to run
+    run.plan = _plan(run, paths, microbatch)
     return run
 
 
 def _stats(run: GroupRun, share: GroupShare, value: float, times, offload) -> GroupStats:
     group, chunks = run.group, run.plan.chunks
-    suffix_tokens = sum(group.response_lens[i] for i in share.responses(group))
-    if run.system == "baseline":
+    n_microbatches = len(chunks)
+    if run.tree_plan is not None:
+        n_microbatches, prefix, suffix_tokens, trunk = tree_phases.tree_counts(run)
+    elif run.system == "baseline":
+        suffix_tokens = sum(group.response_lens[i] for i in share.responses(group))
         prefix, trunk = 0, _trunk_tokens(group, chunks, run.layout, group.prompt_len)
     else:
+        suffix_tokens = sum(group.response_lens[i] for i in share.responses(group))
         prefix = group.prompt_len - 1 if share.computes_prefix() else 0
         trunk = prefix + _trunk_tokens(group, chunks, run.layout, 1)
     return GroupStats(
-        run.system, run.layout, value, len(chunks), prefix, suffix_tokens, trunk, times,
+        run.system, run.layout, value, n_microbatches, prefix, suffix_tokens, trunk, times,
         offload.stats if offload is not None else None,
         hooks={**run.hooks.stats(), **run.stage.stats()}, plan=run.plan.stats,
     )  # fmt: skip
@@ -359,23 +390,6 @@ def _plan(run: GroupRun, responses: list[int], microbatch):
     lead = run.group.prompt_len if run.system == "baseline" else 1  # input tokens before each response's own
     lengths = [lead + s - 1 for s in run.group.response_lens]
     return BudgetPlan(run.model, lengths, run.layout, run.runtime.config.memory_budget_bytes)
-
-
-def check_group(
-    model: nn.Module,
-    group: RolloutGroup,
-    *,
-    system: str = "prefixflow",
-    layout: str = "padded",
-    microbatch: int | str | None = None,
-    loss: str = "pg",
-    loss_config: dict | LossConfig | None = None,
-) -> LossConfig:
-    """Everything ``train_group`` validates, without training: raises ``ValueError``/``TypeError`` naming the
-    field. Lets a caller validate several groups before the first one changes any gradient."""
-    runtime_of(model)
-    validate_call(model, group, system, layout, microbatch)
-    return resolve_loss(loss, loss_config, group)
 
 
 def _trunk_tokens(group: RolloutGroup, chunks, layout: str, lead: int) -> int:

@@ -11,6 +11,7 @@ non-finite check are one piece of code.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from .kv_cache import PrefixKVCache
     from .layouts import Microbatch
 
-__all__ = ["Stage", "forward_hidden", "microbatch_objective", "attention_mode"]
+__all__ = ["Stage", "forward_hidden", "microbatch_objective", "logprob_objective", "attention_mode"]
 
 
 def forward_hidden(
@@ -45,9 +46,19 @@ def microbatch_objective(run, mb: Microbatch, hidden: torch.Tensor) -> tuple[flo
     MoE balance loss, not part of the reported loss). Returns (reported loss, objective to backpropagate);
     a non-finite objective raises :class:`~prefixflow.NonFiniteError` before its backward."""
     logits = adapter_for(run.model).lm_head(run.model)(hidden[mb.loss_rows, mb.loss_cols])
-    value = microbatch_loss(
-        token_logprobs(logits, mb.targets, run.cfg.temperature), mb, run.group, run.loss, run.cfg
-    )
+    return logprob_objective(run, mb, token_logprobs(logits, mb.targets, run.cfg.temperature))
+
+
+def logprob_objective(run, mb: Microbatch, logp: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """:func:`microbatch_objective` from the log-probs of ``mb``'s loss positions; a tree's microbatch
+    joins the log-probs its paths' ancestors scored (``mb.shared_logprobs``)."""
+    if mb.shared_logprobs is not None:
+        shared, paths, slots = mb.shared_logprobs
+        logp = torch.cat([logp, shared.to(logp.dtype)])
+        mb = dataclasses.replace(
+            mb, response_ids=torch.cat([mb.response_ids, paths]), token_ids=torch.cat([mb.token_ids, slots])
+        )
+    value = microbatch_loss(logp, mb, run.loss_data, run.loss, run.cfg)
     extra = run.hooks.extra_loss()
     objective = value if extra is None else value + extra
     check_finite_loss(objective, f"the microbatch of responses {list(mb.responses)}", run.model)

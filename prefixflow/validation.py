@@ -12,22 +12,52 @@ from .compile import is_compiled
 from .group import RolloutGroup
 from .hooks import hooks_of
 from .layouts import LAYOUTS
+from .loss import LossConfig, resolve_loss
+from .stage import Stage
+from .tree import RolloutTree
 
-__all__ = ["SYSTEMS", "validate_call", "compute_dtype"]
+__all__ = ["SYSTEMS", "validate_call", "compute_dtype", "check_group", "run_input"]
 
 SYSTEMS = ("prefixflow", "baseline")
+
+
+def run_input(group):
+    """What ``train_group`` runs for ``group``: a ``RolloutGroup`` with ``loss_masks`` as its tree."""
+    if isinstance(group, RolloutGroup) and group.loss_masks is not None:
+        return group.as_tree()
+    return group
+
+
+def check_group(
+    model: nn.Module,
+    group: RolloutGroup | RolloutTree,
+    *,
+    system: str = "prefixflow",
+    layout: str = "padded",
+    microbatch: int | str | None = None,
+    loss: str = "pg",
+    loss_config: dict | LossConfig | None = None,
+) -> LossConfig:
+    """Everything ``train_group`` validates, without training: raises ``ValueError``/``TypeError`` naming the
+    field. Lets a caller validate several groups before the first one changes any gradient."""
+    runtime_of(model)
+    group = run_input(group)
+    validate_call(model, group, system, layout, microbatch)
+    return resolve_loss(loss, loss_config, group.path_losses() if isinstance(group, RolloutTree) else group)
 
 
 def validate_call(model: nn.Module, group: RolloutGroup, system: str, layout: str, microbatch) -> None:
     """Raise ``ValueError``/``TypeError`` naming the field for input ``train_group`` cannot run: the system,
     layout and microbatch, what the model's stage, adapter and hooks refuse, and the group's fit."""
-    if not isinstance(group, RolloutGroup):
-        raise TypeError(f"group must be a prefixflow.RolloutGroup, got {type(group).__name__}")
+    if not isinstance(group, (RolloutGroup, RolloutTree)):
+        raise TypeError(f"group must be a prefixflow.RolloutGroup or RolloutTree, got {type(group).__name__}")
     if system not in SYSTEMS:
         raise ValueError(f"system {system!r} unknown; valid systems: {SYSTEMS}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} unknown; valid layouts: {LAYOUTS}")
     runtime = runtime_of(model)
+    if isinstance(group, RolloutTree):
+        _check_tree_call(model, group, microbatch)  # before the generic checks: trees refuse 'auto'
     if microbatch == AUTO:
         if runtime.config.memory_budget_bytes is None:
             raise ValueError(
@@ -46,6 +76,8 @@ def validate_call(model: nn.Module, group: RolloutGroup, system: str, layout: st
             f"microbatch must be None (all responses), an int >= 1 or 'auto', got {microbatch!r}"
         )
     runtime.stage.check(model, system, microbatch)
+    if isinstance(group, RolloutTree):
+        return
     adapter = adapter_for(model)
     group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
     group.check_representable(compute_dtype(model))
@@ -58,3 +90,29 @@ def validate_call(model: nn.Module, group: RolloutGroup, system: str, layout: st
 def compute_dtype(model: nn.Module) -> torch.dtype:
     """The dtype the loss is computed in: the parameters' dtype, at least fp32 (see ``token_logprobs``)."""
     return torch.promote_types(next(model.parameters()).dtype, torch.float32)
+
+
+def _check_tree_call(model: nn.Module, tree: RolloutTree, microbatch) -> None:
+    """What a prefix tree cannot run yet (one process, no schedule hooks), and the tree's fit."""
+    from torch.distributed.tensor import DTensor
+
+    runtime = runtime_of(model)
+    if microbatch == AUTO:
+        raise ValueError("microbatch='auto' does not size prefix trees yet; pass an int or None")
+    if runtime.config.offload:
+        raise ValueError("PrefixFlowConfig.offload does not cover prefix trees yet; turn it off for trees")
+    if type(runtime.stage) is not Stage:
+        raise ValueError(
+            "prefix trees run on one process; a pipeline stage (apply_pp) does not take them yet"
+        )
+    if len(hooks_of(model)) or any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError(
+            "prefix trees do not run under parallelism (TP/FSDP/CP/DP hooks) or MoE yet; train them on one process"
+        )
+    if getattr(model, "_prefixflow_moe", None) is not None:
+        raise ValueError("prefix trees do not replay MoE routing yet; train a dense model")
+    if is_compiled(model):
+        raise ValueError("prefix trees do not run compiled blocks yet; drop apply_compile for trees")
+    adapter = adapter_for(model)
+    tree.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
+    tree.check_representable(compute_dtype(model))

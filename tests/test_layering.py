@@ -39,6 +39,9 @@ PREFIXFLOW_LAYERS = [
         "prefixflow.loss",
         "prefixflow.models",
         "prefixflow.split_attention",
+        "prefixflow.tree",
+        "prefixflow.tree_build",
+        "prefixflow.tree_layouts",
     ],
     # how the schedule reaches a model: adapters, the runtime, hooks, compile, offload
     [
@@ -49,6 +52,7 @@ PREFIXFLOW_LAYERS = [
         "prefixflow.offload",
         "prefixflow.offload_storage",
         "prefixflow.stage",
+        "prefixflow.tree_phases",
         "prefixflow.validation",
     ],
     # the driver: the three phases and the per-group run

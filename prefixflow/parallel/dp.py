@@ -29,6 +29,7 @@ from torch import nn
 from ..grad_guard import keep_grads_on_failure
 from ..group import RolloutGroup
 from ..schedule import GroupStats, train_group
+from ..tree import RolloutTree
 from . import fsdp as fsdp_mod
 from . import parallel_state
 from .dp_placement import Placement, Work, group_costs, place_groups
@@ -129,6 +130,10 @@ def train_step(
     """
     if not groups:
         raise ValueError("train_step needs at least one group")
+    if any(isinstance(g, RolloutTree) or getattr(g, "loss_masks", None) is not None for g in groups):
+        raise ValueError(
+            "train_step does not place prefix trees (or groups with loss_masks) on DP ranks yet; call train_group per tree"
+        )
     if microbatch == "auto":
         raise ValueError(
             "microbatch='auto' (sized to a memory budget) runs in train_group on one process; "
