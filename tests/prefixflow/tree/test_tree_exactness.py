@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _reference import max_rel_diff, reference_pg
-from _tree_reference import depth_of, random_tree, reference_tree
 from conftest import tiny_model
+from support.reference import max_rel_diff, reference_pg
+from support.tree_reference import depth_of, random_tree, reference_tree
 
 import prefixflow as pf
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from _reference import max_rel_diff
-from _tree_reference import random_tree, reference_tree
 from conftest import tiny_model
+from support.reference import max_rel_diff
+from support.tree_reference import random_tree, reference_tree
 
 import prefixflow as pf
 from prefixflow import tree_layouts, tree_phases
