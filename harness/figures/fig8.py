@@ -172,14 +172,18 @@ def figure8b(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
             values = g[col].to_numpy(dtype=float)
             if (values > 0).any():
                 ax.plot(g["step"], np.where(values > 0, values, np.nan), "o-", ms=3, label=label)
-            else:
+            elif (values == 0).all():
                 ax.plot([], [], label=f"{label} = 0 (bitwise)")
-        if (g[["max_abs", "rmse", "mean_abs"]].to_numpy(dtype=float) > 0).any():
+            else:  # NaN: the replayed or the source weights are not finite
+                ax.plot([], [], label=f"{label} = NaN")
+        metrics = g[["max_abs", "rmse", "mean_abs"]].to_numpy(dtype=float)
+        if (metrics > 0).any():
             ax.set_yscale("log")
         else:
             ax.set_xlim(g["step"].min() - 0.5, g["step"].max() + 0.5)
             ax.set_yticks([])
-            ax.text(0.5, 0.5, "bitwise equal at every step", transform=ax.transAxes, ha="center", va="center")
+            text = "bitwise equal at every step" if (metrics == 0).all() else "non-finite (NaN) weights"
+            ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center")
         last = g.iloc[-1]
         verdict = "tau rule PASS" if bool(g["tau_pass"].all()) else "tau rule FAIL"
         ax.set_title(
@@ -337,7 +341,7 @@ def claim2_summary(df: pd.DataFrame) -> pd.DataFrame:
         else:
             add(
                 f"{what}: tau rule, all steps (max abs dW {last['max_abs']:.1e})",
-                float(g["tau_worst"].max()),
+                float(g["tau_worst"].max(skipna=False)),  # a NaN step is no pass
                 "<= 1 (pass)",
                 bool(g["tau_pass"].all()),
             )

@@ -17,7 +17,7 @@ from harness.records import read_records
 from harness.rl.io import load_tensors, write_rl_records
 from harness.rl.loop import RunPlan, model_overrides, task_of
 from harness.rl.spec import RLSpec
-from harness.rl.trace import load_trace, replay_trace
+from harness.rl.trace import load_trace, nan_max, replay_trace
 from harness.run.columns import git_rev
 
 __all__ = [
@@ -75,7 +75,7 @@ def divergence_records(spec, folder, plans, init, base) -> list[dict[str, Any]]:
                 sq += float((x - y).pow(2).sum())
                 sa += float((x - z).pow(2).sum())
                 sb += float((y - z).pow(2).sum())
-                top = max(top, float((x - y).abs().max()))
+                top = nan_max(top, float((x - y).abs().max()))
                 n += x.numel()
             step = int(path.stem.split("_")[1])
             rmse, drift_a, drift_b = (sq / n) ** 0.5, (sa / n) ** 0.5, (sb / n) ** 0.5

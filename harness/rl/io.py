@@ -188,6 +188,18 @@ def optimizer_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 
 @torch.no_grad()
+def _check_adam_state(key: str, t: torch.Tensor, where: str) -> None:
+    """Refuse AdamW state that is finite but impossible: its first step would turn the weights NaN."""
+    if key == "step":
+        step = float(t)
+        if step < 0 or step != int(step):
+            raise TraceError(f"{where} is {step:g}: an AdamW step count is a whole number >= 0")
+    elif key == "exp_avg_sq" and t.numel() and float(t.min()) < 0:
+        raise TraceError(
+            f"{where} has negative values (min {float(t.min()):g}): AdamW's second moment is >= 0"
+        )
+
+
 def load_optimizer(
     model: nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], source: str | Path
 ) -> None:
@@ -211,6 +223,7 @@ def load_optimizer(
                 raise TraceError(
                     f"{source}: opt.{key}.{name} has shape {tuple(t.shape)} (want {want}) or non-finite values"
                 )
+            _check_adam_state(key, t, f"{source}: opt.{key}.{name}")
             if key == "step":
                 state[key] = t.to(torch.float32).to(p.device if fused else "cpu").clone()
             else:

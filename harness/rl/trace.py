@@ -15,6 +15,7 @@ Replaying feeds the same groups, advantages, old/reference log-probs and learnin
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -38,7 +39,7 @@ from harness.rl.io import (
 )
 from prefixflow.rl import actor_update, named_parameters
 
-__all__ = ["TraceWriter", "Trace", "load_trace", "replay_trace", "TAU_ABS", "TAU_REL", "FORMAT"]
+__all__ = ["TraceWriter", "Trace", "load_trace", "replay_trace", "TAU_ABS", "TAU_REL", "FORMAT", "nan_max"]
 
 FORMAT = "prefixflow-grpo-trace"
 VERSION = 1
@@ -231,6 +232,11 @@ def load_trace(folder: str | Path) -> Trace:
     return Trace(folder, manifest)
 
 
+def nan_max(a: float, b: float) -> float:
+    """``max`` that keeps NaN: Python's ``max(x, nan)`` returns ``x``, so a NaN difference would read as 0."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
 def _compare(
     ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], source: Path
 ) -> dict[str, float]:
@@ -245,9 +251,9 @@ def _compare(
         d = (x - y).abs()
         bound = TAU_ABS + TAU_REL * torch.maximum(x.abs(), y.abs())
         ok &= bool((d <= bound).all())
-        worst = max(worst, float((d / bound).max()))
-        max_abs = max(max_abs, float(d.max()))
-        max_ref = max(max_ref, float(y.abs().max()))
+        worst = nan_max(worst, float((d / bound).max()))
+        max_abs = nan_max(max_abs, float(d.max()))
+        max_ref = nan_max(max_ref, float(y.abs().max()))
         sq += float(d.pow(2).sum())
         abs_sum += float(d.sum())
         ref_sq += float(y.pow(2).sum())
@@ -258,7 +264,7 @@ def _compare(
         "mean_abs": abs_sum / count,
         "param_scale": max_ref,
         "param_rms": (ref_sq / count) ** 0.5,
-        "max_rel": max_abs / max_ref if max_ref else float("nan"),
+        "max_rel": max_abs / max_ref if max_ref and not math.isnan(max_ref) else float("nan"),
         "tau_pass": ok,
         "tau_worst": worst,
     }

@@ -4,6 +4,8 @@ a changed input is detected, and a corrupted, truncated or hostile trace is refu
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 from pathlib import Path
 
@@ -173,3 +175,57 @@ def test_manifest_naming_another_model_is_refused_before_building_it(traced, tmp
     manifest["model"], manifest["overrides"] = "llama3:8B", {}
     (folder / "manifest.json").write_text(json.dumps(manifest))
     _expect_refused(folder, r"initial\.safetensors: its weights do not match the model llama3:8B")
+
+
+def _with_adam_state(folder: Path, **bad) -> str:
+    """Give ``initial.safetensors`` AdamW state for every parameter (finite), one tensor replaced by ``bad``;
+    returns the parameter whose state is bad."""
+    tensors, _ = load_tensors(folder / "initial.safetensors")
+    names = [k.removeprefix("w.") for k in tensors if k.startswith("w.")]
+    for name in names:
+        w = tensors[f"w.{name}"]
+        tensors[f"opt.exp_avg.{name}"] = torch.zeros_like(w)
+        tensors[f"opt.exp_avg_sq.{name}"] = torch.zeros_like(w)
+        tensors[f"opt.step.{name}"] = torch.tensor(1.0)
+    key, value = next(iter(bad.items()))
+    tensors[f"opt.{key}.{names[0]}"] = value(tensors[f"w.{names[0]}"])
+    _rewrite(folder, "initial.safetensors", tensors)
+    return names[0]
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("step", lambda w: torch.tensor(-1.0), r"is -1: an AdamW step count is a whole number >= 0"),
+        ("step", lambda w: torch.tensor(1.5), r"is 1\.5: an AdamW step count"),
+        (
+            "exp_avg_sq",
+            lambda w: torch.full_like(w, -1.0),
+            r"has negative values \(min -1\): AdamW's second moment is >= 0",
+        ),
+    ],
+)
+def test_finite_but_impossible_adamw_state_is_refused_naming_it(traced, tmp_path, key, value, match):
+    """A negative step or second moment is finite, and its first step would turn every weight NaN."""
+    folder = copy_trace(traced, tmp_path)
+    name = _with_adam_state(folder, **{key: value})
+    _expect_refused(folder, rf"initial\.safetensors: opt\.{key}\.{re.escape(name)} {match}")
+    res = CliRunner().invoke(app, ["replay", str(folder), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2 and f"opt.{key}.{name}" in res.output and "Traceback" not in res.output
+
+
+def test_a_nan_weight_makes_every_metric_nan_and_fails_the_tau_rule(tmp_path):
+    """Python's max() drops NaN (max(0.0, nan) == 0.0): a replay whose weights turn NaN must not read as equal."""
+    from harness.rl.trace import _compare
+
+    y = {"w.a": torch.ones(3), "w.b": torch.ones(2)}
+    for spoiled in ({"a": torch.tensor([1.0, float("nan"), 1.0]), "b": torch.ones(2)},
+                    {"a": torch.ones(3), "b": torch.tensor([float("nan"), 1.0])}):  # fmt: skip
+        got = _compare(spoiled, y, tmp_path)
+        assert got["tau_pass"] is False
+        for key in ("max_abs", "max_rel", "tau_worst", "rmse", "mean_abs"):
+            assert math.isnan(got[key]), (key, got)
+        got = _compare(spoiled, {"w.a": spoiled["a"].clone(), "w.b": spoiled["b"].clone()}, tmp_path)
+        assert got["tau_pass"] is False and math.isnan(got["max_abs"])  # NaN on both sides is no match either
+    same = _compare({"a": torch.ones(3), "b": torch.ones(2)}, y, tmp_path)
+    assert same["tau_pass"] and same["max_abs"] == same["tau_worst"] == 0.0
