@@ -15,7 +15,7 @@ import argparse
 import torch
 
 import prefixflow as pf
-from harness.rl.io import load_weights
+from harness.rl.io import TraceError, load_weights
 from harness.rl.trace import Trace, load_trace
 from prefixflow.rl import named_parameters
 
@@ -46,14 +46,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step", type=int, default=1, help="the traced step (1 = AdamW's first step)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    trace = load_trace(args.trace)
+    try:
+        trace = load_trace(args.trace)
+    except TraceError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")  # one line naming the folder, no traceback
     if not 1 <= args.step <= len(trace.manifest.steps):
         parser.error(f"--step must be in 1..{len(trace.manifest.steps)}")
-    runs = {
-        (system, name): step_gradients(trace, args.step, system, dtype)
-        for system in ("baseline", "prefixflow")
-        for name, dtype in (("fp32", torch.float32), ("fp64", torch.float64))
-    }
+    try:
+        runs = {
+            (system, name): step_gradients(trace, args.step, system, dtype)
+            for system in ("baseline", "prefixflow")
+            for name, dtype in (("fp32", torch.float32), ("fp64", torch.float64))
+        }
+    except TraceError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     truth = runs[("baseline", "fp64")]
     cols = [k for k in runs if k != ("baseline", "fp64")]
     print("relative gradient error vs the fp64 baseline, ||g - g64|| / ||g64||, per parameter")

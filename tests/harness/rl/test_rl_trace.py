@@ -229,3 +229,16 @@ def test_a_nan_weight_makes_every_metric_nan_and_fails_the_tau_rule(tmp_path):
         assert got["tau_pass"] is False and math.isnan(got["max_abs"])  # NaN on both sides is no match either
     same = _compare({"a": torch.ones(3), "b": torch.ones(2)}, y, tmp_path)
     assert same["tau_pass"] and same["max_abs"] == same["tau_worst"] == 0.0
+
+
+def test_rl_precision_on_a_missing_trace_says_why_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.rl_precision", str(tmp_path / "missing")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "missing: not a trace folder" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
