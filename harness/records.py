@@ -276,15 +276,19 @@ def cell_status(df: pd.DataFrame) -> str:
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
-    """Per spec: number of cells and rows by status."""
+    """Per spec: number of cells, cells by status (a cell's worst, :func:`cell_status`), and how many
+    systems and record rows they hold (a cell has one row per system and repeat)."""
+    columns = ["spec", "cells", *STATUSES, "systems", "rows"]
     if df.empty:
-        return pd.DataFrame(columns=["spec", "cells", *STATUSES])
+        return pd.DataFrame(columns=columns)
     rows = []
     for spec, g in df.groupby("spec", sort=True):
         # a capacity-frontier search is one cell although each of its probe rows has its own id
         ids = g["search_id"].fillna(g["cell_id"]) if "search_id" in g.columns else g["cell_id"]
-        row = {"spec": spec, "cells": ids.nunique()}
+        statuses = [cell_status(rows_of_cell) for _, rows_of_cell in g.groupby(ids, sort=False)]
+        row = {"spec": spec, "cells": len(statuses)}
         for s in STATUSES:
-            row[s] = int((g["status"] == s).sum())
+            row[s] = statuses.count(s)
+        row["systems"], row["rows"] = int(g["system"].nunique()), len(g)
         rows.append(row)
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=columns)

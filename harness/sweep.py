@@ -198,10 +198,12 @@ def status_table(root: str | Path, problems: list[str] | None = None) -> pd.Data
             continue
         have = sum(recorded_status(manifest.parent / f"{c}.parquet") is not None for c in cells)
         expected[spec] = (len(cells), len(cells) - have)
-    columns = ["spec", "cells", *STATUSES, "expected", "missing"]
+    columns = ["spec", "cells", *STATUSES, "expected", "missing", "systems", "rows"]
     rows = []
     for spec in sorted(set(recorded) | set(expected)):
-        row = {"spec": spec, "cells": 0, **dict.fromkeys(STATUSES, 0), **recorded.get(spec, {})}
+        row = {"spec": spec, "cells": 0, **dict.fromkeys(STATUSES, 0), "systems": 0, "rows": 0}
+        row.update(recorded.get(spec, {}))
         row["expected"], row["missing"] = expected.get(spec, (None, None))
         rows.append(row)
-    return pd.DataFrame(rows, columns=columns)
+    table = pd.DataFrame(rows, columns=columns)
+    return table.astype({c: "Int64" for c in columns[1:]})  # whole numbers; a spec without manifest: <NA>

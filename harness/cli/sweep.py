@@ -167,11 +167,12 @@ def status(results: Annotated[Path, typer.Argument(help="results folder")] = Pat
     if df.empty:
         console.print(Text(f"no records under {results}"))
         return
-    console.print(_table(df, title=f"records under {results}"))
-    for row in df.itertuples(index=False):
+    shown = df.astype(object).where(df.notna(), None)  # a spec without a manifest has no expected count: "-"
+    console.print(_table(shown, title=f"records under {results} (cells by status; systems and rows apart)"))
+    for row in shown.itertuples(index=False):
         if row.missing == 0:
             console.print(Text(f"{row.spec}: all {row.expected} cells recorded; a sweep would run nothing"))
-        elif row.missing is not None and not pd.isna(row.missing):
+        elif row.missing is not None:
             console.print(
                 Text(f"{row.spec}: {row.missing} of {row.expected} cells missing; a sweep would run them")
             )

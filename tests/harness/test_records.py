@@ -11,6 +11,7 @@ import pytest
 from harness import records
 from harness.records import (
     COLUMNS,
+    STATUSES,
     cell_status,
     collect,
     read_records,
@@ -151,7 +152,10 @@ def test_status_summary_and_worst_status():
         [_rec(), _rec(system="prefixflow", status="oom"), _rec(cell="c2"), _rec(cell="c3", status="timeout")]
     )
     s = summarize(df).set_index("spec")
-    assert s.loc["s", "cells"] == 3 and s.loc["s", "ok"] == 2 and s.loc["s", "oom"] == 1
+    # cells by their worst status (c1: ok + oom -> oom), systems and rows apart
+    assert s.loc["s", "cells"] == 3 and s.loc["s", "ok"] == 1 and s.loc["s", "oom"] == 1
+    assert s.loc["s", "timeout"] == 1 and s.loc["s", "error"] == 0
+    assert s.loc["s", "systems"] == 2 and s.loc["s", "rows"] == 4
     assert cell_status(df[df.cell_id == "c1"]) == "oom"
     assert cell_status(pd.DataFrame([_rec(status="timeout"), _rec(status="error")])) == "error"
 
@@ -165,3 +169,20 @@ def test_records_written_before_the_parallel_columns_read_as_single_process(tmp_
     pq.write_table(old.drop_columns(["tp"]), tmp_path / "c1.parquet")  # any other core column: refused
     with pytest.raises(records.InvalidRecord, match="column 'tp' missing"):
         read_records(tmp_path / "c1.parquet")
+
+
+def test_status_of_the_committed_results_counts_cells_not_rows():
+    """Every cell has exactly one status (claim2 once read "cells 20, ok 1482"); counts print as integers."""
+    from support import REPO
+    from typer.testing import CliRunner
+
+    from harness.cli import app
+    from harness.sweep import status_table
+
+    table = status_table(REPO / "results")
+    assert len(table) >= 5
+    by_status = table[list(STATUSES)].sum(axis=1)
+    assert (by_status == table["cells"]).all(), table
+    assert (table["rows"] >= table["cells"]).all() and (table["systems"] >= 1).all()
+    res = CliRunner().invoke(app, ["status", str(REPO / "results")])
+    assert res.exit_code == 0 and "cells recorded" in res.output and ".0 cells" not in res.output, res.output

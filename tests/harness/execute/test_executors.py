@@ -202,7 +202,8 @@ def test_one_sweep_per_folder_and_stale_temps_are_removed(tmp_path):
     assert not stale.exists() and fresh.exists()
     assert set(p.done.values()) == {"error"} and len(p.done) == len(expand(spec))
     st = status_table(tmp_path / "out").set_index("spec")
-    assert st.loc["killme", "missing"] == 0 and st.loc["killme", "error"] == 2 * len(expand(spec))
+    assert st.loc["killme", "missing"] == 0 and st.loc["killme", "error"] == len(expand(spec))
+    assert st.loc["killme", "rows"] == 2 * len(expand(spec))  # two systems per cell
 
 
 def test_a_relative_out_given_outside_the_repository_gets_its_records(tmp_path, monkeypatch):
