@@ -26,7 +26,14 @@ if TYPE_CHECKING:
     from .kv_cache import PrefixKVCache
     from .layouts import Microbatch
 
-__all__ = ["Stage", "forward_hidden", "microbatch_objective", "logprob_objective", "attention_mode"]
+__all__ = [
+    "Stage",
+    "forward_hidden",
+    "loss_logprobs",
+    "microbatch_objective",
+    "logprob_objective",
+    "attention_mode",
+]
 
 
 def forward_hidden(
@@ -41,12 +48,17 @@ def attention_mode(run, mode):
     return run.runtime.state.use(mode) if mode is not None else contextlib.nullcontext()
 
 
+def loss_logprobs(run, mb: Microbatch, hidden: torch.Tensor) -> torch.Tensor:
+    """The log-probs of ``mb``'s targets: the model's LM head (its adapter's) at the loss positions only."""
+    logits = adapter_for(run.model).lm_head(run.model)(hidden[mb.loss_rows, mb.loss_cols])
+    return token_logprobs(logits, mb.targets, run.cfg.temperature)
+
+
 def microbatch_objective(run, mb: Microbatch, hidden: torch.Tensor) -> tuple[float, torch.Tensor]:
     """The LM head at the loss positions only, the group-weighted loss and the hooks' extra losses (e.g. an
     MoE balance loss, not part of the reported loss). Returns (reported loss, objective to backpropagate);
     a non-finite objective raises :class:`~prefixflow.NonFiniteError` before its backward."""
-    logits = adapter_for(run.model).lm_head(run.model)(hidden[mb.loss_rows, mb.loss_cols])
-    return logprob_objective(run, mb, token_logprobs(logits, mb.targets, run.cfg.temperature))
+    return logprob_objective(run, mb, loss_logprobs(run, mb, hidden))
 
 
 def logprob_objective(run, mb: Microbatch, logp: torch.Tensor) -> tuple[float, torch.Tensor]:

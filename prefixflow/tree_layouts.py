@@ -72,6 +72,8 @@ class TreePlan:
             self.shared.append(shared)
             if own.cols:
                 self.leaf_rows[i] = own
+        # paths whose trained tokens all lie in cached nodes: no Phase-B row, their loss reads those leaves
+        self.leafless = [i for i in range(tree.n) if i not in self.leaf_rows]
 
     def node_row(self, j: int) -> TreeRow:
         """Phase A's row of cached node ``j``: its whole segment after its ancestors."""

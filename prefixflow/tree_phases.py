@@ -20,12 +20,10 @@ from collections import defaultdict
 
 import torch
 
-from .adapters import adapter_for
 from .attention import AttendWithAncestors, MaskedAttention
 from .kv_cache import PrefixKVCache
 from .layouts import Microbatch
-from .loss import token_logprobs
-from .stage import attention_mode, forward_hidden, logprob_objective
+from .stage import attention_mode, forward_hidden, logprob_objective, loss_logprobs
 from .tree_layouts import TreePlan, tree_microbatch
 
 __all__ = ["NodeCaches", "node_forwards", "leaf_microbatches", "node_backwards", "path_microbatches"]
@@ -84,7 +82,6 @@ class NodeCaches:
 def node_forwards(run, caches: NodeCaches) -> None:
     """Phase A: every cached node's forward once, top-down."""
     plan, tree = run.tree_plan, run.group
-    head = adapter_for(run.model).lm_head(run.model)
     for j in plan.cached:
         mb, keys = tree_microbatch(tree, [plan.node_row(j)], "padded", run.device)
         plan.trunk_tokens += mb.n_tokens
@@ -92,7 +89,7 @@ def node_forwards(run, caches: NodeCaches) -> None:
         with attention_mode(run, AttendWithAncestors(caches.reader(keys), mb.mask, capture=caches.caches[j])):
             hidden = forward_hidden(run.model, mb.tokens, mb.positions)
         if mb.targets.numel():
-            logp = token_logprobs(head(hidden[mb.loss_rows, mb.loss_cols]), mb.targets, run.cfg.temperature)
+            logp = loss_logprobs(run, mb, hidden)
             caches.live[j] = logp
             caches.leaf[j] = logp.detach().requires_grad_(True)
 
@@ -108,7 +105,7 @@ def leaf_microbatches(run, caches: NodeCaches) -> float:
         return mb, AttendWithAncestors(caches.reader(keys), mb.mask)
 
     total = run.stage.microbatches(run, build)
-    rest = [i for i in range(tree.n) if i not in plan.leaf_rows]
+    rest = plan.leafless
     if rest:
         empty = torch.zeros(0, dtype=torch.long, device=run.device)
         mb = Microbatch(
@@ -155,5 +152,5 @@ def tree_counts(run) -> tuple[int, int, int, int]:
     prefix = 0
     if run.system != "baseline":
         prefix = plan.prefix_tokens
-        n_mb += any(i not in plan.leaf_rows for i in range(tree.n))
+        n_mb += bool(plan.leafless)  # their one objective-only microbatch
     return n_mb, prefix, sum(int(m.sum()) for m in tree.loss_masks), plan.trunk_tokens

@@ -105,12 +105,12 @@ def _check_tree_call(model: nn.Module, tree: RolloutTree, microbatch) -> None:
         raise ValueError(
             "prefix trees run on one process; a pipeline stage (apply_pp) does not take them yet"
         )
+    if getattr(model, "_prefixflow_moe", None) is not None:  # before the hooks: MoE registers some too
+        raise ValueError("prefix trees do not replay MoE routing yet; train a dense model")
     if len(hooks_of(model)) or any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError(
             "prefix trees do not run under parallelism (TP/FSDP/CP/DP hooks) or MoE yet; train them on one process"
         )
-    if getattr(model, "_prefixflow_moe", None) is not None:
-        raise ValueError("prefix trees do not replay MoE routing yet; train a dense model")
     if is_compiled(model):
         raise ValueError("prefix trees do not run compiled blocks yet; drop apply_compile for trees")
     adapter = adapter_for(model)

@@ -102,7 +102,6 @@ class Pipeline(Stage):
     def running(self, run):
         self.device = run.device
         self.p2p, self.events, self.prefix = _P2P(self, run.device), [], None
-        self.n_microbatches = len(run.plan.chunks)
         self.has_prefix = run.system == "prefixflow" and run.group.prompt_len > 1
         dist.barrier(group=self.group)
         self.t0, self.wall_t0 = time.perf_counter(), time.time()
@@ -195,13 +194,11 @@ class Pipeline(Stage):
             out = stage_hidden(run.model, inp, _positions(mb))
             if self.last:
                 value, out = microbatch_objective(run, mb, out)
-                roots, grads = [out], [None]
-            else:  # this stage's own loss terms (e.g. its MoE layers' balance loss) join the backward
-                extra = run.hooks.extra_loss()
-                roots, grads = [out], [None]
-                if extra is not None:
-                    roots.append(extra)
-                    grads.append(torch.ones_like(extra))
+            roots, grads = [out], [None]
+            extra = None if self.last else run.hooks.extra_loss()  # the last stage's is in its objective
+            if extra is not None:  # this stage's own loss terms (e.g. its MoE layers' balance loss)
+                roots.append(extra)
+                grads.append(torch.ones_like(extra))
         self._event("F", m, waited, started)
         if not self.last:
             self.p2p.send(out, +1, _FWD)

@@ -180,3 +180,13 @@ def test_trees_refuse_parallel_paths_in_one_line():
         ValueError, match=r"prefix trees do not run under parallelism \(TP/FSDP/CP/DP hooks\)"
     ):
         pf.train_group(model, tree)
+
+
+def test_trees_refuse_moe_models_naming_the_routing():
+    from support.moe import tiny_moe
+
+    tree = pf.build_tree([t(1, 2, 3), t(1, 2, 4)], [1.0, -1.0])
+    with pytest.raises(
+        ValueError, match=r"^prefix trees do not replay MoE routing yet; train a dense model$"
+    ):
+        pf.train_group(tiny_moe(), tree)
