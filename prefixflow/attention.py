@@ -238,18 +238,31 @@ class AttendWithAncestors:
     (``[1, H_kv, U, D]``, differentiable w.r.t. each node's leaves), or None when it reads none. ``mask``: bool
     ``[b, 1, L, U + L]`` (None: no keys before the tokens, plain causal). ``capture``: a node's
     :class:`~prefixflow.kv_cache.PrefixKVCache` that keeps this forward's live K/V (Phase A); None in Phase B
-    and when a checkpointed node block recomputes in Phase C.
+    and when a checkpointed node block recomputes in Phase C. ``sequence``: the microbatch's sequence
+    exchange when its tokens are spread over ranks (the mask then has this rank's query rows; a node captures
+    its own K/V shard). ``read`` may have ``begin()``/``end()``, called around the phase's forward.
     """
 
-    def __init__(self, read, mask: torch.Tensor | None, capture: PrefixKVCache | None = None) -> None:
-        self.read, self.mask, self.capture = read, mask, capture
+    def __init__(
+        self, read, mask: torch.Tensor | None, capture: PrefixKVCache | None = None, *, sequence=None
+    ) -> None:
+        self.read, self.mask, self.capture, self.sequence = read, mask, capture, sequence
+
+    def bind(self, wrappers: list[PrefixAwareAttention]) -> None:
+        if hasattr(self.read, "begin"):
+            self.read.begin()
+
+    def unbind(self) -> None:
+        if hasattr(self.read, "end"):
+            self.read.end()
 
     def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
         if self.capture is not None:
             self.capture.capture(wrapper.layer, k, v)
         cached = self.read(wrapper.layer, k.dtype)
-        if cached is None and self.mask is None:
+        if cached is None and self.mask is None and self.sequence is None:
             return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
+        k, v = _whole_sequence(self.sequence, k, v)
         if cached is not None:
             b = q.shape[0]
             k = torch.cat([cached[0].expand(b, -1, -1, -1), k], dim=2)

@@ -40,6 +40,8 @@ class ScheduleHooks:
       (baseline).
     - ``microbatch(mb)``: a context around one microbatch's forward, loss and backward (Phase B and the
       baseline's microbatches).
+    - ``prefix_backward()``: a context around each delayed prefix backward (Phase C's one for a flat group;
+      one per cached node of a prefix tree, children first).
     - ``extra_loss()``: a scalar the hook's modules added to the objective during the forward since the last
       call (e.g. an MoE balance loss), or None. The schedule adds it to each microbatch's loss before its
       backward; what Phase A produced joins Phase C's prefix backward.
@@ -53,12 +55,19 @@ class ScheduleHooks:
 
     - ``shard(mb)``: the part of a microbatch (Phase A's prefix, a suffix microbatch, a baseline microbatch)
       that this rank computes; it may set ``mb.sequence``, which gathers the K/V of the tokens other ranks hold.
-    - ``prefix_view(model, group)``: how each layer's suffix attention gets the full prefix K/V and where
-      gK/gV go back (a :class:`~prefixflow.kv_cache.PrefixView`; ``None`` = the cache's own leaves).
+    - ``prefix_view(model, length)``: how each layer's attention reads the full K/V of a cached run of
+      ``length`` tokens (a flat group's prefix; each node of a prefix tree) and where gK/gV go back (a
+      :class:`~prefixflow.kv_cache.PrefixView`; ``None`` = the cache's own leaves).
     - ``reduce_loss(value)``: the group loss every rank reports, from this rank's share.
 
-    ``stats()`` returns counters of the last group; they land in ``GroupStats.hooks``.
+    ``stats()`` returns counters of the last group; they land in ``GroupStats.hooks``. ``runs_trees``: whether
+    the hook handles prefix trees (``RolloutTree``); ``train_group`` refuses a tree under one that does not.
+    ``shards_sequences``: whether ``shard`` spreads a sequence's tokens over ranks (a loss that needs a whole
+    response on one rank is then refused before any work).
     """
+
+    runs_trees = False
+    shards_sequences = False
 
     def check(self, model: nn.Module, group: RolloutGroup, system: str) -> None:
         return None
@@ -70,6 +79,9 @@ class ScheduleHooks:
         return contextlib.nullcontext()
 
     def microbatch(self, mb: Microbatch):
+        return contextlib.nullcontext()
+
+    def prefix_backward(self):
         return contextlib.nullcontext()
 
     def extra_loss(self) -> torch.Tensor | None:
@@ -84,7 +96,7 @@ class ScheduleHooks:
     def shard(self, mb: Microbatch) -> Microbatch:
         return mb
 
-    def prefix_view(self, model: nn.Module, group: RolloutGroup) -> PrefixView | None:
+    def prefix_view(self, model: nn.Module, length: int) -> PrefixView | None:
         return None
 
     def reduce_loss(self, value: float) -> float:
@@ -125,6 +137,9 @@ class HookChain:
     def microbatch(self, mb: Microbatch):
         return self._enter("microbatch", mb)
 
+    def prefix_backward(self):
+        return self._enter("prefix_backward")
+
     def forward_only(self):
         return self._enter("forward_only")
 
@@ -136,13 +151,17 @@ class HookChain:
     def full_prefix_forward(self) -> bool:
         return any(hook.full_prefix_forward() for hook in self.hooks)
 
+    @property
+    def shards_sequences(self) -> bool:
+        return any(hook.shards_sequences for hook in self.hooks)
+
     def shard(self, mb: Microbatch) -> Microbatch:
         for hook in self.hooks:
             mb = hook.shard(mb)
         return mb
 
-    def prefix_view(self, model: nn.Module, group: RolloutGroup) -> PrefixView | None:
-        views = [(h, v) for h in self.hooks if (v := h.prefix_view(model, group)) is not None]
+    def prefix_view(self, model: nn.Module, length: int) -> PrefixView | None:
+        views = [(h, v) for h in self.hooks if (v := h.prefix_view(model, length)) is not None]
         if len(views) > 1:
             names = [type(h).__name__ for h, _ in views]
             raise ValueError(f"several hooks supply the prefix K/V view ({names}); register only one")

@@ -195,7 +195,7 @@ def phase_c_prefix_backward(
     recompute = None  # unsharded: no mode, the plain forward's causal attention
     if prefix is not None and prefix.sequence is not None:
         recompute = MaskedAttention(prefix.mask, prefix.sequence)
-    with attention_mode(run, recompute):
+    with attention_mode(run, recompute), run.hooks.prefix_backward():
         run.stage.prefix_backward(run, cache)
 
 
@@ -279,12 +279,12 @@ def run_group(
                     value = phase_full(run)
             else:
                 if run.tree_plan is not None:
-                    cache = tree_phases.NodeCaches(run.tree_plan, runtime.grad_kv_dtype(model))
+                    cache = tree_phases.NodeCaches(run, runtime.grad_kv_dtype(model))
                 else:
                     cache = PrefixKVCache(runtime.grad_kv_dtype(model))
                     if runtime.config.offload and share.computes_prefix():
                         offload = PrefixOffload(model, cache, prefetch=runtime.config.offload_prefetch)
-                    cache.view = hooks.prefix_view(model, group) or cache.view
+                    cache.view = hooks.prefix_view(model, group.prompt_len - 1) or cache.view
                 with run.plan.prefix_window(), clock("A"), hooks.phase("A"):
                     prefix = share.prefix_forward(
                         run, cache, lambda: phase_a_prefix_forward(run, cache, offload)
@@ -329,6 +329,11 @@ def group_run(
     if isinstance(group, RolloutTree):
         run.tree_plan, run.loss_data = TreePlan(group), group.path_losses()
     run.cfg = resolve_loss(loss, loss_config, run.loss_data)
+    if run.cfg.importance_sampling == "sequence" and run.hooks.shards_sequences:
+        raise ValueError(
+            "loss_config.importance_sampling='sequence' needs each response's tokens on one rank; "
+            "context parallelism spreads them over the CP group (use 'token')"
+        )
     paths = (share or GroupShare()).responses(group)
     if run.tree_plan is not None and system != "baseline":
         paths = [i for i in paths if i in run.tree_plan.leaf_rows]  # the rest have no leaf row to run

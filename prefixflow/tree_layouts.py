@@ -76,12 +76,14 @@ class TreePlan:
         self.leafless = [i for i in range(tree.n) if i not in self.leaf_rows]
 
     def node_row(self, j: int) -> TreeRow:
-        """Phase A's row of cached node ``j``: its whole segment after its ancestors."""
+        """Phase A's row of cached node ``j``: its whole segment after its ancestors; its ``slots`` are the
+        score indices (where each log-prob goes in the node's scores)."""
         tree = self.tree
         rows, targets = self.scores[j]
         return TreeRow(
-            -1, tree.segments[j], tree.first_position[j], tuple(tree.ancestors(j)), rows, targets, []
-        )
+            -1, tree.segments[j], tree.first_position[j], tuple(tree.ancestors(j)), rows, targets,
+            list(range(len(rows))),
+        )  # fmt: skip
 
     def full_row(self, i: int) -> TreeRow:
         """The baseline's row of path ``i``: the whole path but its last token, scoring every trained token."""

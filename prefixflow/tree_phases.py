@@ -29,34 +29,66 @@ from .tree_layouts import TreePlan, tree_microbatch
 __all__ = ["NodeCaches", "node_forwards", "leaf_microbatches", "node_backwards", "path_microbatches"]
 
 
-class NodeCaches:
-    """Every cached node's K/V cache (:class:`~prefixflow.kv_cache.PrefixKVCache`), the mask and key nodes
-    of its Phase-A row, and its scored log-probs (live, and the detached leaf the paths read)."""
+class AncestorKV:
+    """``read(layer, dtype)``: the full K/V of ``nodes`` concatenated along the keys (each through its cache's
+    :class:`~prefixflow.kv_cache.PrefixView`: its own leaves, or gathered from the CP ranks' shards), or None.
+    ``begin``/``end`` bracket one forward (a view may prefetch the next layer)."""
 
-    def __init__(self, plan: TreePlan, grad_dtype: torch.dtype | None) -> None:
+    def __init__(self, caches: list[PrefixKVCache]) -> None:
+        self.caches = caches
+
+    def begin(self) -> None:
+        for cache in self.caches:
+            cache.view.begin(cache)
+
+    def end(self) -> None:
+        for cache in self.caches:
+            cache.view.end()
+
+    def __call__(self, layer: int, dtype: torch.dtype):
+        if not self.caches:
+            return None
+        views = [cache.read(layer, dtype) for cache in self.caches]
+        return torch.cat([k for k, _ in views], dim=2), torch.cat([v for _, v in views], dim=2)
+
+
+class NodeCaches:
+    """Every cached node's K/V cache (:class:`~prefixflow.kv_cache.PrefixKVCache`, read through the hooks'
+    view of ``node_len`` tokens), the mask, sequence exchange and key nodes of its Phase-A row, and its scored
+    log-probs (live, the detached leaf the paths read, and where each of the node's scores sits in them: this
+    rank scores only its own tokens when they are spread over ranks, -1 elsewhere)."""
+
+    def __init__(self, run, grad_dtype: torch.dtype | None) -> None:
+        self.plan = plan = run.tree_plan
+        tree = run.group
         self.caches = {j: PrefixKVCache(grad_dtype) for j in plan.cached}
-        self.rows: dict[int, tuple[torch.Tensor | None, list[int]]] = {}
+        for j, cache in self.caches.items():
+            cache.view = run.hooks.prefix_view(run.model, tree.node_len(j)) or cache.view
+        self.rows: dict[int, tuple[torch.Tensor | None, object, list[int]]] = {}
         self.live: dict[int, torch.Tensor] = {}
         self.leaf: dict[int, torch.Tensor] = {}
+        self.local: dict[int, list[int]] = {}
 
-    def reader(self, nodes: list[int]):
-        """``read(layer, dtype)``: the K/V leaves of ``nodes`` concatenated along the keys, or None."""
+    def reader(self, nodes: list[int]) -> AncestorKV:
+        return AncestorKV([self.caches[j] for j in nodes])
 
-        def read(layer: int, dtype: torch.dtype):
-            if not nodes:
-                return None
-            entries = [self.caches[j].layers[layer] for j in nodes]
-            k = torch.cat([e.prefix_k for e in entries], dim=2).to(dtype)
-            return k, torch.cat([e.prefix_v for e in entries], dim=2).to(dtype)
-
-        return read
+    def score(self, j: int, mb: Microbatch, logp: torch.Tensor) -> None:
+        """Keep node ``j``'s log-probs of this rank's scored tokens (``mb.token_ids``: their score index)."""
+        self.live[j] = logp
+        self.leaf[j] = logp.detach().requires_grad_(True)
+        local = [-1] * len(self.plan.scores[j][0])
+        for at, k in enumerate(mb.token_ids.tolist()):
+            local[k] = at
+        self.local[j] = local
 
     def shared(self, plan: TreePlan, paths: list[int]) -> tuple | None:
-        """The ancestor-scored log-probs of ``paths`` as ``(logprobs, path ids, slots)``, or None."""
+        """The ancestor-scored log-probs of ``paths`` that this rank holds, as ``(logprobs, path ids, slots)``,
+        or None."""
         by_node = defaultdict(list)
         for i in paths:
             for node, k, slot in plan.shared[i]:
-                by_node[node].append((k, i, slot))
+                if (at := self.local[node][k]) >= 0:
+                    by_node[node].append((at, i, slot))
         if not by_node:
             return None
         parts, ids, slots = [], [], []
@@ -80,18 +112,20 @@ class NodeCaches:
 
 
 def node_forwards(run, caches: NodeCaches) -> None:
-    """Phase A: every cached node's forward once, top-down."""
+    """Phase A: every cached node's forward once, top-down (its part on this rank, under CP)."""
     plan, tree = run.tree_plan, run.group
     for j in plan.cached:
         mb, keys = tree_microbatch(tree, [plan.node_row(j)], "padded", run.device)
         plan.trunk_tokens += mb.n_tokens
-        caches.rows[j] = (mb.mask, keys)
-        with attention_mode(run, AttendWithAncestors(caches.reader(keys), mb.mask, capture=caches.caches[j])):
+        mb = run.hooks.shard(mb)
+        caches.rows[j] = (mb.mask, mb.sequence, keys)
+        mode = AttendWithAncestors(
+            caches.reader(keys), mb.mask, capture=caches.caches[j], sequence=mb.sequence
+        )
+        with attention_mode(run, mode):
             hidden = forward_hidden(run.model, mb.tokens, mb.positions)
-        if mb.targets.numel():
-            logp = loss_logprobs(run, mb, hidden)
-            caches.live[j] = logp
-            caches.leaf[j] = logp.detach().requires_grad_(True)
+        if plan.scores[j][0]:  # the node scores tokens (on some rank): the same LM-head calls on every rank
+            caches.score(j, mb, loss_logprobs(run, mb, hidden))
 
 
 def leaf_microbatches(run, caches: NodeCaches) -> float:
@@ -101,8 +135,8 @@ def leaf_microbatches(run, caches: NodeCaches) -> float:
     def build(chunk):
         mb, keys = tree_microbatch(tree, [plan.leaf_rows[i] for i in chunk], run.layout, run.device)
         plan.trunk_tokens += mb.n_tokens
-        mb = dataclasses.replace(mb, shared_logprobs=caches.shared(plan, chunk))
-        return mb, AttendWithAncestors(caches.reader(keys), mb.mask)
+        mb = dataclasses.replace(run.hooks.shard(mb), shared_logprobs=caches.shared(plan, chunk))
+        return mb, AttendWithAncestors(caches.reader(keys), mb.mask, sequence=mb.sequence)
 
     total = run.stage.microbatches(run, build)
     rest = plan.leafless
@@ -123,11 +157,15 @@ def node_backwards(run, caches: NodeCaches) -> None:
     """Phase C: every cached node's backward once, children before parents; each node's cache and graph
     are dropped right after its backward."""
     for j in reversed(run.tree_plan.cached):
-        mask, keys = caches.rows[j]
-        leaf = caches.leaf.get(j)
-        seeded = leaf is not None and leaf.grad is not None
-        roots, grads = ([caches.live[j]], [leaf.grad]) if seeded else ([], [])
-        with attention_mode(run, AttendWithAncestors(caches.reader(keys), mask)):
+        mask, sequence, keys = caches.rows[j]
+        roots, grads = [], []
+        if (leaf := caches.leaf.get(j)) is not None:
+            # Seeded on every rank, zeros where no path read this rank's scores: under CP each rank's backward
+            # must reach the same sequence exchanges (the last layer's is reached only through the scores).
+            roots.append(caches.live[j])
+            grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+        recompute = AttendWithAncestors(caches.reader(keys), mask, sequence=sequence)
+        with attention_mode(run, recompute), run.hooks.prefix_backward():
             caches.caches[j].backward_prefix(roots, grads)
         caches.drop(j)
 
@@ -139,7 +177,8 @@ def path_microbatches(run) -> float:
     def build(chunk):
         mb, _ = tree_microbatch(tree, [plan.full_row(i) for i in chunk], run.layout, run.device)
         plan.trunk_tokens += mb.n_tokens
-        return mb, MaskedAttention(mb.mask) if mb.mask is not None else None
+        mb = run.hooks.shard(mb)
+        return mb, MaskedAttention(mb.mask, mb.sequence) if mb.mask is not None else None
 
     return run.stage.microbatches(run, build)
 

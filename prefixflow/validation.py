@@ -94,8 +94,6 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
 
 def _check_tree_call(model: nn.Module, tree: RolloutTree, microbatch) -> None:
     """What a prefix tree cannot run yet (one process, no schedule hooks), and the tree's fit."""
-    from torch.distributed.tensor import DTensor
-
     runtime = runtime_of(model)
     if microbatch == AUTO:
         raise ValueError("microbatch='auto' does not size prefix trees yet; pass an int or None")
@@ -107,10 +105,11 @@ def _check_tree_call(model: nn.Module, tree: RolloutTree, microbatch) -> None:
         )
     if getattr(model, "_prefixflow_moe", None) is not None:  # before the hooks: MoE registers some too
         raise ValueError("prefix trees do not replay MoE routing yet; train a dense model")
-    if len(hooks_of(model)) or any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError(
-            "prefix trees do not run under parallelism (TP/FSDP/CP/DP hooks) or MoE yet; train them on one process"
-        )
+    for hook in hooks_of(model).hooks:
+        if not hook.runs_trees:
+            raise ValueError(
+                f"prefix trees do not run under {type(hook).__name__} yet; train them without it"
+            )
     if is_compiled(model):
         raise ValueError("prefix trees do not run compiled blocks yet; drop apply_compile for trees")
     adapter = adapter_for(model)

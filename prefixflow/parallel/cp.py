@@ -187,6 +187,9 @@ class ContextParallel(ScheduleHooks):
         self.phase_b_ranks: list[float] = []
         self._phase_b_s = 0.0
 
+    runs_trees = True
+    shards_sequences = True
+
     def check(self, model: nn.Module, group, system: str) -> None:
         if getattr(model, "prefixflow_compiled", None) is not None:
             raise ValueError("context parallelism runs eager blocks; build the model without compile")
@@ -225,10 +228,10 @@ class ContextParallel(ScheduleHooks):
     def shard(self, mb: Microbatch) -> Microbatch:
         return shard_microbatch(mb, self.rank, self.size, self.pg, self.comm, self.collectives)
 
-    def prefix_view(self, model: nn.Module, group) -> PrefixView | None:
-        if group.prompt_len < 2:
+    def prefix_view(self, model: nn.Module, length: int) -> PrefixView | None:
+        if length < 1:
             return None
-        layout = SequenceLayout(group.prompt_len - 1, self.size)
+        layout = SequenceLayout(length, self.size)
         return CPPrefixView(
             self.prefix_pg, layout, prefetch=self.prefetch, stats=self.comm, collectives=self.collectives
         )

@@ -30,6 +30,7 @@ from ..grad_guard import keep_grads_on_failure
 from ..group import RolloutGroup
 from ..schedule import GroupStats, train_group
 from ..tree import RolloutTree
+from ..validation import run_input
 from . import fsdp as fsdp_mod
 from . import parallel_state
 from .dp_placement import Placement, Work, group_costs, place_groups
@@ -95,8 +96,11 @@ class StepStats:
         return out
 
 
-def _lockstep(placement: Placement, microbatch: int | None) -> bool:
-    """Whether every DP rank runs the same sequence of forwards and backwards (ZeRO-3 can then run)."""
+def _lockstep(placement: Placement, microbatch: int | None, trees: set[int]) -> bool:
+    """Whether every DP rank runs the same sequence of forwards and backwards (ZeRO-3 can then run). A prefix
+    tree's count depends on its shape, so a step with trees on several ranks never counts as lockstep."""
+    if trees and len(placement.work) > 1:
+        return False
 
     def shape(ws: list[Work]):
         return [
@@ -130,10 +134,6 @@ def train_step(
     """
     if not groups:
         raise ValueError("train_step needs at least one group")
-    if any(isinstance(g, RolloutTree) or getattr(g, "loss_masks", None) is not None for g in groups):
-        raise ValueError(
-            "train_step does not place prefix trees (or groups with loss_masks) on DP ranks yet; call train_group per tree"
-        )
     if microbatch == "auto":
         raise ValueError(
             "microbatch='auto' (sized to a memory budget) runs in train_group on one process; "
@@ -142,11 +142,13 @@ def train_step(
     state = parallel_state(model)
     n_ranks = state.dims.batch if state is not None else 1
     me = state.coordinate("batch") if state is not None and n_ranks > 1 else 0
-    costs = [group_costs(model, g, system) for g in groups]
+    trees = {g for g, group in enumerate(groups) if isinstance(run_input(group), RolloutTree)}
+    costs = [group_costs(model, run_input(g), system) for g in groups]
     ep = state is not None and state.dims.ep > 1
     # Under EP groups stay whole: a split group's owner alone runs Phase A and C, out of the EP lockstep.
-    placement = place_groups(costs, n_ranks, None if ep else split_threshold)
-    if ep and not _lockstep(placement, microbatch):
+    # Prefix trees stay whole too (each node's cache lives on the rank that trains the tree).
+    placement = place_groups(costs, n_ranks, None if ep else split_threshold, whole=trees)
+    if ep and not _lockstep(placement, microbatch, trees):
         raise ValueError(
             f"ep={state.dims.ep}: the EP ranks run their MoE all-to-alls in lockstep, so every DP rank must "
             "train the same sequence of microbatches; give each rank as many groups, of the same sizes"
@@ -155,7 +157,7 @@ def train_step(
     fsdp_on = state is not None and state.fsdp
     if fsdp_on:
         fsdp_mod.reset_collective_counts(model)
-        zero3 = _lockstep(placement, microbatch)
+        zero3 = _lockstep(placement, microbatch, trees)
         sync = fsdp_mod.accumulate_groups(model) if zero3 else fsdp_mod.gathered_for_step(model)
         mode = "fsdp-zero3" if zero3 else "fsdp-gathered"
     else:

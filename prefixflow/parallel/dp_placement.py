@@ -1,6 +1,6 @@
-"""Data-parallel placement: a FLOP cost per rollout group and longest-processing-time placement of a step's
-groups on the DP ranks, splitting the largest group when whole groups leave a rank too far above the mean
-(paper §4.7). Used by :func:`prefixflow.parallel.dp.train_step`."""
+"""Data-parallel placement: a FLOP cost per rollout group (or prefix tree) and longest-processing-time
+placement of a step's groups on the DP ranks, splitting the largest group when whole groups leave a rank too
+far above the mean (paper §4.7; trees stay whole). Used by :func:`prefixflow.parallel.dp.train_step`."""
 
 from __future__ import annotations
 
@@ -10,40 +10,60 @@ from torch import nn
 
 from ..group import RolloutGroup
 from ..models import head_dim_of, hidden_dim_of, model_args
+from ..tree import RolloutTree
+from ..tree_layouts import TreePlan
 
 __all__ = ["Work", "Placement", "group_costs", "place_groups"]
 
 
 # -- cost model ----------------------------------------------------------------------------------------
-def group_costs(model: nn.Module, group: RolloutGroup, system: str) -> tuple[float, list[float]]:
-    """``(prefix_cost, response_costs)`` in FLOPs (forward + backward = 3x forward) of training ``group``.
+class _RowCost:
+    """FLOPs (forward + backward = 3x forward) of one row: ``n`` tokens after ``before`` cached keys, scoring
+    ``scored`` tokens. Per layer a token costs its projections and MLP, every (query, key) pair it attends
+    the two attention matmuls; each scored token pays the LM head."""
 
-    Per layer a token costs its projections and MLP, and every (query, key) pair it attends costs the two
-    attention matmuls; each loss token pays the LM head. PrefixFlow pays the prefix once (``prefix_cost``);
-    the baseline pays it in every sequence (``prefix_cost`` is 0).
-    """
-    args = model_args(model)
-    hd, nq = head_dim_of(args), args.n_heads
-    nkv = args.n_kv_heads or nq
-    per_token = args.n_layers * (2 * args.dim * hd * (2 * nq + 2 * nkv) + 6 * args.dim * hidden_dim_of(args))
-    per_pair = args.n_layers * 4 * nq * hd
-    head = 2 * args.dim * args.vocab_size
+    def __init__(self, model: nn.Module) -> None:
+        args = model_args(model)
+        hd, nq = head_dim_of(args), args.n_heads
+        nkv = args.n_kv_heads or nq
+        self.per_token = args.n_layers * (
+            2 * args.dim * hd * (2 * nq + 2 * nkv) + 6 * args.dim * hidden_dim_of(args)
+        )
+        self.per_pair = args.n_layers * 4 * nq * hd
+        self.head = 2 * args.dim * args.vocab_size
+
+    def __call__(self, n: int, before: int, scored: int) -> float:
+        pairs = n * before + n * (n + 1) / 2
+        return 3.0 * (self.per_token * n + self.per_pair * pairs + self.head * scored)
+
+
+def group_costs(
+    model: nn.Module, group: RolloutGroup | RolloutTree, system: str
+) -> tuple[float, list[float]]:
+    """``(prefix_cost, response_costs)`` in FLOPs of training ``group`` (a tree: ``(cached nodes' cost,
+    path costs)``). PrefixFlow pays the prefix (each cached node) once (``prefix_cost``); the baseline pays it
+    in every sequence (``prefix_cost`` is 0)."""
+    if system not in ("prefixflow", "baseline"):
+        raise ValueError(f"system {system!r} unknown; valid: ('prefixflow', 'baseline')")
+    row = _RowCost(model)
+    if isinstance(group, RolloutTree):
+        return _tree_costs(row, group, system)
     p = group.prompt_len
     if system == "prefixflow":
         c = p - 1
-        prefix = 3.0 * (per_token * c + per_pair * c * (c + 1) / 2)
-        resp = [
-            3.0 * (per_token * s + per_pair * (s * c + s * (s + 1) / 2) + head * s)
-            for s in group.response_lens
-        ]
-        return prefix, resp
+        return row(c, 0, 0), [row(s, c, s) for s in group.response_lens]
+    return 0.0, [row(p + s - 1, 0, s) for s in group.response_lens]
+
+
+def _tree_costs(row: _RowCost, tree: RolloutTree, system: str) -> tuple[float, list[float]]:
+    plan = TreePlan(tree)
     if system == "baseline":
-        resp = []
-        for s in group.response_lens:
-            n = p + s - 1
-            resp.append(3.0 * (per_token * n + per_pair * n * (n + 1) / 2 + head * s))
-        return 0.0, resp
-    raise ValueError(f"system {system!r} unknown; valid: ('prefixflow', 'baseline')")
+        return 0.0, [row(len(r.tokens), 0, len(r.cols)) for r in map(plan.full_row, range(tree.n))]
+    nodes = sum(row(tree.node_len(j), tree.first_position[j], len(plan.scores[j][0])) for j in plan.cached)
+    paths = [0.0] * tree.n
+    for i, r in plan.leaf_rows.items():
+        paths[i] = row(len(r.tokens), r.first_position, len(r.cols))
+    return nodes, paths
 
 
 # -- placement -----------------------------------------------------------------------------------------
@@ -90,11 +110,15 @@ def _imbalance(loads: list[float]) -> float:
 
 
 def place_groups(
-    costs: list[tuple[float, list[float]]], n_ranks: int, split_threshold: float | None = 0.25
+    costs: list[tuple[float, list[float]]],
+    n_ranks: int,
+    split_threshold: float | None = 0.25,
+    whole: set[int] | frozenset[int] = frozenset(),
 ) -> Placement:
     """Longest-processing-time placement of whole groups, then the split fallback.
 
-    ``costs``: per group ``(prefix_cost, response_costs)``. While the busiest rank is more than
+    ``costs``: per group ``(prefix_cost, response_costs)``; ``whole``: groups never split (prefix trees).
+    While the busiest rank is more than
     ``split_threshold`` above the mean load (None: never split), the largest unsplit group with two or more
     responses is split: its owner (the least-loaded rank without it) pays the prefix, and its responses go,
     largest first, to the least-loaded ranks. A split that does not lower the imbalance is undone and the
@@ -104,24 +128,24 @@ def place_groups(
         raise ValueError(f"n_ranks must be >= 1, got {n_ranks}")
     if split_threshold is not None and split_threshold < 0:
         raise ValueError(f"split_threshold must be >= 0 or None, got {split_threshold}")
-    whole = [p + sum(r) for p, r in costs]
-    order = sorted(range(len(costs)), key=lambda g: (-whole[g], g))
+    total = [p + sum(r) for p, r in costs]
+    order = sorted(range(len(costs)), key=lambda g: (-total[g], g))
     shares: dict[int, dict[int, list[int]]] = {}  # group -> rank -> responses
     owner: dict[int, int] = {}
     loads = [0.0] * n_ranks
     for g in order:
         r = min(range(n_ranks), key=lambda i: (loads[i], i))
-        loads[r] += whole[g]
+        loads[r] += total[g]
         shares[g] = {r: list(range(len(costs[g][1])))}
         owner[g] = r
     split: list[int] = []
     while split_threshold is not None and n_ranks > 1 and _imbalance(loads) > split_threshold:
-        candidates = [g for g in order if g not in split and len(costs[g][1]) > 1]
+        candidates = [g for g in order if g not in split and g not in whole and len(costs[g][1]) > 1]
         if not candidates:
             break
         g = candidates[0]
         before = (list(loads), shares[g], owner[g])
-        loads[owner[g]] -= whole[g]
+        loads[owner[g]] -= total[g]
         prefix, resp = costs[g]
         new_owner = min(range(n_ranks), key=lambda i: (loads[i], i))
         loads[new_owner] += prefix

@@ -257,6 +257,8 @@ def _close_interrupted_forwards(model: nn.Module) -> list:
 class FSDPSchedule(ScheduleHooks):
     """Registered by :func:`apply_fsdp`: FSDP's gradient sync and state across the three phases."""
 
+    runs_trees = True
+
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.defer_reduction = False  # True inside accumulate_groups / gathered_for_step
@@ -278,18 +280,23 @@ class FSDPSchedule(ScheduleHooks):
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        if name == "C":
-            # Phase C's gradient enters every block through its cached K/V. For the other blocks it also
-            # comes through the block's output, whose FSDP pre-backward hook gathers the weights; the last
-            # block's output gets none (and its forward may have been cut short), so gather it here.
-            last = list(self.model.layers.values())[-1]._get_fsdp_state()
-            for state in {id(s): s for s in [*self._interrupted, last]}.values():
-                for group in state._fsdp_param_groups:
-                    group.unshard()
-                    group.wait_for_unshard()
         yield
         if name == "A":
             self._interrupted = _close_interrupted_forwards(self.model)
+
+    @contextlib.contextmanager
+    def prefix_backward(self) -> Iterator[None]:
+        # A prefix backward's gradient enters every block through its cached K/V. For the other blocks it
+        # also comes through the block's output, whose FSDP pre-backward hook gathers the weights; the last
+        # block's output may get none (its forward may have been cut short; a tree node may score no
+        # token), so gather it here, before each prefix backward (a tree runs one per node, and the one
+        # before resharded it).
+        last = list(self.model.layers.values())[-1]._get_fsdp_state()
+        for state in {id(s): s for s in [*self._interrupted, last]}.values():
+            for group in state._fsdp_param_groups:
+                group.unshard()
+                group.wait_for_unshard()
+        yield
 
     @contextlib.contextmanager
     def forward_only(self) -> Iterator[None]:

@@ -77,10 +77,12 @@ def random_sequences(seed: int, depth: int, branching: int, vocab: int = 97, end
     return sequences
 
 
-def random_tree(seed: int, depth: int, branching: int, *, grpo: bool = False, min_shared_tokens: int = 1):
+def random_tree(
+    seed: int, depth: int, branching: int, *, grpo: bool = False, min_shared_tokens: int = 1, vocab: int = 97
+):
     """A tree of :func:`random_sequences` with random loss masks (never the first token, at least one trained
     token per path, shared tokens trained too) and, with ``grpo``, old/ref log-probs."""
-    seqs = random_sequences(seed, depth, branching)
+    seqs = random_sequences(seed, depth, branching, vocab)
     gen = torch.Generator().manual_seed(1000 + seed)
     masks = []
     for s in seqs:

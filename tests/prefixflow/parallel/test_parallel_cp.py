@@ -221,7 +221,7 @@ def test_a_lazy_prefix_view_is_read_per_layer_and_keeps_the_gradients_exact():
         def __init__(self):
             self.view = CountingView()
 
-        def prefix_view(self, model, group):
+        def prefix_view(self, model, length):
             return self.view
 
         def reduce_loss(self, value):

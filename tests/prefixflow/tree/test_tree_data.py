@@ -165,20 +165,11 @@ def test_tree_refusals_name_what_is_missing():
         pf.train_group(tiny_model("llama3"), [t(1, 2)])
 
 
-def test_trees_refuse_parallel_paths_in_one_line():
-    from prefixflow.parallel.dp import train_step
-
+def test_trees_refuse_hooks_that_do_not_take_them_in_one_line():
     tree = pf.build_tree([t(1, 2, 3), t(1, 2, 4)], [1.0, -1.0])
     model = tiny_model("llama3")
-    with pytest.raises(
-        ValueError,
-        match=r"train_step does not place prefix trees \(or groups with loss_masks\) on DP ranks yet",
-    ):
-        train_step(model, [tree])
     pf.add_hooks(model, pf.ScheduleHooks())
-    with pytest.raises(
-        ValueError, match=r"prefix trees do not run under parallelism \(TP/FSDP/CP/DP hooks\)"
-    ):
+    with pytest.raises(ValueError, match=r"^prefix trees do not run under ScheduleHooks yet; train them"):
         pf.train_group(model, tree)
 
 
@@ -190,3 +181,16 @@ def test_trees_refuse_moe_models_naming_the_routing():
         ValueError, match=r"^prefix trees do not replay MoE routing yet; train a dense model$"
     ):
         pf.train_group(tiny_moe(), tree)
+
+
+def test_train_step_on_one_process_trains_trees_and_groups_like_train_group():
+    from prefixflow.parallel.dp import train_step
+
+    tree = pf.build_tree([t(1, 2, 3, 5), t(1, 2, 4), t(1, 2, 4, 6, 7)], [1.0, -1.0, 0.5])
+    group = pf.synthetic_group(97, 5, [3, 4], seed=1)
+    want_model, model = tiny_model("llama3"), tiny_model("llama3")
+    want = sum(pf.train_group(want_model, g, microbatch=1).loss for g in (tree, group))
+    stats = train_step(model, [tree, group], microbatch=1)
+    assert stats.loss == pytest.approx(want, rel=1e-12)
+    for p, q in zip(model.parameters(), want_model.parameters(), strict=True):  # placement orders by cost
+        assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-15)
