@@ -85,10 +85,10 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None  # "max" (v2's no limit) is not a number
 
 
-def _cgroup_headroom(root: Path = _CGROUP_ROOT) -> int | None:
+def _cgroup_headroom(root: Path = _CGROUP_ROOT, membership: Path = Path("/proc/self/cgroup")) -> int | None:
     """The smallest limit-minus-usage over this process's memory cgroups and their ancestors."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = membership.read_text().splitlines()
     except OSError:
         return None
     best = None
@@ -122,7 +122,9 @@ def _configured() -> int | None:
     try:
         return parse_bytes(raw)
     except ValueError:
-        raise ValueError(f"${ENV}={raw[:40]!r} is not a size in bytes; set e.g. {ENV}=64G or unset it") from None
+        raise ValueError(
+            f"${ENV}={raw[:40]!r} is not a size in bytes; set e.g. {ENV}=64G or unset it"
+        ) from None
 
 
 def memory_limit(budget: int | None = None) -> Limit | None:

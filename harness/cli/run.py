@@ -111,6 +111,7 @@ def run(
     from harness.contenders import available_contenders
     from harness.execute.local import run_cell
     from harness.records import write_records
+    from harness.run.memory import preflight_cell
     from harness.safe_fs import UnsafePathError, check_writable
     from harness.spec.checks import check_model_spec
     from harness.sweep import spec_folder
@@ -151,6 +152,10 @@ def run(
         check_model_spec(cell.model)
     except (ValueError, TypeError) as e:
         _fail(f"--model/--override: {e}")
+    try:  # on the meta device: the sequences fit the model and its memory floor fits this machine
+        preflight_cell(cell)
+    except ValueError as e:
+        _fail(str(e))
     folder = None if out is None else spec_folder(out, cell.spec)
     if folder is not None:  # before the cell runs, not after
         try:
