@@ -66,8 +66,10 @@ def register(app: typer.Typer) -> None:
                 folder = run_on_ranks(s, name, out, executor.value, log)
             else:
                 folder = run_claim2(s, name, out, log=log)
-        except (SpecError, RLRunError, TraceError, UnsafePathError, RuntimeError) as e:
-            _fail(escape(str(e)))
+        except (SpecError, RLRunError, TraceError, UnsafePathError, RuntimeError, ValueError, TypeError) as e:
+            _fail(escape(str(e)))  # user errors (MemoryRefusal is a ValueError), each one line
+        except OSError as e:
+            _fail(escape(f"{getattr(e, 'filename', None) or spec}: {e.strerror or e}"))
         summary = claim2_summary(collected(folder))
         if not summary.empty:
             console.print(_table(summary, title=f"Claim 2: {escape(str(folder))}"))

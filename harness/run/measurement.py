@@ -7,7 +7,7 @@ import traceback
 from typing import Any
 
 from harness.run.columns import failed_records
-from harness.run.memory import preflight_cell
+from harness.run.memory import MemoryRefusal, preflight_cell
 from harness.run.parallel_step import run_parallel_step_cell
 from harness.run.setup import resolve_device
 from harness.run.single_group import run_single_group_cell
@@ -18,8 +18,8 @@ __all__ = ["measure_cell", "refusal"]
 
 def refusal(cell: Cell, check_memory: bool = True) -> list[dict[str, Any]] | None:
     """Failure records for a cell that cannot be measured here (no such device, a layout the library does not
-    support: ``error``; sequences beyond the model's positions, or more memory than this process may take:
-    ``refused``, see ``harness.run.memory``), before any model is built or rank started; None when it can."""
+    support, a model it cannot build, sequences beyond the model's positions: ``error``; more memory than this
+    process may take: ``refused``, see ``harness.run.memory``), before any model is built or rank started; None when it can."""
     try:
         device = resolve_device(cell.device)
     except RuntimeError:
@@ -27,8 +27,10 @@ def refusal(cell: Cell, check_memory: bool = True) -> list[dict[str, Any]] | Non
     if check_memory:
         try:
             preflight_cell(cell)
-        except ValueError as e:  # MemoryRefusal included
+        except MemoryRefusal as e:
             return failed_records(cell, "refused", str(e), str(device))
+        except ValueError as e:  # a model it cannot build, sequences beyond its positions
+            return failed_records(cell, "error", str(e), str(device))
     if cell.parallel != type(cell.parallel)():
         from prefixflow.parallel import ParallelDims, check_supported
 
