@@ -20,6 +20,9 @@ class RLPreset(StrEnum):
     paper = "paper"
 
 
+SMOKE_PRESETS = ("smoke", "ranks")  # too short to meet the claims' targets; they check the pipeline
+
+
 class RLExecutor(StrEnum):
     local = "local"
     slurm = "slurm"
@@ -73,6 +76,12 @@ def register(app: typer.Typer) -> None:
         summary = claim2_summary(collected(folder))
         if not summary.empty:
             console.print(_table(summary, title=f"Claim 2: {escape(str(folder))}"))
+            if name in SMOKE_PRESETS and summary["pass"].astype(str).eq("False").any():
+                err_console.print(
+                    f"note: the {name} preset checks the pipeline (a few steps of a tiny loop), not the claims: "
+                    "False rows are expected here; the cpu preset measures them (docs/claim2.md)",
+                    highlight=False,
+                )
         console.print(f"records: {escape(str(folder))}")
 
     @app.command()

@@ -112,6 +112,7 @@ def run(
     from harness.execute.local import run_cell
     from harness.records import write_records
     from harness.run.memory import preflight_cell
+    from harness.run.progress import reporting
     from harness.safe_fs import UnsafePathError, check_writable
     from harness.spec.checks import check_model_spec
     from harness.sweep import spec_folder
@@ -162,7 +163,10 @@ def run(
             check_writable(folder, out)
         except (OSError, UnsafePathError) as e:
             _fail(f"--out {out}: {getattr(e, 'strerror', None) or e}")
-    records = run_cell(cell)
+    if cell.world_size > 1:
+        err_console.print(Text(f"cell {cell.cell_id}: {cell.world_size} local ranks", style="dim"))
+    with reporting(lambda msg: err_console.print(Text(f"cell {cell.cell_id}: {msg}", style="dim"))):
+        records = run_cell(cell)
     if folder is not None:
         try:
             path = write_records(folder / f"{cell.cell_id}.parquet", records, root=out)
