@@ -172,3 +172,17 @@ def test_alignment_uses_the_shared_limit(monkeypatch):
     monkeypatch.setattr(alignment, "memory_limit", lambda: ml.Limit(2**20, "test"))
     with pytest.raises(ml.MemoryRefusal, match="more than the 0.0 GiB available"):
         alignment.run_alignment("llama3:debugmodel")
+
+
+def test_an_alignment_cell_that_cannot_fit_is_recorded_refused(monkeypatch):
+    from harness.run.alignment import run_alignment_cell
+    from harness.spec.cell import AlignmentSettings, Cell, ModelSpec
+
+    monkeypatch.setenv(ml.ENV, "1M")
+    cell = Cell(
+        spec="a", model=ModelSpec(name="llama3:debugmodel"), prefix_len=8, suffix_len=4, n=2,
+        alignment=AlignmentSettings(steps=1), device="cpu",
+    )  # fmt: skip
+    records = run_alignment_cell(cell)
+    assert {r["status"] for r in records} == {"refused"}, records[0]["error"]
+    assert "Traceback" not in records[0]["error"] and "more than the 0.0 GiB available" in records[0]["error"]
