@@ -22,7 +22,15 @@ from harness.spec.cell import Cell
 from prefixflow.dtypes import DTYPES
 from prefixflow.memory_limit import MemoryRefusal, check_fits, gib
 
-__all__ = ["MetaShape", "MemoryRefusal", "meta_shape", "cell_need", "check_sequence", "preflight_cell"]
+__all__ = [
+    "MetaShape",
+    "MemoryRefusal",
+    "meta_shape",
+    "cell_need",
+    "check_sequence",
+    "check_cell_sequences",
+    "preflight_cell",
+]
 
 HF_PREFIX = "hf:"
 _EXACT_LAYERS = 64  # above this many layers, count two small builds and extrapolate (a layer is a layer)
@@ -107,6 +115,21 @@ def check_sequence(shape: MetaShape, longest: int, what: str) -> None:
             f"{what} is {longest} tokens, more than the model's {shape.seq_field}={shape.max_seq_len}; "
             f"shorten it or override {shape.seq_field}={longest}"
         )
+
+
+def check_cell_sequences(cells) -> None:
+    """ValueError naming the first measurement or alignment cell whose prompt + response exceed its model's
+    positions (a sweep refuses it at load instead of recording the cell's failure)."""
+    for cell in cells:
+        if cell.frontier is not None:  # a capacity search's lengths are its probes'
+            continue
+        shape = meta_shape(cell.model.name, cell.model.overrides)
+        try:
+            check_sequence(
+                shape, cell.prefix_len + cell.suffix_len, f"prefix_len + suffix_len ({cell.model.display})"
+            )
+        except ValueError as e:
+            raise ValueError(f"cell {cell.cell_id}: {e}") from None
 
 
 def _nodes() -> int:

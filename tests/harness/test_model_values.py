@@ -105,3 +105,28 @@ def test_every_builtin_hf_config_and_titan_flavor_still_passes():
         hf_model_config(name)
     for name in list_models():
         check_model(name)
+
+
+SPEC = """
+name: short
+systems: [baseline, prefixflow]
+axes:
+  models:
+    - {name: "llama3:debugmodel", overrides: {dim: 32, n_layers: 2, n_heads: 2, vocab_size: 128, max_seq_len: 8}}
+  prefix_ratio: [0.5]
+  total_len: [16]
+  n: [2]
+"""
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_sweep_whose_cells_exceed_max_seq_len_is_refused_at_load(tmp_path, dry_run):
+    """max_seq_len=8 with P+S=16: each cell failed in its first step; now the sweep refuses before any."""
+    spec = tmp_path / "short.yaml"
+    spec.write_text(SPEC)
+    out = tmp_path / "out"
+    args = ["sweep", str(spec), "--out", str(out), "--executor", "debug", *(["--dry-run"] if dry_run else [])]
+    res = runner.invoke(app, args, catch_exceptions=False)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "is 16 tokens, more than the model's max_seq_len=8" in " ".join(res.output.split()), res.output
+    assert not out.exists()
