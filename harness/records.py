@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from harness.safe_fs import atomic_write
 
-STATUSES = ("ok", "error", "oom", "timeout")
+STATUSES = ("ok", "error", "oom", "timeout", "refused")  # refused: the memory check said it cannot fit
 RECORD_SUFFIX = ".parquet"
 
 # Core columns and their types; records may carry extra columns (model_flops, compile_time_s, ...).
@@ -265,14 +265,14 @@ def write_table(df: pd.DataFrame, path: str | Path, root: str | Path | None = No
 
 
 def cell_status(df: pd.DataFrame) -> str:
-    """The worst status among a cell's rows (ok < oom < timeout < error). A finished capacity-frontier
+    """The worst status among a cell's rows (ok < oom < refused < timeout < error). A finished capacity-frontier
     search (every row a probe, with ``budget_bytes``) is ``ok``: over-budget (``oom``) probes are how it
     finds the boundary; it is only as bad as its worst non-``oom`` row."""
-    order = {"ok": 0, "oom": 1, "timeout": 2, "error": 3}
+    order = {"ok": 0, "oom": 1, "refused": 2, "timeout": 3, "error": 4}
     statuses = df["status"]
     if "budget_bytes" in df.columns and df["budget_bytes"].notna().all():
         statuses = statuses.replace("oom", "ok")
-    return max(statuses, key=lambda s: order.get(s, 3))
+    return max(statuses, key=lambda s: order.get(s, 4))
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:

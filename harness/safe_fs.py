@@ -15,6 +15,7 @@ import hashlib
 import os
 import secrets
 import stat
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -102,7 +103,37 @@ def atomic_write(
             except FileNotFoundError:
                 pass
             raise
+        _remove_stale_temps(path.name, dfd)
     return path
+
+
+STALE_TMP_S = 60.0  # a temp file untouched this long belongs to a writer that was killed
+_TMP_HEX = 12
+
+
+def _remove_stale_temps(name: str, dfd: int) -> int:
+    """Unlink ``.NAME.<hex>.tmp`` files that a killed writer of ``name`` left in the folder (``dfd``): plain
+    files of this user, older than :data:`STALE_TMP_S` (a live writer's temp is fresh); links are left."""
+    prefix, removed = f".{name}.", 0
+    now = time.time()
+    with os.scandir(dfd) as entries:
+        stale = [
+            e.name
+            for e in entries
+            if e.name.startswith(prefix)
+            and e.name.endswith(".tmp")
+            and len(e.name) == len(prefix) + _TMP_HEX + 4
+            and all(c in "0123456789abcdef" for c in e.name[len(prefix) : -4])
+        ]
+    for entry in stale:
+        try:
+            st = os.stat(entry, dir_fd=dfd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and now - st.st_mtime > STALE_TMP_S:
+                os.unlink(entry, dir_fd=dfd)
+                removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def open_new(path: str | Path, root: str | Path | None = None, mode: int = 0o644) -> BinaryIO:

@@ -38,6 +38,7 @@ from .dtypes import dtype_name
 from .faults import FAULTS, make_fault
 from .group import synthetic_group
 from .hooks import add_hooks
+from .memory_limit import MemoryRefusal, memory_limit
 from .models import build_model, count_parameters, model_args
 from .moe import is_moe, record_routing
 from .schedule import train_group
@@ -226,24 +227,21 @@ _TENSORS_PER_PARAM = 6
 
 
 def _available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as fh:
-            fields = dict(line.split(":", 1) for line in fh)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
+    limit = memory_limit()
+    return None if limit is None else limit.bytes
 
 
 def _check_memory(model: str, overrides: dict | None, dtype: torch.dtype, copies: int) -> None:
-    """Refuse, before any model is built, a comparison whose copies cannot fit in the host's available
-    memory (the default qwen3:debugmodel_moe is 316M parameters: 6 fp64 copies need ~90 GiB)."""
+    """Refuse, before any model is built, a comparison whose copies cannot fit in the memory this process may
+    take (``prefixflow.memory_limit``: MemAvailable, ulimit -v, the cgroup, $PF_MEMORY_LIMIT; the default
+    qwen3:debugmodel_moe is 316M parameters: 6 fp64 copies need ~90 GiB)."""
     available = _available_bytes()
     if available is None:
         return
     n_params = count_parameters(model, overrides)
     need = n_params * dtype.itemsize * _TENSORS_PER_PARAM * copies
     if need > available:
-        raise ValueError(
+        raise MemoryRefusal(
             f"{model} has {n_params / 1e6:.0f}M parameters: {copies} trained copies in {dtype_name(dtype)} need "
             f"about {need / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB available; shrink the "
             "model with --override (e.g. dim=64, n_layers=2)"

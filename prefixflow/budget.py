@@ -17,12 +17,14 @@ budget`` for the rest (slots: ``b x longest`` padded, ``Σ lengths`` packed), fi
 order. Memory is read by a small live-bytes dispatch mode (``prefixflow.live_bytes.LiveBytesMeter``, which counts the model's
 parameters, buffers and gradients and what it sees allocated), active during Phase A (on CPU, where nothing
 else knows the bytes the prefix left live) and the two probes; it needs eager blocks (not ``apply_compile``).
-A probe above the budget still runs the rest one response at a time; ``GroupStats.plan`` says so.
+A probe above the budget still runs the rest one response at a time; ``GroupStats.plan`` says so and an
+:class:`OverBudgetWarning` is issued.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -30,10 +32,14 @@ from torch import nn
 
 from prefixflow.live_bytes import LiveBytesMeter
 
-__all__ = ["FixedPlan", "BudgetPlan", "AUTO"]
+__all__ = ["FixedPlan", "BudgetPlan", "AUTO", "OverBudgetWarning"]
 
 AUTO = "auto"
 PROBES = 2  # microbatches of one response before the plan: warm-up (grads, gK/gV), then the measured one
+
+
+class OverBudgetWarning(UserWarning):
+    """``microbatch="auto"``: even one response exceeds the memory budget; the group still runs, over it."""
 
 
 class FixedPlan:
@@ -106,6 +112,15 @@ class BudgetPlan:
         if probe:
             self.resident = start
             self.per_token = (self.meter.peak - base) / max(1, self._slots([index]))
+            if not self._fits([index]):
+                need = self.resident + self.per_token * self._slots([index])
+                warnings.warn(
+                    f"microbatch='auto': one response needs about {need / 2**20:.1f} MiB, more than "
+                    f"memory_budget_bytes={self.budget} ({self.budget / 2**20:.1f} MiB); the group runs one "
+                    "response at a time, over the budget (raise the budget, or shorten the responses)",
+                    OverBudgetWarning,
+                    stacklevel=2,
+                )
 
     def _slots(self, chunk: list[int]) -> int:
         lens = [self.lengths[i] for i in chunk]

@@ -109,12 +109,28 @@ def _check_trl_fields(cfg: LossConfig, loss: str, group: RolloutGroup) -> None:
                 "loss_config.aggregation 'seq-mean-token-sum-norm' needs norm_len, an int >= 1 "
                 f"(e.g. TRL's max_completion_length), got {cfg.norm_len!r}"
             )
+        longest = max(getattr(group, "response_lens", None) or [0])
+        if cfg.norm_len < longest:
+            raise ValueError(
+                f"loss_config.norm_len={cfg.norm_len} is shorter than the longest response ({longest} tokens); "
+                "it is the completion length bound (TRL's max_completion_length): use at least that"
+            )
     elif cfg.norm_len is not None:
         raise ValueError("loss_config.norm_len is only used by aggregation 'seq-mean-token-sum-norm'")
     if loss == "pg" and (
         cfg.importance_sampling != "token" or cfg.ratio_cap is not None or cfg.kl_ratio_correction
     ):
         raise ValueError("importance_sampling, ratio_cap and kl_ratio_correction apply to loss='grpo' only")
+    grpo_only = {k: v for k, v in _GRPO_DEFAULTS.items() if getattr(cfg, k) != v}
+    if loss == "pg" and grpo_only:
+        raise ValueError(
+            f"loss_config {sorted(grpo_only)} apply to loss='grpo' only (loss='pg' has no clipping or KL); "
+            "drop them or use loss='grpo'"
+        )
+
+
+# loss='grpo''s PPO-clip and KL fields: loss='pg' ignores them, so a value other than the default is refused
+_GRPO_DEFAULTS = {"clip_eps_low": 0.2, "clip_eps_high": 0.2, "kl_coef": 0.0}
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 import types
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +16,7 @@ from torch import nn
 __all__ = [
     "build_model",
     "check_model",
+    "resolve_model_args",
     "register_build_step",
     "model_args",
     "list_models",
@@ -25,7 +27,20 @@ __all__ = [
 # Run on every model build_model returns, in registration order (register_build_step).
 _BUILD_STEPS: list[Callable[[nn.Module], None]] = []
 # ModelArgs sizes that must be positive (a zero or negative one fails deep in torch with no field named)
-_SIZES = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "head_dim", "hidden_dim")
+_SIZES = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "vocab_size",
+    "max_seq_len",
+    "head_dim",
+    "hidden_dim",
+    "multiple_of",
+    "moe_inter_dim",
+)
+# ModelArgs reals that must be finite and positive
+_POSITIVE_REALS = ("rope_theta", "norm_eps", "ffn_dim_multiplier")
 
 
 def _families() -> dict[str, tuple[dict, type]]:
@@ -83,6 +98,13 @@ def _resolve_args(name: str, overrides: dict[str, Any] | None):
         value = getattr(args, key, None)
         if isinstance(value, int) and value < 1:
             raise ValueError(f"{family} {key}={value} must be >= 1")
+    default = flavors[flavor]
+    for key in _POSITIVE_REALS:  # a zero, negative or non-finite one gives NaN deep inside the first step
+        value = getattr(args, key, None)
+        if isinstance(value, int | float) and not (math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"{family} {key}={value} must be a finite number > 0 (the flavor's: {getattr(default, key)})"
+            )
     if args.n_heads % (args.n_kv_heads or args.n_heads):
         raise ValueError(f"n_heads={args.n_heads} must be a multiple of n_kv_heads={args.n_kv_heads}")
     if family == "llama3" and args.dim % args.n_heads:
@@ -110,6 +132,12 @@ def _fields(args) -> dict[str, Any]:
 def check_model(name: str, overrides: dict[str, Any] | None = None) -> None:
     """Raise ValueError naming the field if ``name`` + ``overrides`` cannot build a model (no model built)."""
     _resolve_args(name, overrides)
+
+
+def resolve_model_args(name: str, overrides: dict[str, Any] | None = None):
+    """The TorchTitan ModelArgs ``name`` + ``overrides`` would build (a copy; checked as :func:`check_model`
+    checks them; nothing built)."""
+    return _resolve_args(name, overrides)[0]
 
 
 def count_parameters(name: str, overrides: dict[str, Any] | None = None) -> int:

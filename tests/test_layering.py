@@ -37,6 +37,7 @@ PREFIXFLOW_LAYERS = [
         "prefixflow.layouts",
         "prefixflow.live_bytes",
         "prefixflow.loss",
+        "prefixflow.memory_limit",
         "prefixflow.models",
         "prefixflow.split_attention",
         "prefixflow.tree",

@@ -150,3 +150,11 @@ def align(
         failed = True
     if failed:
         raise typer.Exit(1)
+    if controls:
+        err_console.print(
+            Text(
+                f"negative controls: every injected fault ({', '.join(sorted({r.run for r in rows} - {CORRECT}))}) "
+                "FAILs, as it must (each row FAIL is expected: the check sees the fault); the correct run passes"
+            ),
+            highlight=False,
+        )

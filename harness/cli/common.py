@@ -136,3 +136,22 @@ def _int_or_text(value: str | None):
         return int(value)
     except ValueError:
         return value
+
+
+def _flags_without_type() -> None:
+    """Typer 0.29 prints ``<bool>`` beside every flag in ``--help`` (``--json <bool>``), which reads as if the
+    flag took a value; a flag (``--help`` too) shows no type."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "_pf_flags", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich._pf_flags = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_without_type()

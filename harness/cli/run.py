@@ -111,6 +111,8 @@ def run(
     from harness.contenders import available_contenders
     from harness.execute.local import run_cell
     from harness.records import write_records
+    from harness.run.memory import preflight_cell
+    from harness.run.progress import reporting
     from harness.safe_fs import UnsafePathError, check_writable
     from harness.spec.checks import check_model_spec
     from harness.sweep import spec_folder
@@ -151,13 +153,20 @@ def run(
         check_model_spec(cell.model)
     except (ValueError, TypeError) as e:
         _fail(f"--model/--override: {e}")
+    try:  # on the meta device: the sequences fit the model and its memory floor fits this machine
+        preflight_cell(cell)
+    except ValueError as e:
+        _fail(str(e))
     folder = None if out is None else spec_folder(out, cell.spec)
     if folder is not None:  # before the cell runs, not after
         try:
             check_writable(folder, out)
         except (OSError, UnsafePathError) as e:
             _fail(f"--out {out}: {getattr(e, 'strerror', None) or e}")
-    records = run_cell(cell)
+    if cell.world_size > 1:
+        err_console.print(Text(f"cell {cell.cell_id}: {cell.world_size} local ranks", style="dim"))
+    with reporting(lambda msg: err_console.print(Text(f"cell {cell.cell_id}: {msg}", style="dim"))):
+        records = run_cell(cell)
     if folder is not None:
         try:
             path = write_records(folder / f"{cell.cell_id}.parquet", records, root=out)

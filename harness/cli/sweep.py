@@ -13,7 +13,7 @@ from rich.text import Text
 
 from harness.cli.common import ExecutorKind, Preset, _fail, _table, _warn, console, err_console
 from harness.spec.cell import Cell
-from harness.spec.load import DEFAULT_MAX_CELLS, SpecError, check_cell_count, load_spec
+from harness.spec.load import DEFAULT_MAX_CELLS, SpecError, check_cell_count, expand, load_spec
 
 
 def _search_label(cell: Cell) -> str:
@@ -49,6 +49,7 @@ def sweep(
 ) -> None:
     """Run every missing cell of SPEC (resumable: recorded cells are skipped). Exits 1 if a cell failed."""
     from harness.execute.executors import make_executor
+    from harness.run.memory import check_cell_sequences
     from harness.safe_fs import UnsafePathError, check_writable, jobs_folder
     from harness.sweep import plan, run_sweep, spec_folder
 
@@ -57,6 +58,10 @@ def sweep(
         check_cell_count(s, max_cells)
     except SpecError as e:
         _fail(str(e))
+    try:  # every cell's sequences against its model's positions, from meta-device builds, before any work
+        check_cell_sequences(expand(s, max_cells=max_cells))
+    except ValueError as e:
+        _fail(f"{spec}: {e}")
     if dry_run:
         try:
             p = plan(s, out, retry_failed, max_cells)

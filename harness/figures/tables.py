@@ -84,12 +84,22 @@ def speedup_frame(df: pd.DataFrame) -> pd.DataFrame:
     cols = {
         "model": "model", "parallel_layout": "parallel", "groups_per_step": "groups",
         "system": "system", "attention": "attention", "compile": "compiled",
-        "offload": "offload", "prefix_len": "P", "suffix_len": "S", "prefix_ratio": "r", "n": "N",
+        "offload": "offload", "layout": "layout", "prefix_len": "P", "suffix_len": "S", "prefix_ratio": "r", "n": "N",
         "microbatch": "microbatch", "baseline_s": "baseline s", "system_s": "system s", "speedup": "speedup", "ideal_speedup": "ideal",
         "paper_ideal_speedup": "paper ideal", "peak_mib": "peak MiB", "peak_ratio": "peak ÷ base",
         "b_peak_mib": "B peak MiB",
     }  # fmt: skip
-    order = ("model", "system", "compile", "offload", "prefix_len", "n", "world_size", "parallel_layout")
+    order = (
+        "model",
+        "system",
+        "compile",
+        "offload",
+        "layout",
+        "prefix_len",
+        "n",
+        "world_size",
+        "parallel_layout",
+    )
     sp = sp.sort_values([c for c in order if c in sp])
     table = sp[[c for c in cols if c in sp.columns]].rename(columns=cols)
     if "ideal" in table.columns:

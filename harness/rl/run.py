@@ -35,6 +35,7 @@ from harness.rl.io import (
     write_rl_records,
 )
 from harness.rl.loop import ClosedLoop, RunPlan, model_overrides, task_of
+from harness.rl.memory import check_rl_spec
 from harness.rl.ranks import Ranks, check_loop_layout
 from harness.rl.spec import RLSpec
 from harness.rl.trace import TraceWriter
@@ -70,13 +71,18 @@ def preflight(
             f"preset {preset or '-'} runs on {par.world_size} ranks ({par.label}): start it with `pf-bench rl` "
             "(it launches the ranks), not in this process"
         )
-    if not device_here:
-        return None
-    try:
-        return resolve_device(spec.device)
-    except RuntimeError as e:
-        hint = " (on a Slurm GPU cluster: --executor slurm)" if par.world_size > 1 else ""
-        raise RLRunError(f"device: {e}{hint}") from None
+    device = None
+    if device_here:
+        try:
+            device = resolve_device(spec.device)
+        except RuntimeError as e:
+            hint = " (on a Slurm GPU cluster: --executor slurm)" if par.world_size > 1 else ""
+            raise RLRunError(f"device: {e}{hint}") from None
+    try:  # on the meta device: the sequences fit the model, the runs' memory floor fits here
+        check_rl_spec(spec, len(plans_of(spec)) if spec.schedule == "lockstep" else 1, device)
+    except ValueError as e:  # MemoryRefusal included
+        raise RLRunError(f"preset {preset or '-'}: {e}") from None
+    return device
 
 
 def folder_of(out: str | Path, spec: RLSpec, preset: str | None) -> Path:

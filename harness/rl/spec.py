@@ -56,20 +56,24 @@ class LoopSpec(_Strict):
     steps: int = Field(100, ge=1, le=100_000)
     prompts_per_step: int = Field(2, ge=1, le=1024)
     n: int = Field(8, ge=2, le=1024, description="responses per prompt")
-    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    temperature: float = Field(1.0, ge=0.0, le=10.0, allow_inf_nan=False)
     max_new_tokens: int = Field(8, ge=1, le=65_536)
     lr: float = Field(1e-4, gt=0, le=1.0)
-    lr_warmup_steps: int = Field(0, ge=0)
+    lr_warmup_steps: int = Field(0, ge=0, description="at most loop.steps (a longer warmup never reaches lr)")
     betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    eps: float = Field(
+        1e-8, gt=0, le=1.0, allow_inf_nan=False, description="AdamW's; above 1 it trains nothing"
+    )
+    weight_decay: float = Field(
+        0.0, ge=0, le=10.0, allow_inf_nan=False, description="AdamW's decoupled decay; lr * weight_decay < 1"
+    )
     fused_adamw: bool = Field(
         True, description="torch.optim.AdamW(fused=True): one kernel for all parameters (CPU and CUDA)"
     )
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    clip_eps_low: float = Field(0.2, ge=0)
-    clip_eps_high: float = Field(0.2, ge=0)
-    kl_coef: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0, allow_inf_nan=False, description="null: no clipping")
+    clip_eps_low: float = Field(0.2, ge=0, le=1.0, allow_inf_nan=False)
+    clip_eps_high: float = Field(0.2, ge=0, le=100.0, allow_inf_nan=False)
+    kl_coef: float = Field(0.0, ge=0, le=1000.0, allow_inf_nan=False)
     aggregation: Literal["seq-mean-token-mean", "token-mean"] = "seq-mean-token-mean"
     layout: Literal["padded", "packed"] = "padded"
     microbatch: int | None = Field(None, ge=1)
@@ -82,6 +86,20 @@ class LoopSpec(_Strict):
         if not all(0.0 <= b < 1.0 for b in v):
             raise ValueError(f"betas {v} must lie in [0, 1)")
         return v
+
+    @model_validator(mode="after")
+    def _schedule(self) -> LoopSpec:
+        if self.lr_warmup_steps > self.steps:
+            raise ValueError(
+                f"lr_warmup_steps ({self.lr_warmup_steps}) exceeds steps ({self.steps}): the learning rate would "
+                f"never reach lr; use at most {self.steps}"
+            )
+        if self.lr * self.weight_decay >= 1.0:
+            raise ValueError(
+                f"lr * weight_decay = {self.lr * self.weight_decay:g} >= 1: AdamW multiplies every weight by "
+                "1 - lr * weight_decay each step; lower weight_decay (e.g. 0.01)"
+            )
+        return self
 
     def loss_config(self) -> dict[str, Any]:
         return {
@@ -163,6 +181,16 @@ class RLSpec(_Strict):
     presets: dict[Literal["smoke", "ranks", "cpu", "cpu-tp2", "paper"], dict[str, Any]] = Field(
         default_factory=dict
     )
+
+    @field_validator("model")
+    @classmethod
+    def _titan_model(cls, v: ModelSpec) -> ModelSpec:
+        if v.name.startswith("hf:"):
+            raise ValueError(
+                f"{v.name}: the RL loop builds TorchTitan models only (family:flavor, e.g. llama3:debugmodel); "
+                "hf: models run in pf-bench run/sweep and through PrefixFlowGRPOTrainer"
+            )
+        return v
 
     @field_validator("trainers")
     @classmethod

@@ -213,11 +213,26 @@ def _group(t: dict[str, torch.Tensor], g: int, path: Path) -> pf.RolloutGroup:
         raise TraceError(f"{path}: group {g} is invalid: {e}") from None
 
 
+def _how_to_write(folder: Path) -> str:
+    """For a missing ``OUT/<spec>/<preset>/_state/traces/<name>``: the command that writes it (traces are not
+    committed: ``results/*/*/_state/`` is ignored, so a fresh clone has none)."""
+    parts = folder.parts
+    if len(parts) < 5 or parts[-3:-1] != ("_state", "traces"):
+        return ""
+    out = Path(*parts[:-5]) if len(parts) > 5 else Path(".")
+    spec, preset = parts[-5], parts[-4]
+    preset_flag = "" if preset == "default" else f" --preset {preset}"
+    return (
+        f"; traces are not committed: `pf-bench rl experiments/{spec}.yaml{preset_flag} --out {out}` writes it "
+        "(--preset smoke: small traces in a few minutes)"
+    )
+
+
 def load_trace(folder: str | Path) -> Trace:
     """Open and validate a trace folder (manifest schema, file names); raises :class:`TraceError`."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise TraceError(f"{folder}: not a trace folder (no such directory)")
+        raise TraceError(f"{folder}: not a trace folder (no such directory){_how_to_write(folder)}")
     path = folder / "manifest.json"
     raw = read_json(path)
     try:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from harness.run.columns import base_record, classify, failed_records
 from harness.run.setup import resolve_device
 from harness.spec.cell import Cell, report_steps_for
+from prefixflow.memory_limit import MemoryRefusal
 
 __all__ = ["ALIGNMENT_KEYS", "alignment_rows", "run_alignment_cell"]
 
@@ -54,6 +55,8 @@ def run_alignment_cell(cell: Cell) -> list[dict[str, Any]] | None:
                 split_threshold=cell.split_threshold,
                 **kwargs,
             )
+    except MemoryRefusal as e:  # its copies cannot fit: refused before any was built
+        return failed_records(cell, "refused", str(e))
     except Exception as e:
         return failed_records(cell, classify(e), traceback.format_exc())
     if dist.is_initialized() and dist.get_rank() != 0:

@@ -23,6 +23,7 @@ from harness.run.columns import (
     step_time_columns,
 )
 from harness.run.measure import PhaseMeter, rank_max
+from harness.run.progress import report
 from harness.run.setup import (
     build_for,
     make_group,
@@ -53,6 +54,7 @@ def run_single_group_cell(cell: Cell, memory_only: bool = False) -> list[dict[st
         return failed_records(cell, "error", traceback.format_exc())
     contenders, models, failures, extras, shapes = {}, {}, {}, {}, {}
     for name in cell.systems:
+        report(f"building {name} ({cell.model.display}, {cell.dtype}, {device})")
         try:
             contenders[name], models[name] = build_for(name, cell, device)
             extras[name] = model_columns(models[name], cell, name)
@@ -113,6 +115,13 @@ def run_single_group_cell(cell: Cell, memory_only: bool = False) -> list[dict[st
     steps = (0 if on_cpu else 1) if memory_only else cell.warmup + cell.repeats
     for it in range(steps):
         for name in cell.systems:
+            if name not in failures:
+                phase = (
+                    f"warm-up {it + 1}/{warmup}"
+                    if it < warmup
+                    else f"repeat {it - warmup + 1}/{steps - warmup}"
+                )
+                report(f"{phase} {name}")
             if name in failures or (out := measured_step(name, track_memory=False)) is None:
                 continue
             if it == 0:
@@ -126,6 +135,8 @@ def run_single_group_cell(cell: Cell, memory_only: bool = False) -> list[dict[st
     count = not memory_only and not cell.compile
     if on_cpu and not cell.compile:
         for name in cell.systems:
+            if name not in failures:
+                report(f"memory and FLOPs step {name} (untimed)")
             if name not in failures and (out := measured_step(name, True, count)) is not None:
                 memory[name] = out[0]
                 if memory_only:  # the probe's only step: its times were taken under the meter

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 import reprlib
 from typing import TYPE_CHECKING, Any
 
@@ -72,12 +74,74 @@ def check_model_spec(model: ModelSpec) -> None:
     """Resolve a model name and its overrides against the model registry (TorchTitan, or ``hf:`` configs)
     without building it; ValueError naming the field otherwise."""
     if model.name.startswith("hf:"):
-        try:
-            from prefixflow.integrations.hf import hf_config
-        except ImportError as e:
-            raise ValueError(f"hf: models need the hf extra (pip install -e '.[hf]'): {e}") from None
-        hf_config(model.name.removeprefix("hf:"), model.overrides)
+        hf_model_config(model.name.removeprefix("hf:"), model.overrides)
         return
     from prefixflow.models import check_model
 
     check_model(model.name, model.overrides)
+
+
+def hf_model_config(name: str, overrides: dict[str, Any] | None = None):
+    """``prefixflow.integrations.hf.hf_config(name, overrides)`` with every failure as one ValueError naming
+    the field (transformers' own type checks raise other exceptions; a deeply nested config.json recurses),
+    and the values the harness cannot train exactly refused (:func:`check_hf_values`)."""
+    try:
+        from prefixflow.integrations.hf import hf_config
+    except ImportError as e:
+        raise ValueError(f"hf: models need the hf extra (pip install -e '.[hf]'): {e}") from None
+    try:
+        config = hf_config(name, overrides)
+    except RecursionError:
+        raise ValueError(f"hf:{_clip(name)}: its config.json nests too deeply; not a model config") from None
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - huggingface_hub's StrictDataclassError, TypeError, ...
+        field = _FIELD.search(str(e))
+        where = (
+            f"override {field.group(1)}={short((overrides or {}).get(field.group(1)))}" if field else "config"
+        )
+        cause = str(e).strip().splitlines()[-1].strip()
+        raise ValueError(
+            f"hf:{_clip(name)}: {where}: {_clip(cause, 200)}; give a value of the field's type (e.g. 1.0 for a "
+            "float, 1 for an int, true/false for a bool)"
+        ) from None
+    check_hf_values(config, f"hf:{_clip(name)}")
+    return config
+
+
+def _clip(text: str, limit: int = 100) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_FIELD = re.compile(r"field '([A-Za-z0-9_.]{1,80})'")
+_POSITIVE_REALS = ("rms_norm_eps", "rope_theta", "layer_norm_eps")
+
+
+def check_hf_values(config, where: str) -> None:
+    """The config values that pass transformers' checks but would fail inside a cell or break exactness:
+    dropout (training would differ from the baseline), an unknown ``hidden_act``, a ``sliding_window`` below 1,
+    a zero, negative or non-finite epsilon or RoPE base."""
+    from transformers.activations import ACT2FN
+
+    values = config.to_dict()
+    for key, value in values.items():
+        is_rate = key.endswith("dropout") or key.endswith("pdrop") or key.endswith("dropout_prob")
+        if is_rate and isinstance(value, int | float) and not isinstance(value, bool) and value != 0:
+            raise ValueError(
+                f"{where}: {key}={short(value)}: dropout makes training differ from the baseline (PrefixFlow is "
+                f"exact only without it); set {key}=0.0"
+            )
+    act = values.get("hidden_act")
+    if act is not None and (not isinstance(act, str) or act not in ACT2FN):
+        raise ValueError(
+            f"{where}: hidden_act={short(act)} is not an activation transformers knows; one of "
+            f"{', '.join(sorted(ACT2FN))}"
+        )
+    window = values.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"{where}: sliding_window={short(window)} must be an int >= 1, or null (no window)")
+    for key in _POSITIVE_REALS:
+        value = values.get(key)
+        if isinstance(value, int | float) and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{where}: {key}={short(value)} must be a finite number > 0")

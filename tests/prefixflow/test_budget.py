@@ -43,8 +43,14 @@ def test_auto_fills_the_budget_without_exceeding_it(system, layout):
 
 
 def test_a_budget_below_one_response_runs_one_at_a_time():
+    """... and says so (issue 26, defect 9: it ran over the budget silently)."""
+    from prefixflow.budget import OverBudgetWarning
+
     model = pf.apply_prefixflow(tiny_model("llama3"), pf.PrefixFlowConfig(memory_budget_bytes=1))
-    stats = pf.train_group(model, pf.synthetic_group(**GROUP, seed=2), microbatch="auto")
+    with pytest.warns(
+        OverBudgetWarning, match=r"one response needs about .* more than memory_budget_bytes=1"
+    ):
+        stats = pf.train_group(model, pf.synthetic_group(**GROUP, seed=2), microbatch="auto")
     assert stats.plan["microbatch_sizes"] == (1,) * 10 and stats.plan["probe_fits"] is False
 
 

@@ -160,3 +160,22 @@ def test_config_attention_variant_is_validated_and_auto_resolves_by_device():
     assert auto.attention_for(torch.device("cpu")) == "split"
     assert auto.attention_for(torch.device("cuda")) == "concat"
     assert pf.PrefixFlowConfig(attention="concat").attention_for(torch.device("cpu")) == "concat"
+
+
+@pytest.mark.parametrize(
+    ("loss", "cfg", "text"),
+    [  # issue 26, defect 9: both were accepted
+        ("grpo", {"aggregation": "seq-mean-token-sum-norm", "norm_len": 2}, r"norm_len=2 is shorter than the longest response \(3 tokens\)"),
+        ("pg", {"clip_eps_high": 0.28}, r"\['clip_eps_high'\] apply to loss='grpo' only"),
+        ("pg", {"kl_coef": 0.1, "clip_eps_low": 0.1}, r"\['clip_eps_low', 'kl_coef'\] apply to loss='grpo' only"),
+    ],
+)  # fmt: skip
+def test_norm_len_below_a_response_and_grpo_keys_with_pg_are_refused(loss, cfg, text):
+    model = tiny_model("llama3")
+    group = pf.synthetic_group(97, 6, [3, 2], seed=1, with_logprobs=True)
+    with pytest.raises(ValueError, match=text):
+        pf.train_group(model, group, loss=loss, loss_config=cfg)
+    assert all(p.grad is None for p in model.parameters())
+    ok = {"aggregation": "seq-mean-token-sum-norm", "norm_len": 3}
+    pf.train_group(model, group, loss="grpo", loss_config=ok)  # the bound itself is fine
+    pf.train_group(model, group, loss="pg", loss_config={"clip_eps_low": 0.2, "temperature": 1.5})  # defaults
