@@ -1,0 +1,270 @@
+"""CPU shims and fixtures for the verl tests (tests only: the library registers nothing of this).
+
+verl 0.9.1 assumes an accelerator: ``get_device_name()`` is ``'cuda'`` and its FSDP engine registers for cuda/npu
+only. Here a CPU platform is registered through verl's own plugin registry (``PlatformRegistry``) and selected with
+``VERL_PLATFORM``; ``VERL_ENGINE_DEVICE=cuda`` makes the engine registry hand out the engine registered for cuda.
+One gloo rank. No verl file is patched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from types import ModuleType
+
+import numpy as np
+import torch
+
+os.environ.setdefault("VERL_PLATFORM", "prefixflow_test_cpu")
+os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
+
+from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
+from verl.plugin.platform.platform_manager import PlatformRegistry  # noqa: E402
+
+
+@PlatformRegistry.register(platform="prefixflow_test_cpu")
+class CPUPlatform(PlatformBase):
+    """Just enough of an accelerator for verl's FSDP engine on one CPU process."""
+
+    device_name = "cpu"
+    vendor_name = "cpu"
+
+    @property
+    def device_module(self) -> ModuleType:
+        return torch.cpu
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_device(self):
+        return "cpu"  # verl moves micro-batches with .to(get_device_id())
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index) -> None:
+        return None
+
+    def synchronize(self, device_index=None) -> None:
+        return None
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def get_device_capability(self, device_index: int = 0):
+        return (None, None)
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        return "CUDA_VISIBLE_DEVICES"
+
+    @contextlib.contextmanager
+    def nvtx_range(self, msg: str):
+        yield
+
+    def profiler_start(self) -> None:
+        return None
+
+    def profiler_stop(self) -> None:
+        return None
+
+    def ray_resource_name(self) -> str:
+        return "GPU"
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def cudart(self):
+        return None
+
+
+def init_one_rank() -> None:
+    """A one-process gloo group on loopback (FSDP needs a process group)."""
+    if torch.distributed.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )
+
+
+def save_tiny_model(path, model_type: str = "qwen3", seed: int = 0) -> None:
+    """A tiny HF causal LM from a config (random weights), saved where verl's HFModelConfig reads it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        max_position_embeddings=256,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(path)
+
+
+def build_engine(model_dir, *, strategy: str = "fsdp2", vendor: str | None = None):
+    """verl's own engine (``vendor=None``) or the one registered under ``vendor``, built the way verl's
+    TrainingWorker builds it: ``EngineRegistry.new`` then ``initialize()``, in fp32, no grad clipping."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+
+    init_one_rank()
+    model_config = HFModelConfig(
+        path=str(model_dir),
+        load_tokenizer=False,
+        override_config={"attn_implementation": "sdpa"},
+        use_remove_padding=False,
+        enable_gradient_checkpointing=False,
+    )
+    fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+    engine_config = FSDPEngineConfig(
+        strategy=strategy,
+        model_dtype="fp32",
+        mixed_precision=fp32,
+        use_torch_compile=False,
+        use_remove_padding=False,
+        use_dynamic_bsz=False,
+    )
+    optimizer_config = FSDPOptimizerConfig(lr=1e-3, clip_grad=1e30)
+    previous = os.environ.get("VERL_ENGINE_VENDOR")
+    try:
+        if vendor is None:
+            os.environ.pop("VERL_ENGINE_VENDOR", None)
+        else:
+            os.environ["VERL_ENGINE_VENDOR"] = vendor
+        engine = EngineRegistry.new(
+            model_type="language_model",
+            backend=strategy,
+            model_config=model_config,
+            engine_config=engine_config,
+            optimizer_config=optimizer_config,
+            checkpoint_config=CheckpointConfig(),
+        )
+    finally:
+        if previous is None:
+            os.environ.pop("VERL_ENGINE_VENDOR", None)
+        else:
+            os.environ["VERL_ENGINE_VENDOR"] = previous
+    engine.initialize()
+    return engine
+
+
+def grpo_batch(
+    *,
+    uids=("a", "b"),
+    group: int = 4,
+    prompt_width: int = 7,
+    response_width: int = 6,
+    seed: int = 0,
+    vocab: int = 128,
+    shared_prompts: bool = True,
+    temperature: float = 1.0,
+):
+    """A verl ``DataProto`` of GRPO groups: left-padded prompts (one prompt per uid, lengths differ), right-padded
+    responses of varied lengths, a scalar advantage per response broadcast over its tokens, old and reference
+    log-probs. ``shared_prompts=False`` gives the rows of a uid different prompts (the fallback path)."""
+    from verl import DataProto
+
+    g = torch.Generator().manual_seed(seed)
+    rows = len(uids) * group
+    prompts = torch.zeros(rows, prompt_width, dtype=torch.long)
+    responses = torch.zeros(rows, response_width, dtype=torch.long)
+    attention = torch.zeros(rows, prompt_width + response_width, dtype=torch.long)
+    uid_col = []
+    for u, uid in enumerate(uids):
+        plen = prompt_width - u  # uids' prompts differ in length: left padding in the batch
+        prompt = torch.randint(3, vocab, (plen,), generator=g)
+        for j in range(group):
+            r = u * group + j
+            if not shared_prompts:
+                prompt = torch.randint(3, vocab, (plen,), generator=g)
+            prompts[r, prompt_width - plen :] = prompt
+            attention[r, prompt_width - plen : prompt_width] = 1
+            rlen = response_width - (j % 3)
+            responses[r, :rlen] = torch.randint(3, vocab, (rlen,), generator=g)
+            attention[r, prompt_width : prompt_width + rlen] = 1
+            uid_col.append(uid)
+    response_mask = attention[:, prompt_width:].clone()
+    scores = torch.randn(rows, generator=g)
+    advantages = scores[:, None] * response_mask
+    old = -3.0 + 0.3 * torch.randn(rows, response_width, generator=g)
+    ref = -3.0 + 0.3 * torch.randn(rows, response_width, generator=g)
+    input_ids = torch.cat([prompts, responses], dim=1)
+    position_ids = torch.clamp(torch.cumsum(attention, dim=1) - 1, min=0)
+    batch = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "position_ids": position_ids,
+        "response_mask": response_mask,
+        "advantages": advantages.float(),
+        "old_log_probs": (old * response_mask).float(),
+        "ref_log_prob": (ref * response_mask).float(),
+    }
+    return DataProto.from_dict(
+        tensors=batch,
+        non_tensors={"uid": np.array(uid_col, dtype=object)},
+        meta_info={"temperature": temperature},
+    )
+
+
+def engine_batch(proto, *, micro_batch_size: int, global_batch_size: int | None = None):
+    """The TensorDict verl's trainer and TrainingWorker hand to ``engine.train_batch`` for one mini-batch."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    td = left_right_2_no_padding(proto.to_tensordict())
+    tu.assign_non_tensor(
+        td,
+        calculate_entropy=False,
+        global_batch_size=global_batch_size,
+        use_remove_padding=False,
+        use_dynamic_bsz=False,
+        max_token_len_per_gpu=None,
+        micro_batch_size_per_gpu=micro_batch_size,
+        use_fused_kernels=False,
+        global_token_num=None,
+    )
+    return td
+
+
+def actor_config(**overrides):
+    """verl's actor config (its dataclass, as the trainer converts it) with the given loss options."""
+    from verl.workers.config import FSDPActorConfig
+
+    base = dict(
+        strategy="fsdp2", ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4, use_dynamic_bsz=False, rollout_n=4
+    )
+    base.update(overrides)
+    return FSDPActorConfig(**base)
