@@ -131,9 +131,18 @@ def save_tiny_model(path, model_type: str = "qwen3", seed: int = 0) -> None:
     model.save_pretrained(path)
 
 
-def build_engine(model_dir, *, strategy: str = "fsdp2", vendor: str | None = None):
+def build_engine(
+    model_dir,
+    *,
+    strategy: str = "fsdp2",
+    vendor: str | None = None,
+    checkpointing: bool = False,
+    use_remove_padding: bool = False,
+    **engine_overrides,
+):
     """verl's own engine (``vendor=None``) or the one registered under ``vendor``, built the way verl's
-    TrainingWorker builds it: ``EngineRegistry.new`` then ``initialize()``, in fp32, no grad clipping."""
+    TrainingWorker builds it: ``EngineRegistry.new`` then ``initialize()``, in fp32, no grad clipping.
+    ``engine_overrides``: further ``FSDPEngineConfig`` fields."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
@@ -143,8 +152,8 @@ def build_engine(model_dir, *, strategy: str = "fsdp2", vendor: str | None = Non
         path=str(model_dir),
         load_tokenizer=False,
         override_config={"attn_implementation": "sdpa"},
-        use_remove_padding=False,
-        enable_gradient_checkpointing=False,
+        use_remove_padding=use_remove_padding,
+        enable_gradient_checkpointing=checkpointing,
     )
     fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     engine_config = FSDPEngineConfig(
@@ -152,8 +161,8 @@ def build_engine(model_dir, *, strategy: str = "fsdp2", vendor: str | None = Non
         model_dtype="fp32",
         mixed_precision=fp32,
         use_torch_compile=False,
-        use_remove_padding=False,
-        use_dynamic_bsz=False,
+        use_remove_padding=use_remove_padding,
+        **{"use_dynamic_bsz": False, **engine_overrides},
     )
     optimizer_config = FSDPOptimizerConfig(lr=1e-3, clip_grad=1e30)
     previous = os.environ.get("VERL_ENGINE_VENDOR")
@@ -189,10 +198,13 @@ def grpo_batch(
     vocab: int = 128,
     shared_prompts: bool = True,
     temperature: float = 1.0,
+    old_spread: float = 1.5,
 ):
     """A verl ``DataProto`` of GRPO groups: left-padded prompts (one prompt per uid, lengths differ), right-padded
     responses of varied lengths, a scalar advantage per response broadcast over its tokens, old and reference
-    log-probs. ``shared_prompts=False`` gives the rows of a uid different prompts (the fallback path)."""
+    log-probs. ``shared_prompts=False`` gives the rows of a uid different prompts (the fallback path). Old log-probs
+lie around the tiny model's ``-log(vocab)`` with ``old_spread``: ratios beyond ``1 +- 0.2`` and beyond the dual
+clip's 3 occur on some tokens."""
     from verl import DataProto
 
     g = torch.Generator().manual_seed(seed)
@@ -217,8 +229,9 @@ def grpo_batch(
     response_mask = attention[:, prompt_width:].clone()
     scores = torch.randn(rows, generator=g)
     advantages = scores[:, None] * response_mask
-    old = -3.0 + 0.3 * torch.randn(rows, response_width, generator=g)
-    ref = -3.0 + 0.3 * torch.randn(rows, response_width, generator=g)
+    centre = -float(np.log(vocab))
+    old = centre + old_spread * torch.randn(rows, response_width, generator=g)
+    ref = centre + 0.5 * torch.randn(rows, response_width, generator=g)
     input_ids = torch.cat([prompts, responses], dim=1)
     position_ids = torch.clamp(torch.cumsum(attention, dim=1) - 1, min=0)
     batch = {
@@ -268,3 +281,71 @@ def actor_config(**overrides):
     )
     base.update(overrides)
     return FSDPActorConfig(**base)
+
+
+def train_once(model_dir, vendor, actor, proto, *, micro_batch_size: int, global_batch_size, **engine_kw):
+    """One ``engine.train_batch(data, partial(ppo_loss, config=actor))`` from the saved weights. Returns the
+    full gradients read just before verl's optimizer step (verl zeroes them on leaving train mode) and the
+    output."""
+    from functools import partial
+
+    from verl.workers.utils.losses import ppo_loss
+
+    engine = build_engine(model_dir, vendor=vendor, **engine_kw)
+    grads: dict[str, torch.Tensor] = {}
+    step = engine.optimizer_step
+
+    def snapshot_then_step():
+        for name, p in engine.module.named_parameters():
+            g = p.grad
+            grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+        return step()
+
+    engine.optimizer_step = snapshot_then_step
+    data = engine_batch(proto, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
+    with engine.train_mode():
+        out = engine.train_batch(data, loss_function=partial(ppo_loss, config=actor))
+    return grads, out
+
+
+def metric_values(out) -> dict[str, float]:
+    """verl's metrics of a ``train_batch`` output, each aggregated as verl aggregates it."""
+    from verl.utils.metric.utils import Metric
+
+    values = {}
+    for key, value in out["metrics"].items():
+        if isinstance(value, list) and value and isinstance(value[0], Metric):
+            merged = Metric(value[0].aggregation)
+            for m in value:
+                merged.extend(m)
+            value = merged.aggregate()
+        elif isinstance(value, Metric):
+            value = value.aggregate()
+        elif isinstance(value, list):
+            value = float(np.mean(value))
+        values[key] = float(value)
+    return values
+
+
+def compare(model_dir, actor, proto, *, micro_batch_size: int = 4, global_batch_size=8, **engine_kw) -> dict:
+    """verl's FSDP engine and PrefixFlow's on the same data: the worst gradient difference over parameters
+    (``norm``: |g - g_verl| / |g_verl| over all parameters together; ``tensor``: the same per parameter, worst;
+    ``max``: max abs difference / max |g_verl| per parameter, worst), the losses and metrics."""
+    from prefixflow.integrations.verl import VENDOR
+
+    kw = dict(micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, **engine_kw)
+    want, out_want = train_once(model_dir, None, actor, proto, **kw)
+    got, out_got = train_once(model_dir, VENDOR, actor, proto, **kw)
+    assert want.keys() == got.keys()
+    diff = torch.cat([(got[k] - want[k]).flatten() for k in want])
+    norm = float(diff.norm() / torch.cat([w.flatten() for w in want.values()]).norm())
+    tensor = max(float((got[k] - want[k]).norm() / want[k].norm()) for k in want)
+    worst = max(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in want)
+    return {
+        "norm": norm,
+        "tensor": tensor,
+        "max": worst,
+        "grad_norm": float(want["lm_head.weight"].norm()),
+        "loss": (out_want["loss"], out_got["loss"]),
+        "metrics": (metric_values(out_want), metric_values(out_got)),
+    }
