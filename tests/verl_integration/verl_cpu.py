@@ -100,9 +100,7 @@ def init_one_rank() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
-    )
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def save_tiny_model(path, model_type: str = "qwen3", seed: int = 0) -> None:
@@ -201,10 +199,10 @@ def grpo_batch(
     old_spread: float = 1.5,
 ):
     """A verl ``DataProto`` of GRPO groups: left-padded prompts (one prompt per uid, lengths differ), right-padded
-    responses of varied lengths, a scalar advantage per response broadcast over its tokens, old and reference
-    log-probs. ``shared_prompts=False`` gives the rows of a uid different prompts (the fallback path). Old log-probs
-lie around the tiny model's ``-log(vocab)`` with ``old_spread``: ratios beyond ``1 +- 0.2`` and beyond the dual
-clip's 3 occur on some tokens."""
+        responses of varied lengths, a scalar advantage per response broadcast over its tokens, old and reference
+        log-probs. ``shared_prompts=False`` gives the rows of a uid different prompts (the fallback path). Old log-probs
+    lie around the tiny model's ``-log(vocab)`` with ``old_spread``: ratios beyond ``1 +- 0.2`` and beyond the dual
+    clip's 3 occur on some tokens."""
     from verl import DataProto
 
     g = torch.Generator().manual_seed(seed)
@@ -277,7 +275,11 @@ def actor_config(**overrides):
     from verl.workers.config import FSDPActorConfig
 
     base = dict(
-        strategy="fsdp2", ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4, use_dynamic_bsz=False, rollout_n=4
+        strategy="fsdp2",
+        ppo_mini_batch_size=2,
+        ppo_micro_batch_size_per_gpu=4,
+        use_dynamic_bsz=False,
+        rollout_n=4,
     )
     base.update(overrides)
     return FSDPActorConfig(**base)

@@ -82,7 +82,9 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
             if tu.get_non_tensor_data(data=data, key=key, default=False):
                 raise ValueError(f"PrefixFlow's verl engine does not support {key}=True in the batch")
         if "rollout_is_weights" in data.keys():
-            raise ValueError("PrefixFlow's verl engine does not support rollout_is_weights (rollout correction)")
+            raise ValueError(
+                "PrefixFlow's verl engine does not support rollout_is_weights (rollout correction)"
+            )
         model = self.module
         if not self._prefixflow_applied:
             apply_prefixflow(model)
@@ -93,7 +95,9 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
         batch_tokens = data["loss_mask"].sum().to(torch.float64)
         group = self.get_data_parallel_group()
         torch.distributed.all_reduce(batch_tokens, op=torch.distributed.ReduceOp.SUM, group=group)
-        tu.assign_non_tensor(data, batch_num_tokens=batch_tokens.item(), dp_size=self.get_data_parallel_size())
+        tu.assign_non_tensor(
+            data, batch_num_tokens=batch_tokens.item(), dp_size=self.get_data_parallel_size()
+        )
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
         micro_batches = [mb.to(get_device_id()) for mb in micro_batches]
         plans_per_micro = [
@@ -125,7 +129,9 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
                 logp = torch.zeros(mb["responses"].shape, dtype=torch.float32, device=mb["responses"].device)
                 for plan in plans:
                     tap.plan, tap.out = plan, logp
-                    train_group(model, plan.group, system=plan.system, loss_config=plan.loss_config, **options)
+                    train_group(
+                        model, plan.group, system=plan.system, loss_config=plan.loss_config, **options
+                    )
                 output_lst.append(_verl_outputs(actor, mb, logp))
         for p in model.parameters():  # verl's backward reaches every parameter, also through a zero loss
             if p.requires_grad and p.grad is None:
@@ -200,7 +206,8 @@ def _gathered(model):
     pf_fsdp._root_state(model)._lazy_init()
     groups = list(pf_fsdp._groups(model))
     saved = [
-        (g, g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads, g.all_reduce_grads) for g in groups
+        (g, g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads, g.all_reduce_grads)
+        for g in groups
     ]
     for g in groups:
         g.post_forward_mesh_info = None  # no reshard after forward

@@ -26,9 +26,22 @@ import torch
 from ...group import RolloutGroup
 from ...loss import LossConfig
 
-__all__ = ["GroupPlan", "KL_TYPES", "AGG_MODES", "actor_loss_config", "plan_micro_batch", "loss_callable_config"]
+__all__ = [
+    "GroupPlan",
+    "KL_TYPES",
+    "AGG_MODES",
+    "actor_loss_config",
+    "plan_micro_batch",
+    "loss_callable_config",
+]
 
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
+AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "seq-mean-token-mean",
+)
 KL_TYPES = {"low_var_kl": "low_var_kl", "k3": "low_var_kl", "kl": "kl", "k1": "kl", "abs": "abs"}
 KL_TYPES |= {"mse": "mse", "k2": "mse"}
 LOG_RATIO_CLAMP = 20.0  # verl clamps logp - old to [-20, 20] before exp
@@ -121,18 +134,24 @@ def plan_micro_batch(
     prompts, responses = micro_batch["prompts"], micro_batch["responses"]
     attention, response_mask = micro_batch["attention_mask"], micro_batch["response_mask"].bool()
     if any(t.is_nested for t in (prompts, responses, attention, response_mask)):
-        raise ValueError("PrefixFlow's verl engine needs padded prompts/responses/attention_mask/response_mask")
+        raise ValueError(
+            "PrefixFlow's verl engine needs padded prompts/responses/attention_mask/response_mask"
+        )
     p = prompts.shape[1]
     position_ids = micro_batch["position_ids"]
     if position_ids.dim() == 3 or (not position_ids.is_nested and position_ids.dim() != 2):
-        raise ValueError("position_ids must be one position per token (multi-dimensional RoPE is not supported)")
+        raise ValueError(
+            "position_ids must be one position per token (multi-dimensional RoPE is not supported)"
+        )
     position_ids = position_ids.unbind() if position_ids.is_nested else None
     advantages, old = micro_batch["advantages"], micro_batch["old_log_probs"]
     ref = micro_batch["ref_log_prob"] if base["kl_coef"] > 0 else None
     uids = list(micro_batch["uid"]) if "uid" in micro_batch.keys() else None
     b = prompts.shape[0]
     if uids is None:
-        warnings.warn("verl micro-batch has no 'uid': PrefixFlow trains its rows on full sequences", stacklevel=3)
+        warnings.warn(
+            "verl micro-batch has no 'uid': PrefixFlow trains its rows on full sequences", stacklevel=3
+        )
         uids = [("__row__", r) for r in range(b)]
 
     lens = response_mask.sum(-1).tolist()
@@ -197,7 +216,8 @@ def plan_micro_batch(
             plans.append(GroupPlan(rows, row_group(rows), config))
             continue
         warnings.warn(
-            f"verl uid {uid!r}: its rows' prompts differ; PrefixFlow trains them on full sequences", stacklevel=3
+            f"verl uid {uid!r}: its rows' prompts differ; PrefixFlow trains them on full sequences",
+            stacklevel=3,
         )
         plans += [GroupPlan([r], row_group([r]), config, system="baseline") for r in rows]
     return plans
@@ -206,4 +226,3 @@ def plan_micro_batch(
 def _prompt(prompts, attention, p: int, row: int) -> torch.Tensor:
     plen = int(attention[row, :p].sum())
     return prompts[row, p - plen :]
-
