@@ -157,10 +157,9 @@ def build_engine(
     engine_config = FSDPEngineConfig(
         strategy=strategy,
         model_dtype="fp32",
-        mixed_precision=fp32,
         use_torch_compile=False,
         use_remove_padding=use_remove_padding,
-        **{"use_dynamic_bsz": False, **engine_overrides},
+        **{"use_dynamic_bsz": False, "mixed_precision": fp32, **engine_overrides},
     )
     optimizer_config = FSDPOptimizerConfig(lr=1e-3, clip_grad=1e30)
     previous = os.environ.get("VERL_ENGINE_VENDOR")
