@@ -196,3 +196,19 @@ def test_unsupported_engine_options_refused(model_dir, engine_kw, match):
     with pytest.raises(ValueError, match=match), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         vc.build_engine(model_dir, vendor=VENDOR, **engine_kw)
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean"])
+def test_two_data_parallel_ranks(model_dir, tmp_path, mode):
+    """Two gloo ranks, FSDP2 over both, each uid group spread over both ranks: verl's dp_size and global
+    token/sequence counts, and one reduce-scatter per unit with verl's own reduction."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "grads.pt"
+    actor = dict(loss_agg_mode=mode, use_kl_loss=True, kl_loss_coef=0.1)
+    mp.spawn(vc.dp_worker, args=(2, vc.free_port(), str(model_dir), actor, str(out)), nprocs=2)
+    saved = torch.load(out)
+    want, got = saved["want"], saved["got"]
+    diff = torch.cat([(got[k] - want[k]).flatten() for k in want])
+    assert float(diff.norm() / torch.cat([w.flatten() for w in want.values()]).norm()) <= GRAD_TOL
+    np.testing.assert_allclose(saved["loss"][1], saved["loss"][0], rtol=1e-5, atol=1e-6)

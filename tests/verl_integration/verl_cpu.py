@@ -350,3 +350,34 @@ def compare(model_dir, actor, proto, *, micro_batch_size: int = 4, global_batch_
         "loss": (out_want["loss"], out_got["loss"]),
         "metrics": (metric_values(out_want), metric_values(out_got)),
     }
+
+
+def dp_worker(rank: int, world: int, port: int, model_dir: str, actor_kwargs: dict, out_path: str) -> None:
+    """One of ``world`` gloo ranks (``torch.multiprocessing.spawn``): verl's dispatch hands rank ``r`` the
+    ``r``-th contiguous chunk of the batch; rows are interleaved first, so each uid group spans every rank.
+    Both engines train the rank's chunk; rank 0 saves the gathered full gradients."""
+    from prefixflow.integrations.verl import VENDOR
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        proto = grpo_batch(uids=("a", "b"), seed=4)
+        order = np.array([0, 4, 1, 5, 2, 6, 3, 7])
+        per = len(order) // world
+        shard = proto[order[rank * per : (rank + 1) * per]]
+        actor = actor_config(**actor_kwargs)
+        kw = dict(micro_batch_size=2, global_batch_size=len(order))
+        want, out_want = train_once(model_dir, None, actor, shard, **kw)
+        got, out_got = train_once(model_dir, VENDOR, actor, shard, **kw)
+        if rank == 0:
+            torch.save({"want": want, "got": got, "loss": (out_want["loss"], out_got["loss"])}, out_path)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
