@@ -212,3 +212,36 @@ def test_two_data_parallel_ranks(model_dir, tmp_path, mode):
     diff = torch.cat([(got[k] - want[k]).flatten() for k in want])
     assert float(diff.norm() / torch.cat([w.flatten() for w in want.values()]).norm()) <= GRAD_TOL
     np.testing.assert_allclose(saved["loss"][1], saved["loss"][0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_training_step_sequence_as_verl_runs_it(model_dir, proto):
+    """What a verl step does to the actor: log-probs (forward only), then two updates (AdamW steps between):
+    the second update's gradients still equal verl's, so nothing of PrefixFlow's or FSDP's state leaks."""
+    from functools import partial
+
+    from verl.workers.utils.losses import ppo_loss
+
+    actor = vc.actor_config(loss_agg_mode="seq-mean-token-mean", use_kl_loss=True, kl_loss_coef=0.1)
+    grads = {}
+    for vendor in (None, VENDOR):
+        engine = vc.build_engine(model_dir, vendor=vendor)
+        seen = []
+        step = engine.optimizer_step
+
+        def snapshot_then_step(engine=engine, seen=seen, step=step):
+            seen.append({n: p.grad.full_tensor().clone() for n, p in engine.module.named_parameters()})
+            return step()
+
+        engine.optimizer_step = snapshot_then_step
+        with engine.eval_mode():
+            engine.infer_batch(vc.engine_batch(proto, micro_batch_size=4))
+        for _ in range(2):
+            with engine.train_mode():
+                engine.train_batch(
+                    vc.engine_batch(proto, micro_batch_size=2, global_batch_size=8),
+                    loss_function=partial(ppo_loss, config=actor),
+                )
+        grads[vendor] = seen[-1]
+    want, got = grads[None], grads[VENDOR]
+    diff = torch.cat([(got[k] - want[k]).flatten() for k in want])
+    assert float(diff.norm() / torch.cat([w.flatten() for w in want.values()]).norm()) <= GRAD_TOL
