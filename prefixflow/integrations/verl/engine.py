@@ -78,7 +78,8 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
             return super().forward_backward_batch(data, loss_function, forward_only=True)
         actor = loss_callable_config(loss_function)
         base = actor_loss_config(actor)
-        for key in ("use_dynamic_bsz", "use_remove_padding", "use_fused_kernels", "calculate_entropy"):
+        refused = ("use_dynamic_bsz", "use_remove_padding", "use_fused_kernels", "calculate_entropy")
+        for key in (*refused, "return_model_output"):
             if tu.get_non_tensor_data(data=data, key=key, default=False):
                 raise ValueError(f"PrefixFlow's verl engine does not support {key}=True in the batch")
         if "rollout_is_weights" in data.keys():
