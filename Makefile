@@ -7,7 +7,7 @@ DEMO    ?= runs/demo
 # make demo runs the smoke sweep into $(DEMO) (git-ignored), so it really runs on a fresh clone;
 # results/ holds the committed reference records that make figures renders.
 
-.PHONY: setup test test-fast lint demo figures tables gpu-check slurm-up slurm-down clean
+.PHONY: setup test test-fast test-verl lint demo figures tables gpu-check slurm-up slurm-down clean
 
 setup: $(VENV_OK)
 
@@ -27,6 +27,21 @@ test: setup
 	$(PY) -m pytest -q; rc=$$?; \
 	if [ $$started = 1 ]; then bash scripts/slurm_down.sh; fi; \
 	exit $$rc
+
+# verl 0.9.1 lives in its own venv: it needs transformers <5.11, the [hf] extra pins 5.24.0. Every package comes from
+# constraints/verl.txt (CPU torch 2.13.0); only the verl tests run there (make test skips them without verl).
+VERL_PY := .venv-verl/bin/python
+VERL_OK := .venv-verl/.installed
+
+$(VERL_OK): pyproject.toml constraints/verl.txt
+	test -x $(VERL_PY) || python3.11 -m venv .venv-verl || python3 -m venv .venv-verl
+	$(VERL_PY) -m pip install --quiet --upgrade pip
+	$(VERL_PY) -m pip install --quiet -c constraints/verl.txt -e . 'verl==0.9.1' 'torch==2.13.0+cpu' \
+	  'transformers==5.10.4' uvicorn pytest
+	touch $(VERL_OK)
+
+test-verl: $(VERL_OK)
+	$(VERL_PY) -m pytest -q tests/verl_integration
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not slurm"

@@ -12,8 +12,17 @@ unclipped ``r`` (TRL's ``delta``); ``kl_ratio_correction`` multiplies the k3 KL 
 ``use_bias_correction_kl``); ``temperature`` divides the logits before the log-softmax. Aggregations (weights):
 ``seq-mean-token-mean`` ``1/(N |S_i|)`` (TRL ``grpo``), ``token-mean`` ``1/sum_i |S_i|`` (TRL ``bnpo``/``dapo``
 over their token counts), ``seq-mean-token-sum`` ``1/N``, ``seq-mean-token-sum-norm`` ``1/(N norm_len)`` (TRL
-``dr_grpo``, ``norm_len`` = ``max_completion_length``). ``group_weight`` scales the whole group objective: the
-group's share of a larger batch objective (e.g. a TRL micro-batch holding several prompts).
+``dr_grpo``, ``norm_len`` = ``max_completion_length``), ``token-sum`` ``1``. ``group_weight`` scales the whole group
+objective: the group's share of a larger batch objective (e.g. a TRL micro-batch holding several prompts).
+
+verl's actor loss (``prefixflow.integrations.verl`` maps an ``ActorConfig`` onto it) adds, each off by default
+so the numbers above are unchanged: ``clip_ratio_c`` (dual clip: for ``A < 0`` the token loss is at most
+``-A c``), ``log_ratio_clamp`` (verl clamps ``log r`` to ``[-20, 20]`` before ``exp``), ``kl_estimator``
+(``k3`` as TRL; ``low_var_kl`` = k3 of the clamped log-ratio, clamped to ``[-10, 10]``; ``kl`` = k1
+``logp - ref``; ``abs`` = ``|logp - ref|``; ``mse`` = k2 ``(logp - ref)^2 / 2``), and batch-global normalisers:
+``batch_tokens`` replaces the group's token count in ``token-mean``, ``batch_size`` its response count ``N`` in
+the ``seq-mean-*`` modes (verl 0.9.x normalises over the whole mini-batch), and ``seq_len_eps`` is added to
+``|S_i|`` in ``seq-mean-token-mean`` (verl's ``1e-8``).
 """
 
 from __future__ import annotations
@@ -26,11 +35,26 @@ import torch
 from .group import RolloutGroup
 from .layouts import Microbatch
 
-__all__ = ["LOSSES", "AGGREGATIONS", "LossConfig", "resolve_loss", "microbatch_loss", "token_logprobs"]
+__all__ = [
+    "LOSSES",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "LossConfig",
+    "resolve_loss",
+    "microbatch_loss",
+    "token_logprobs",
+]
 
 LOSSES = ("pg", "grpo")
-AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+AGGREGATIONS = (
+    "seq-mean-token-mean",
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "token-sum",
+)
 IMPORTANCE_SAMPLING = ("token", "sequence")
+KL_ESTIMATORS = ("k3", "low_var_kl", "kl", "abs", "mse")
 
 
 @dataclass(frozen=True)
@@ -40,6 +64,8 @@ class LossConfig:
     module docstring, with ``norm_len`` for ``seq-mean-token-sum-norm``); ``importance_sampling``: ``"token"`` or
     ``"sequence"`` ratios; ``ratio_cap``: upper cap on the unclipped ratio (None = none); ``kl_ratio_correction``:
     KL times the ratio; ``temperature``: logits are divided by it; ``group_weight``: scale of the group objective.
+    ``clip_ratio_c``, ``log_ratio_clamp``, ``kl_estimator``, ``batch_tokens``, ``batch_size``, ``seq_len_eps``:
+    verl's loss (module docstring); their defaults leave the loss above unchanged.
     """
 
     clip_eps_low: float = 0.2
@@ -52,6 +78,12 @@ class LossConfig:
     temperature: float = 1.0
     norm_len: int | None = None
     group_weight: float = 1.0
+    clip_ratio_c: float | None = None
+    log_ratio_clamp: float | None = None
+    kl_estimator: str = "k3"
+    batch_tokens: float | None = None
+    batch_size: float | None = None
+    seq_len_eps: float = 0.0
 
 
 def resolve_loss(loss: str, loss_config: dict | LossConfig | None, group: RolloutGroup) -> LossConfig:
@@ -74,6 +106,7 @@ def resolve_loss(loss: str, loss_config: dict | LossConfig | None, group: Rollou
     if cfg.aggregation not in AGGREGATIONS:
         raise ValueError(f"loss_config.aggregation {cfg.aggregation!r} unknown; valid: {AGGREGATIONS}")
     _check_trl_fields(cfg, loss, group)
+    _check_verl_fields(cfg, loss)
     if loss == "pg" and cfg.aggregation != "seq-mean-token-mean":
         raise ValueError(
             "loss='pg' is defined with aggregation 'seq-mean-token-mean'; use loss='grpo' otherwise"
@@ -133,6 +166,34 @@ def _check_trl_fields(cfg: LossConfig, loss: str, group: RolloutGroup) -> None:
 _GRPO_DEFAULTS = {"clip_eps_low": 0.2, "clip_eps_high": 0.2, "kl_coef": 0.0}
 
 
+def _check_verl_fields(cfg: LossConfig, loss: str) -> None:
+    if cfg.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"loss_config.kl_estimator {cfg.kl_estimator!r} unknown; valid: {KL_ESTIMATORS}")
+    if cfg.clip_ratio_c is not None and (not _number(cfg.clip_ratio_c) or cfg.clip_ratio_c <= 1.0):
+        raise ValueError(
+            f"loss_config.clip_ratio_c must be None or a finite number > 1, got {cfg.clip_ratio_c!r}"
+        )
+    for name in ("log_ratio_clamp", "batch_tokens", "batch_size"):
+        value = getattr(cfg, name)
+        if value is not None and (not _number(value) or value <= 0):
+            raise ValueError(f"loss_config.{name} must be None or a finite number > 0, got {value!r}")
+    if not _number(cfg.seq_len_eps) or cfg.seq_len_eps < 0:
+        raise ValueError(f"loss_config.seq_len_eps must be a finite number >= 0, got {cfg.seq_len_eps!r}")
+    verl_set = [
+        name
+        for name in ("clip_ratio_c", "log_ratio_clamp", "batch_tokens", "batch_size")
+        if getattr(cfg, name) is not None
+    ]
+    if cfg.kl_estimator != "k3":
+        verl_set.append("kl_estimator")
+    if cfg.seq_len_eps:
+        verl_set.append("seq_len_eps")
+    if loss == "pg" and verl_set:
+        raise ValueError(f"loss_config fields {verl_set} apply to loss='grpo' only")
+    if cfg.kl_ratio_correction and cfg.kl_estimator != "k3":
+        raise ValueError("loss_config.kl_ratio_correction is defined for kl_estimator 'k3' only")
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log pi(target) per row of ``logits[T, V] / temperature``, computed in fp32 or better."""
     if logits.dtype in (torch.float16, torch.bfloat16):
@@ -145,14 +206,19 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 def _weights(group: RolloutGroup, mb: Microbatch, cfg: LossConfig, dtype) -> torch.Tensor:
     lens = torch.tensor(group.response_lens, dtype=dtype, device=mb.response_ids.device)
     ones = torch.ones_like(mb.response_ids, dtype=dtype)
+    n = group.n if cfg.batch_size is None else cfg.batch_size
     if cfg.aggregation == "token-mean":
-        weights = ones / lens.sum()
+        weights = ones / (lens.sum() if cfg.batch_tokens is None else cfg.batch_tokens)
+    elif cfg.aggregation == "token-sum":
+        weights = ones
     elif cfg.aggregation == "seq-mean-token-sum":
-        weights = ones / group.n
+        weights = ones / n
     elif cfg.aggregation == "seq-mean-token-sum-norm":
-        weights = ones / (group.n * cfg.norm_len)
+        weights = ones / (n * cfg.norm_len)
+    elif cfg.seq_len_eps:
+        weights = 1.0 / (n * (lens[mb.response_ids] + cfg.seq_len_eps))
     else:
-        weights = 1.0 / (group.n * lens[mb.response_ids])
+        weights = 1.0 / (n * lens[mb.response_ids])
     return weights * cfg.group_weight if cfg.group_weight != 1.0 else weights
 
 
@@ -180,6 +246,8 @@ def microbatch_loss(
     else:
         old = logp.detach() if group.old_logprobs is None else _gather(group.old_logprobs, mb, logp.dtype)
         log_ratio = logp - old
+        if cfg.log_ratio_clamp is not None:
+            log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
         if cfg.importance_sampling == "sequence":
             if mb.sequence is not None:
                 raise ValueError(
@@ -191,8 +259,24 @@ def microbatch_loss(
         clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
         unclipped = ratio if cfg.ratio_cap is None else torch.clamp(ratio, max=cfg.ratio_cap)
         token_loss = -torch.minimum(unclipped * adv, clipped * adv)
+        if cfg.clip_ratio_c is not None:  # dual clip: a negative advantage's loss is at most -A c
+            token_loss = torch.where(adv < 0, torch.minimum(token_loss, -adv * cfg.clip_ratio_c), token_loss)
         if cfg.kl_coef > 0:
-            delta = _gather(group.ref_logprobs, mb, logp.dtype) - logp
-            kl = torch.exp(delta) - delta - 1.0
+            kl = _kl(_gather(group.ref_logprobs, mb, logp.dtype), logp, cfg.kl_estimator)
             token_loss = token_loss + cfg.kl_coef * (kl * ratio if cfg.kl_ratio_correction else kl)
     return (weights * token_loss).sum()
+
+
+def _kl(ref: torch.Tensor, logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """The per-token KL estimate to the reference policy (:data:`KL_ESTIMATORS`)."""
+    if estimator == "k3":
+        delta = ref - logp
+        return torch.exp(delta) - delta - 1.0
+    if estimator == "low_var_kl":
+        delta = torch.clamp(ref - logp, -20.0, 20.0)
+        return torch.clamp(torch.exp(delta) - delta - 1.0, -10.0, 10.0)
+    if estimator == "kl":
+        return logp - ref
+    if estimator == "abs":
+        return (logp - ref).abs()
+    return 0.5 * (logp - ref).square()

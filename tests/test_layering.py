@@ -65,7 +65,8 @@ PREFIXFLOW_LAYERS = [
     # parallelism, the PP stage program and split-DP groups included: it runs the driver's phases
     ["prefixflow.parallel"],
     ["prefixflow.rl"],
-    ["prefixflow.integrations"],
+    # hf, trl and verl (verl imports verl only here; its tests run in .venv-verl)
+    ["prefixflow.integrations", "prefixflow.integrations.verl"],
     ["prefixflow"],
 ]
 

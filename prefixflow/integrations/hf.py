@@ -177,8 +177,19 @@ class HFAdapter(ModelAdapter):
             raise ValueError(
                 f"AC mode {mode!r} is TorchTitan's; Hugging Face models checkpoint whole layers: use 'full'"
             )
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, use_reentrant=False)
         model.train()
+
+
+def enable_checkpointing(model, *, use_reentrant: bool) -> None:
+    """HF's own gradient checkpointing: ``activation_checkpointing_enable`` (transformers 5.24) or, before that
+    rename, ``gradient_checkpointing_enable`` (e.g. 5.10, which verl 0.9.1 needs)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": use_reentrant}
+        )
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
 
 
 register_adapter(HFAdapter())

@@ -176,7 +176,7 @@ def test_invalid_input_raises_before_gradients_change():
     long = pf.synthetic_group(VOCAB, 40, [2, 9], seed=0)  # 49 tokens > sliding_window=48
     with pytest.raises(ValueError, match="sliding_window=48"):
         pf.train_group(model, long)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    hf.enable_checkpointing(model, use_reentrant=True)
     model.train()
     with pytest.raises(ValueError, match="use_reentrant"):
         pf.train_group(model, GROUP)

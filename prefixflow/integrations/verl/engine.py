@@ -1,0 +1,231 @@
+"""``PrefixFlowFSDPEngine``: verl 0.9.x's ``FSDPEngineWithLMHead`` whose training micro-batches run PrefixFlow.
+
+Only ``forward_backward_batch(data, loss_function, forward_only=False)`` changes. verl's ``train_batch`` still
+zeroes gradients, calls it, clips and steps; log-prob inference (``forward_only=True``) is verl's own path. For
+each verl micro-batch (``prepare_micro_batches``, as verl splits it) the rows are grouped by ``uid`` and each group
+is one :func:`prefixflow.train_group` (prompt K/V computed once) under the loss of :mod:`.plan`. The metrics and
+the reported loss are verl's own ``ppo_loss`` evaluated, without gradient, on the log-probs PrefixFlow's LM head
+produced (read by a forward hook), so ``train_batch`` returns what verl's does.
+
+FSDP2 (``strategy=fsdp2``): for the mini-batch every FSDP unit is gathered once, gradient sync is off, and every
+unit reduce-scatters once at the end with verl's own reduction settings; PrefixFlow's phases call parts of the
+model (embedding, blocks, LM head) outside FSDP's root forward, which this makes safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id, get_device_name
+from verl.workers.engine import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
+from verl.workers.utils.losses import ppo_loss
+
+from ... import apply_prefixflow, train_group
+from ...hooks import ScheduleHooks, add_hooks, remove_hooks
+from ...loss import token_logprobs
+from ...parallel import fsdp as pf_fsdp
+from ...schedule import check_group
+from .. import hf  # noqa: F401  (registers the HF adapter and attention)
+from .plan import GroupPlan, actor_loss_config, loss_callable_config, plan_micro_batch
+
+__all__ = ["VENDOR", "PrefixFlowFSDPEngine"]
+
+#: ``VERL_ENGINE_VENDOR`` value that selects this engine (verl's own engine-registry override).
+VENDOR = "prefixflow"
+
+
+@EngineRegistry.register(
+    model_type="language_model", backend=["fsdp", "fsdp2"], device=["cuda", "npu"], vendor=VENDOR
+)
+class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
+    """verl's FSDP engine with PrefixFlow's actor update. ``layout``/``suffix_microbatch``: the suffix layout and
+    responses per suffix microbatch inside each group (None = all of the group's rows in the micro-batch)."""
+
+    layout = "padded"
+    suffix_microbatch: int | None = None
+
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
+        bad = []
+        if engine_config.strategy != "fsdp2":
+            bad.append(f"strategy={engine_config.strategy!r} (use fsdp2)")
+        if model_config.use_remove_padding or getattr(engine_config, "use_remove_padding", False):
+            bad.append("use_remove_padding=True (set actor_rollout_ref.model.use_remove_padding=False)")
+        if getattr(engine_config, "use_dynamic_bsz", False):
+            bad.append("use_dynamic_bsz=True")
+        if engine_config.ulysses_sequence_parallel_size > 1:
+            bad.append(f"ulysses_sequence_parallel_size={engine_config.ulysses_sequence_parallel_size}")
+        if model_config.use_fused_kernels or getattr(engine_config, "use_fused_kernels", False):
+            bad.append("use_fused_kernels=True")
+        if model_config.lora_rank > 0:
+            bad.append(f"lora_rank={model_config.lora_rank} (LoRA)")
+        if engine_config.offload_policy:
+            bad.append("offload_policy=True (FSDP2 CPU offload)")
+        attn = getattr(model_config.hf_config, "_attn_implementation", None)
+        if attn not in ("sdpa", None):
+            bad.append(f"attn_implementation={attn!r} (set override_config.attn_implementation=sdpa)")
+        if bad:
+            raise ValueError(f"PrefixFlow's verl engine does not support: {'; '.join(bad)}")
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+        self._prefixflow_applied = False
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        if forward_only:
+            return super().forward_backward_batch(data, loss_function, forward_only=True)
+        actor = loss_callable_config(loss_function)
+        base = actor_loss_config(actor)
+        refused = ("use_dynamic_bsz", "use_remove_padding", "use_fused_kernels", "calculate_entropy")
+        for key in (*refused, "return_model_output"):
+            if tu.get_non_tensor_data(data=data, key=key, default=False):
+                raise ValueError(f"PrefixFlow's verl engine does not support {key}=True in the batch")
+        if "rollout_is_weights" in data.keys():
+            raise ValueError(
+                "PrefixFlow's verl engine does not support rollout_is_weights (rollout correction)"
+            )
+        model = self.module
+        if not self._prefixflow_applied:
+            apply_prefixflow(model)
+            self._prefixflow_applied = True
+
+        # what verl's forward_backward_batch computes before splitting (global loss normalisation)
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
+        batch_tokens = data["loss_mask"].sum().to(torch.float64)
+        group = self.get_data_parallel_group()
+        torch.distributed.all_reduce(batch_tokens, op=torch.distributed.ReduceOp.SUM, group=group)
+        tu.assign_non_tensor(
+            data, batch_num_tokens=batch_tokens.item(), dp_size=self.get_data_parallel_size()
+        )
+        micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
+        micro_batches = [mb.to(get_device_id()) for mb in micro_batches]
+        plans_per_micro = [
+            plan_micro_batch(
+                mb,
+                dict(base),
+                dp_size=self.get_data_parallel_size(),
+                batch_tokens=mb["batch_num_tokens"],
+                global_batch_size=mb["global_batch_size"],
+                loss_scale_factor=actor.loss_scale_factor,
+            )
+            for mb in micro_batches
+        ]
+        options = {"layout": self.layout, "microbatch": self.suffix_microbatch, "loss": "grpo"}
+        for plans in plans_per_micro:  # every group is valid before the first one changes a gradient
+            for plan in plans:
+                check_group(model, plan.group, system=plan.system, loss_config=plan.loss_config, **options)
+
+        tap = _LogprobTap(model)
+        output_lst = []
+        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)  # verl's forward_step autocasts the same way
+        autocast = (
+            contextlib.nullcontext()
+            if dtype == torch.float32
+            else torch.autocast(device_type=get_device_name(), dtype=dtype)
+        )
+        with _gathered(model), tap.installed(), autocast:
+            for mb, plans in zip(micro_batches, plans_per_micro, strict=True):
+                logp = torch.zeros(mb["responses"].shape, dtype=torch.float32, device=mb["responses"].device)
+                for plan in plans:
+                    tap.plan, tap.out = plan, logp
+                    train_group(
+                        model, plan.group, system=plan.system, loss_config=plan.loss_config, **options
+                    )
+                output_lst.append(_verl_outputs(actor, mb, logp))
+        for p in model.parameters():  # verl's backward reaches every parameter, also through a zero loss
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
+
+
+def _verl_outputs(actor, micro_batch, logp: torch.Tensor) -> dict:
+    """verl's ``forward_step`` output for a micro-batch: ``ppo_loss`` on PrefixFlow's log-probs, no gradient."""
+    p = micro_batch["prompts"].shape[1]
+    attention = micro_batch["attention_mask"]
+    flat = []
+    for r in range(attention.shape[0]):
+        plen, n = int(attention[r, :p].sum()), int(attention[r, p:].sum())
+        row = torch.zeros(plen + n, dtype=logp.dtype, device=logp.device)
+        row[plen - 1 : plen - 1 + n] = logp[r, :n]  # verl reads response log-probs one position to the left
+        flat.append(row)
+    nested = torch.nested.as_nested_tensor(flat, layout=torch.jagged)
+    with torch.no_grad():
+        loss, metrics = ppo_loss(actor, model_output={"log_probs": nested}, data=micro_batch)
+    return {"loss": float(loss), "metrics": metrics}
+
+
+class _LogprobTap(ScheduleHooks):
+    """Reads the log-probs PrefixFlow's LM head computes for each suffix microbatch (detached) into the verl
+    micro-batch's ``[rows, response]`` tensor, for verl's metrics. Changes no number."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.plan: GroupPlan | None = None
+        self.out: torch.Tensor | None = None
+        self._mb = None
+
+    @contextlib.contextmanager
+    def installed(self):
+        head = self.model.get_output_embeddings()
+        handle = head.register_forward_hook(self._read)
+        add_hooks(self.model, self)
+        try:
+            yield
+        finally:
+            remove_hooks(self.model, self)
+            handle.remove()
+
+    @contextlib.contextmanager
+    def microbatch(self, mb):
+        self._mb = mb
+        try:
+            yield
+        finally:
+            self._mb = None
+
+    def _read(self, module, args, output) -> None:
+        mb, plan = self._mb, self.plan
+        if mb is None or plan is None:
+            return
+        logp = token_logprobs(output.detach(), mb.targets, plan.loss_config.temperature)
+        rows = torch.tensor(plan.rows, device=logp.device)[mb.response_ids]
+        self.out[rows, mb.token_ids] = logp.to(self.out.dtype)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        yield
+        if name == "A":  # Phase A stops inside the last block: close that unit's FSDP forward
+            pf_fsdp._close_interrupted_forwards(self.model)
+
+
+@contextlib.contextmanager
+def _gathered(model):
+    """Every FSDP2 unit gathered for the mini-batch, gradient sync off, one reduce-scatter per unit at the end
+    (verl's reduction settings). On an error, FSDP is reset and the unreduced gradients are dropped."""
+    pf_fsdp._root_state(model)._lazy_init()
+    groups = list(pf_fsdp._groups(model))
+    saved = [
+        (g, g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads, g.all_reduce_grads)
+        for g in groups
+    ]
+    for g in groups:
+        g.post_forward_mesh_info = None  # no reshard after forward
+        g.reshard_after_backward = False
+        g.unshard()
+        g.wait_for_unshard()
+    pf_fsdp._set_sync(model, False)
+    try:
+        yield
+        pf_fsdp.reduce_gradients(model)
+    except BaseException:
+        pf_fsdp.discard(model)
+        raise
+    finally:
+        for g, mesh_info, after_backward, reduce_grads, all_reduce in saved:
+            g.post_forward_mesh_info = mesh_info
+            g.reshard_after_backward = after_backward
+            g.reduce_grads, g.all_reduce_grads = reduce_grads, all_reduce
+            g._training_state = TrainingState.IDLE
+            g.reshard()
