@@ -69,13 +69,17 @@ class FixedPlan:
 class BudgetPlan:
     """``microbatch="auto"``: one-response probes, then the largest microbatches that fit ``budget`` bytes.
 
-    ``lengths``: the input tokens of each response's sequence (suffix or full sequence); ``layout``: how a
+    ``lengths``: the input tokens of each response's sequence (suffix or full sequence; a tree path's leaf
+    row or full path); ``ids``: the response (path) of each length (default ``0..n-1``); ``layout``: how a
     microbatch lays them out (its token slots). Iterate it for chunks; enter :meth:`prefix_window` around
     Phase A and :meth:`measure` around each microbatch (both balanced with other dispatch modes).
     """
 
-    def __init__(self, model: nn.Module, lengths: list[int], layout: str, budget: int) -> None:
+    def __init__(
+        self, model: nn.Module, lengths: list[int], layout: str, budget: int, ids: list[int] | None = None
+    ) -> None:
         self.model, self.lengths, self.layout, self.budget = model, list(lengths), layout, int(budget)
+        self.ids = list(range(len(self.lengths))) if ids is None else list(ids)  # what each length belongs to
         self.device = next(model.parameters()).device
         self.meter = LiveBytesMeter(self.device.type)
         self.meter.register(self.model)
@@ -137,8 +141,9 @@ class BudgetPlan:
             if i >= PROBES and self.per_token is not None:
                 while i + len(chunk) < n and self._fits([*chunk, i + len(chunk)]):
                     chunk.append(i + len(chunk))
-            self.chunks.append(chunk)
-            yield chunk
+            ids = [self.ids[j] for j in chunk]
+            self.chunks.append(ids)
+            yield ids
             i += len(chunk)
 
     @property

@@ -84,6 +84,7 @@ class GroupStats:
     plan: dict | None = (
         None  # microbatch="auto": budget, measured footprint, chosen sizes (prefixflow.budget)
     )
+    tree: dict | None = None  # a prefix tree: nodes, unique tokens, per-node times (tree_phases.tree_summary)
 
     @property
     def total_s(self) -> float:
@@ -343,8 +344,9 @@ def group_run(
 
 def _stats(run: GroupRun, share: GroupShare, value: float, times, offload) -> GroupStats:
     group, chunks = run.group, run.plan.chunks
-    n_microbatches = len(chunks)
+    n_microbatches, tree = len(chunks), None
     if run.tree_plan is not None:
+        tree = tree_phases.tree_summary(run)
         n_microbatches, prefix, suffix_tokens, trunk = tree_phases.tree_counts(run)
     elif run.system == "baseline":
         suffix_tokens = sum(group.response_lens[i] for i in share.responses(group))
@@ -356,7 +358,7 @@ def _stats(run: GroupRun, share: GroupShare, value: float, times, offload) -> Gr
     return GroupStats(
         run.system, run.layout, value, n_microbatches, prefix, suffix_tokens, trunk, times,
         offload.stats if offload is not None else None,
-        hooks={**run.hooks.stats(), **run.stage.stats()}, plan=run.plan.stats,
+        hooks={**run.hooks.stats(), **run.stage.stats()}, plan=run.plan.stats, tree=tree,
     )  # fmt: skip
 
 
@@ -388,13 +390,19 @@ def _plan(run: GroupRun, responses: list[int], microbatch):
     ``PrefixFlowConfig.memory_budget_bytes``."""
     if microbatch != AUTO:
         return FixedPlan(responses, microbatch)
+    budget = run.runtime.config.memory_budget_bytes
+    if run.tree_plan is not None:  # each path's Phase-B row (its leaf; the baseline: the whole path)
+        plan = run.tree_plan
+        row = plan.full_row if run.system == "baseline" else plan.leaf_rows.__getitem__
+        lengths = [len(row(i).tokens) for i in responses]
+        return BudgetPlan(run.model, lengths, run.layout, budget, ids=responses)
     if responses != list(range(run.group.n)):
         raise ValueError(
             "microbatch='auto' sizes a whole group's microbatches; pass an int for a group's part"
         )
     lead = run.group.prompt_len if run.system == "baseline" else 1  # input tokens before each response's own
     lengths = [lead + s - 1 for s in run.group.response_lens]
-    return BudgetPlan(run.model, lengths, run.layout, run.runtime.config.memory_budget_bytes)
+    return BudgetPlan(run.model, lengths, run.layout, budget)
 
 
 def _trunk_tokens(group: RolloutGroup, chunks, layout: str, lead: int) -> int:

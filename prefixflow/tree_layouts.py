@@ -41,6 +41,7 @@ class TreePlan:
     def __init__(self, tree: RolloutTree) -> None:
         self.tree = tree
         self.trunk_tokens = 0  # token slots the phases ran (pads included), counted as they build rows
+        self.node_times: dict[int, dict[str, float]] = {}  # cached node -> {"A": s, "C": s}
         self.cached = [j for j in tree.order if tree.children[j]]  # top-down
         index: dict[int, dict[tuple[int, int], int]] = {j: {} for j in self.cached}
         self.scores: dict[int, tuple[list[int], list[int]]] = {j: ([], []) for j in self.cached}

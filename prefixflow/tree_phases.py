@@ -15,7 +15,9 @@ The baseline trains every path as a full sequence with the same per-path loss (:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 from collections import defaultdict
 
 import torch
@@ -122,10 +124,11 @@ def node_forwards(run, caches: NodeCaches) -> None:
         mode = AttendWithAncestors(
             caches.reader(keys), mb.mask, capture=caches.caches[j], sequence=mb.sequence
         )
-        with attention_mode(run, mode):
-            hidden = forward_hidden(run.model, mb.tokens, mb.positions)
-        if plan.scores[j][0]:  # the node scores tokens (on some rank): the same LM-head calls on every rank
-            caches.score(j, mb, loss_logprobs(run, mb, hidden))
+        with _node_clock(run, j, "A"):
+            with attention_mode(run, mode):
+                hidden = forward_hidden(run.model, mb.tokens, mb.positions)
+            if plan.scores[j][0]:  # the node scores tokens (on some rank): the same LM-head calls everywhere
+                caches.score(j, mb, loss_logprobs(run, mb, hidden))
 
 
 def leaf_microbatches(run, caches: NodeCaches) -> float:
@@ -165,7 +168,7 @@ def node_backwards(run, caches: NodeCaches) -> None:
             roots.append(caches.live[j])
             grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
         recompute = AttendWithAncestors(caches.reader(keys), mask, sequence=sequence)
-        with attention_mode(run, recompute), run.hooks.prefix_backward():
+        with _node_clock(run, j, "C"), attention_mode(run, recompute), run.hooks.prefix_backward():
             caches.caches[j].backward_prefix(roots, grads)
         caches.drop(j)
 
@@ -181,6 +184,33 @@ def path_microbatches(run) -> float:
         return mb, MaskedAttention(mb.mask, mb.sequence) if mb.mask is not None else None
 
     return run.stage.microbatches(run, build)
+
+
+@contextlib.contextmanager
+def _node_clock(run, j: int, phase: str):
+    """Time one node's Phase-A forward or Phase-C backward into ``run.tree_plan.node_times``."""
+    cuda = run.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(run.device)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if cuda:
+            torch.cuda.synchronize(run.device)
+        run.tree_plan.node_times.setdefault(j, {})[phase] = time.perf_counter() - start
+
+
+def tree_summary(run) -> dict:
+    """``GroupStats.tree``: nodes, cached nodes, the trie's unique tokens, and each cached node's Phase-A and
+    Phase-C seconds (``node_times``, by node index)."""
+    plan, tree = run.tree_plan, run.group
+    return {
+        "nodes": len(tree.segments),
+        "cached_nodes": len(plan.cached),
+        "unique_tokens": tree.unique_tokens,
+        "node_times": {j: dict(t) for j, t in plan.node_times.items()},
+    }
 
 
 def tree_counts(run) -> tuple[int, int, int, int]:

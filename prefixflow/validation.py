@@ -57,7 +57,7 @@ def validate_call(model: nn.Module, group: RolloutGroup, system: str, layout: st
         raise ValueError(f"layout {layout!r} unknown; valid layouts: {LAYOUTS}")
     runtime = runtime_of(model)
     if isinstance(group, RolloutTree):
-        _check_tree_call(model, group, microbatch)  # before the generic checks: trees refuse 'auto'
+        _check_tree_call(model, group)
     if microbatch == AUTO:
         if runtime.config.memory_budget_bytes is None:
             raise ValueError(
@@ -92,11 +92,9 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
     return torch.promote_types(next(model.parameters()).dtype, torch.float32)
 
 
-def _check_tree_call(model: nn.Module, tree: RolloutTree, microbatch) -> None:
+def _check_tree_call(model: nn.Module, tree: RolloutTree) -> None:
     """What a prefix tree cannot run yet (one process, no schedule hooks), and the tree's fit."""
     runtime = runtime_of(model)
-    if microbatch == AUTO:
-        raise ValueError("microbatch='auto' does not size prefix trees yet; pass an int or None")
     if runtime.config.offload:
         raise ValueError("PrefixFlowConfig.offload does not cover prefix trees yet; turn it off for trees")
     if type(runtime.stage) is not Stage:

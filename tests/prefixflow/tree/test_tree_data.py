@@ -148,7 +148,7 @@ def test_train_group_refuses_bad_trees_before_any_gradient_changes():
     vocab = pf.build_tree([t(1, 2, 3), t(1, 2, 400)], [1.0, -1.0])
     with pytest.raises(ValueError, match=r"segments\[2\] has token id 400 outside the model's vocabulary"):
         pf.train_group(model, vocab)
-    with pytest.raises(ValueError, match="microbatch='auto' does not size prefix trees yet"):
+    with pytest.raises(ValueError, match="microbatch='auto' needs a memory budget"):
         pf.train_group(model, tree, microbatch="auto")
     assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
 

@@ -3,6 +3,8 @@ independent per-path reference to <= 1e-9 (loss, and every gradient as max|d| / 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -10,6 +12,8 @@ from support.reference import max_rel_diff, reference_pg
 from support.tree_reference import depth_of, random_tree, reference_tree
 
 import prefixflow as pf
+from prefixflow.budget import OverBudgetWarning
+from prefixflow.tree_layouts import TreePlan
 
 TOL = 1e-9
 GRPO = {"kl_coef": 0.05, "clip_eps_low": 0.1, "clip_eps_high": 0.15}
@@ -122,6 +126,10 @@ def test_packed_trunk_runs_the_unique_tokens():
     distinct_leaves = {tree.path_ends[i] for i in range(tree.n)}
     if len(distinct_leaves) == tree.n:
         assert stats.trunk_tokens <= tree.unique_tokens
+    cached = TreePlan(tree).cached
+    assert stats.tree["unique_tokens"] == tree.unique_tokens and stats.tree["cached_nodes"] == len(cached)
+    assert sorted(stats.tree["node_times"]) == sorted(cached)  # each cached node's forward and backward
+    assert all(t["A"] > 0 and t["C"] > 0 for t in stats.tree["node_times"].values())
 
 
 def test_flat_group_as_tree_matches_the_flat_schedule(family):
@@ -171,3 +179,21 @@ def test_min_shared_tokens_merges_short_nodes_and_stays_exact():
     for layout in ("padded", "packed"):
         loss, got, _ = train(model, coarse, layout=layout, microbatch=2)
         assert_close(loss, got, want_loss, want, layout)
+
+
+@pytest.mark.parametrize("system", ["prefixflow", "baseline"])
+def test_microbatch_auto_sizes_the_paths_to_the_budget_and_stays_exact(system):
+    tree = random_tree(5, 3, 4)
+    model = tiny_model("llama3")
+    want_loss, want = reference_tree(model, tree)
+    sizes = {}
+    for budget in (1, 2**40):  # below one path (one at a time, warned), and everything after the probes
+        pf.apply_prefixflow(model, pf.PrefixFlowConfig(memory_budget_bytes=budget))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", OverBudgetWarning)
+            loss, got, stats = train(model, tree, system=system, layout="packed", microbatch="auto")
+        assert_close(loss, got, want_loss, want, (system, budget))
+        sizes[budget] = stats.plan["microbatch_sizes"]
+    n_rows = tree.n if system == "baseline" else tree.n - len(TreePlan(tree).leafless)
+    assert sum(sizes[1]) == sum(sizes[2**40]) == n_rows
+    assert set(sizes[1]) == {1} and sizes[2**40] == (1, 1, n_rows - 2)
