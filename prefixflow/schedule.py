@@ -303,6 +303,8 @@ def run_group(
         if offload is not None:
             offload.release()
     value = run.stage.report_loss(value)
+    if run.tree_plan is not None and cache is not None:
+        return _stats(run, share, value, clock.times, cache.offload_stats())
     return _stats(run, share, value, clock.times, offload)
 
 
@@ -357,7 +359,7 @@ def _stats(run: GroupRun, share: GroupShare, value: float, times, offload) -> Gr
         trunk = prefix + _trunk_tokens(group, chunks, run.layout, 1)
     return GroupStats(
         run.system, run.layout, value, n_microbatches, prefix, suffix_tokens, trunk, times,
-        offload.stats if offload is not None else None,
+        offload.stats if isinstance(offload, PrefixOffload) else offload,
         hooks={**run.hooks.stats(), **run.stage.stats()}, plan=run.plan.stats, tree=tree,
     )  # fmt: skip
 

@@ -25,6 +25,7 @@ import torch
 from .attention import AttendWithAncestors, MaskedAttention
 from .kv_cache import PrefixKVCache
 from .layouts import Microbatch
+from .offload import OffloadStats, PrefixOffload, offloading
 from .stage import attention_mode, forward_hidden, logprob_objective, loss_logprobs
 from .tree_layouts import TreePlan, tree_microbatch
 
@@ -66,6 +67,12 @@ class NodeCaches:
         self.caches = {j: PrefixKVCache(grad_dtype) for j in plan.cached}
         for j, cache in self.caches.items():
             cache.view = run.hooks.prefix_view(run.model, tree.node_len(j)) or cache.view
+        self.offloads: dict[int, PrefixOffload] = {}  # PrefixFlowConfig.offload: one pool per node
+        if run.runtime.config.offload:
+            prefetch = run.runtime.config.offload_prefetch
+            self.offloads = {
+                j: PrefixOffload(run.model, c, prefetch=prefetch) for j, c in self.caches.items()
+            }
         self.rows: dict[int, tuple[torch.Tensor | None, object, list[int]]] = {}
         self.live: dict[int, torch.Tensor] = {}
         self.leaf: dict[int, torch.Tensor] = {}
@@ -104,9 +111,29 @@ class NodeCaches:
         return torch.cat(parts), torch.tensor(ids, **as_long), torch.tensor(slots, **as_long)
 
     def drop(self, j: int) -> None:
-        self.caches[j].release()
+        self.caches[j].release()  # the node's graph first, then the pool its saved tensors point into
         self.live.pop(j, None)
         self.leaf.pop(j, None)
+        if j in self.offloads:
+            self.offloads[j].release()
+
+    def offload_stats(self) -> OffloadStats | None:
+        """The nodes' offload counters summed (None when offload is off)."""
+        if not self.offloads:
+            return None
+        parts = [o.stats for o in self.offloads.values()]
+        total = OffloadStats(
+            tier=parts[0].tier, prefetch=parts[0].prefetch, released=all(p.released for p in parts)
+        )
+        for part in parts:
+            for f in dataclasses.fields(OffloadStats):
+                value = getattr(part, f.name)
+                if f.name == "kept":
+                    for reason, n in value.items():
+                        total.kept[reason] = total.kept.get(reason, 0) + n
+                elif isinstance(value, int) and not isinstance(value, bool):
+                    setattr(total, f.name, getattr(total, f.name) + value)
+        return total
 
     def release(self) -> None:
         for j in list(self.caches):
@@ -125,7 +152,7 @@ def node_forwards(run, caches: NodeCaches) -> None:
             caches.reader(keys), mb.mask, capture=caches.caches[j], sequence=mb.sequence
         )
         with _node_clock(run, j, "A"):
-            with attention_mode(run, mode):
+            with attention_mode(run, mode), offloading(caches.offloads.get(j)):
                 hidden = forward_hidden(run.model, mb.tokens, mb.positions)
             if plan.scores[j][0]:  # the node scores tokens (on some rank): the same LM-head calls everywhere
                 caches.score(j, mb, loss_logprobs(run, mb, hidden))
@@ -168,6 +195,8 @@ def node_backwards(run, caches: NodeCaches) -> None:
             roots.append(caches.live[j])
             grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
         recompute = AttendWithAncestors(caches.reader(keys), mask, sequence=sequence)
+        if j in caches.offloads:
+            caches.offloads[j].prefetch()
         with _node_clock(run, j, "C"), attention_mode(run, recompute), run.hooks.prefix_backward():
             caches.caches[j].backward_prefix(roots, grads)
         caches.drop(j)

@@ -95,8 +95,6 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
 def _check_tree_call(model: nn.Module, tree: RolloutTree) -> None:
     """What a prefix tree cannot run yet (one process, no schedule hooks), and the tree's fit."""
     runtime = runtime_of(model)
-    if runtime.config.offload:
-        raise ValueError("PrefixFlowConfig.offload does not cover prefix trees yet; turn it off for trees")
     if type(runtime.stage) is not Stage:
         raise ValueError(
             "prefix trees run on one process; a pipeline stage (apply_pp) does not take them yet"

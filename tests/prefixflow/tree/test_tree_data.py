@@ -154,13 +154,6 @@ def test_train_group_refuses_bad_trees_before_any_gradient_changes():
 
 
 def test_tree_refusals_name_what_is_missing():
-    tree = pf.build_tree([t(1, 2, 3), t(1, 2, 4)], [1.0, -1.0])
-    offloaded = pf.apply_prefixflow(
-        pf.build_model("llama3:debugmodel", dtype=torch.float64, overrides={"dim": 64, "n_layers": 2}),
-        pf.PrefixFlowConfig(offload=True),
-    )
-    with pytest.raises(ValueError, match="offload does not cover prefix trees yet"):
-        pf.train_group(offloaded, tree)
     with pytest.raises(TypeError, match="group must be a prefixflow.RolloutGroup or RolloutTree"):
         pf.train_group(tiny_model("llama3"), [t(1, 2)])
 

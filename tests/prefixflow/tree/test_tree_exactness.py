@@ -197,3 +197,30 @@ def test_microbatch_auto_sizes_the_paths_to_the_budget_and_stays_exact(system):
     n_rows = tree.n if system == "baseline" else tree.n - len(TreePlan(tree).leafless)
     assert sum(sizes[1]) == sum(sizes[2**40]) == n_rows
     assert set(sizes[1]) == {1} and sizes[2**40] == (1, 1, n_rows - 2)
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_offload_of_dormant_node_activations_is_bitwise_exact_and_released(ac):
+    gen = torch.Generator().manual_seed(4)
+    seg = [torch.randint(0, 97, (n,), generator=gen) for n in (24, 16, 12, 9, 7, 11)]
+    # a root of 24 tokens, two children (16, 12), the first with two children of its own: nodes long
+    # enough that their saved tensors pass the offload's 4 KiB floor
+    seqs = [
+        torch.cat([seg[0], seg[1], seg[3]]),
+        torch.cat([seg[0], seg[1], seg[4]]),
+        torch.cat([seg[0], seg[2], seg[5]]),
+    ]
+    masks = [torch.arange(len(x)) >= 20 for x in seqs]
+    tree = pf.build_tree(seqs, [1.0, -0.5, 0.7], masks)
+    base = tiny_model("llama3", ac=ac)
+    want_loss, want, base_stats = train(base, tree, layout="packed", microbatch=2)
+    for prefetch in (True, False):
+        model = tiny_model("llama3", ac=ac)
+        pf.apply_prefixflow(model, pf.PrefixFlowConfig(offload=True, offload_prefetch=prefetch))
+        loss, got, stats = train(model, tree, layout="packed", microbatch=2)
+        assert loss == want_loss and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        off = stats.offload
+        assert base_stats.offload is None and off.released and off.offloaded_bytes > 0
+        # every offloaded byte came back once, except what autograd freed unneeded
+        assert off.loaded_bytes == off.offloaded_bytes - off.dropped_bytes > 0
+        assert (off.prefetched_bytes > 0) == prefetch
