@@ -12,7 +12,9 @@ mask construction, sdpa's mask function under the same name) and :class:`HFAdapt
   RoPE as the model's ``position_ids``; no installed file is patched.
 
 Verified (fp64 and fp32 gradients against the same model on full sequences): ``llama``, ``mistral``,
-``qwen2``, ``qwen3`` (dense, GQA, tied or untied embeddings). Other model types raise at ``apply_prefixflow``.
+``qwen2``, ``qwen3`` (dense, GQA, tied or untied embeddings), and the hybrids ``qwen3_5_text`` (gated DeltaNet +
+attention) and ``nemotron_h`` (Mamba-2 + attention + MLP blocks), whose recurrent layers cache their state
+(:mod:`prefixflow.integrations.hf_state`). Other model types raise at ``apply_prefixflow``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ..adapters import ModelAdapter, register_adapter
 from ..attention import AttentionState, PrefixAwareAttention
+from .hf_state import boundary_layers, install_boundaries
 
 __all__ = [
     "ATTENTION_NAME",
@@ -48,7 +51,7 @@ __all__ = [
 ]
 
 ATTENTION_NAME = "prefixflow"
-VERIFIED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+VERIFIED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "nemotron_h")
 _WRAPPER = (
     "_prefixflow_attention"  # per-layer attribute (plain attribute: not a submodule, not in state_dict)
 )
@@ -139,20 +142,29 @@ class HFAdapter(ModelAdapter):
                 f"PrefixFlow wraps transformers' sdpa attention; this model uses {impl!r}. Load it with "
                 "attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))"
             )
-        attentions = [getattr(layer, "self_attn", None) for layer in self.blocks(model)]
-        if not attentions or any(a is None or not hasattr(a, "layer_idx") for a in attentions):
+        layers = boundary_layers(config.get_text_config(), self.blocks(model))
+        if not layers or any(kind == "attention" and not hasattr(m, "layer_idx") for kind, m, _, _ in layers):
             raise ValueError(
-                "every decoder layer needs a self_attn with a layer_idx (a transformers decoder)"
+                "every attention layer needs a layer_idx (a transformers decoder), and a model at least one "
+                "attention or recurrent layer"
             )
-        for n, attention in enumerate(attentions):
+
+        def wrap(attention, n):
             object.__setattr__(attention, _WRAPPER, PrefixAwareAttention(_causal_sdpa, n, state))
+
+        n = install_boundaries(config.get_text_config(), self.blocks(model), state, wrap)
         model.set_attn_implementation(ATTENTION_NAME)
-        return len(attentions)
+        return n
+
+    def attentions(self, model) -> list[nn.Module]:
+        """The model's attention modules (hybrid models have recurrent layers besides)."""
+        layers = boundary_layers(model.config.get_text_config(), self.blocks(model))
+        return [m for kind, m, _, _ in layers if kind == "attention"]
 
     def check(self, model, group) -> None:
         longest = group.prompt_len + max(group.response_lens)
-        for layer in self.blocks(model):
-            window = getattr(layer.self_attn, "sliding_window", getattr(model.config, "sliding_window", None))
+        for attention in self.attentions(model):
+            window = getattr(attention, "sliding_window", getattr(model.config, "sliding_window", None))
             if window is not None and longest > window:
                 raise ValueError(
                     f"prompt + longest response = {longest} tokens exceeds the model's sliding_window={window}; "
