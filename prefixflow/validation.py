@@ -113,6 +113,9 @@ def _check_tree_call(model: nn.Module, tree: RolloutTree, microbatch) -> None:
         )
     if is_compiled(model):
         raise ValueError("prefix trees do not run compiled blocks yet; drop apply_compile for trees")
+    if runtime.state.state_layers:
+        kinds = sorted({layer.layer_type for layer in runtime.state.state_layers})
+        raise ValueError(f"prefix trees do not carry recurrent states yet; this model has {kinds} layers")
     adapter = adapter_for(model)
     tree.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
     tree.check_representable(compute_dtype(model))

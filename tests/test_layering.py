@@ -39,6 +39,8 @@ PREFIXFLOW_LAYERS = [
         "prefixflow.loss",
         "prefixflow.models",
         "prefixflow.split_attention",
+        "prefixflow.state_cache",
+        "prefixflow.state_layers",
         "prefixflow.tree",
         "prefixflow.tree_build",
         "prefixflow.tree_layouts",

@@ -205,6 +205,40 @@ HF_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-tiny": ("mistral", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16}),
     "qwen2-tiny": ("qwen2", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256}),
     "qwen3-tiny": ("qwen3", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16}),
+    # Hybrids: Qwen3.5 (gated DeltaNet, GQA 2 key over 4 value heads; attention every 3rd layer) and Nemotron-H
+    # (Mamba-2, attention, MLP blocks). Their recurrent layers cache their state (integrations/hf_state.py).
+    "qwen3_5-tiny": (
+        "qwen3_5_text",
+        {
+            **_TINY,
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "vocab_size": 256,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "layer_types": ["linear_attention", "linear_attention", "full_attention"],
+        },
+    ),  # fmt: skip
+    "nemotron_h-tiny": (
+        "nemotron_h",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "vocab_size": 256,
+            "layers_block_type": ["linear_attention", "full_attention", "mlp"],
+            "ssm_state_size": 16,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "n_groups": 2,
+            "chunk_size": 32,
+        },
+    ),  # fmt: skip
     "llama-debug": (
         "llama",
         {

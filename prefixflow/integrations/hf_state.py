@@ -66,7 +66,9 @@ class BoundaryCache:
         self.final["conv"] = tail
         return full
 
-    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kw):
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kw
+    ):
         self.final["recurrent"] = recurrent_states
         return recurrent_states
 

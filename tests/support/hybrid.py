@@ -21,7 +21,7 @@ import torch
 VOCAB = 97
 
 
-def qwen3_5(layer_types, *, seed: int = 0, dtype=torch.float64, decay=(0.3, 1.5)):
+def qwen3_5(layer_types, *, seed: int = 0, dtype=torch.float64, decay=(0.05, 0.5)):
     """A tiny ``Qwen3_5ForCausalLM``: hidden 32, attention 4 query heads over 2 KV heads (head 8), gated
     DeltaNet 2 key heads over 4 value heads (GQA), conv kernel 4, random norm weights. ``decay``: the range of
     the GDN decay rates ``A`` (HF's init draws 0.01..16, which underflows its fp32 kernels within a few tokens)."""

@@ -1,0 +1,137 @@
+"""Hybrid HF models under ``train_group``: the recurrent state is the training-time cache, and the gradients equal
+an independent full-sequence computation (transformers' own base model, one ``[P || S_i]`` at a time).
+
+- Qwen3.5 (gated DeltaNet + gated full attention; GQA in both) and Nemotron-H (Mamba-2 + attention + MLP);
+- fp64 with HF's fp32 casts patched to fp64 (norms, gated norm, gate ``.float()``, chunk/recurrent kernels):
+  loss and every gradient within 1e-9 (max|d| / max|ref| per tensor);
+- stock (unpatched) fp64: within 1e-6;
+- padded and packed; microbatch 1, 2 and all; a response of one token; a prompt shorter than the conv kernel;
+  a model with only linear-attention layers and one with a full-attention layer first; activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from support.hybrid import VOCAB, fp64_kernels, loss_scale, nemotron_h, qwen3_5, reference_pg, worst_grad  # noqa: E402
+
+import prefixflow as pf  # noqa: E402
+from prefixflow.integrations import hf  # noqa: E402,F401  (registers the HF adapter)
+
+LIN, FULL = "linear_attention", "full_attention"
+MODELS = {
+    "qwen3_5-mixed": (qwen3_5, (LIN, FULL, LIN)),
+    "qwen3_5-full-first": (qwen3_5, (FULL, LIN)),
+    "qwen3_5-linear-only": (qwen3_5, (LIN, LIN)),
+    "nemotron_h": (nemotron_h, (LIN, FULL, "mlp")),
+}
+GROUP = pf.synthetic_group(VOCAB, 13, [5, 9, 1, 7], seed=3)
+SHORT = pf.synthetic_group(VOCAB, 3, [4, 6], seed=5)  # 2 cached tokens < conv kernel - 1 = 3
+
+
+def _check(model, group, layout, microbatch, tol) -> pf.GroupStats:
+    ref_loss, ref_grads = reference_pg(model, group)
+    pf.apply_prefixflow(model)
+    model.zero_grad(set_to_none=True)
+    stats = pf.train_group(model, group, layout=layout, microbatch=microbatch)
+    loss_err = abs(stats.loss - ref_loss) / loss_scale(group)
+    grad_err, name = worst_grad(model, ref_grads)
+    assert loss_err <= tol, f"loss {loss_err:.2e}"
+    assert grad_err <= tol, f"{name}: {grad_err:.2e}"
+    return stats
+
+
+@pytest.mark.parametrize("microbatch", [None, 1, 2])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fp64_patched_exact(monkeypatch, name, layout, microbatch):
+    fp64_kernels(monkeypatch)
+    family, types = MODELS[name]
+    stats = _check(family(types), GROUP, layout, microbatch, 1e-9)
+    assert stats.prefix_tokens == GROUP.prompt_len - 1
+    baseline_trunk = sum(
+        len(c) * max(GROUP.prompt_len + GROUP.response_lens[i] - 1 for i in c)
+        for c in _chunks(GROUP.n, microbatch)
+    )
+    if layout == "packed":
+        baseline_trunk = sum(GROUP.prompt_len + s - 1 for s in GROUP.response_lens)
+    assert stats.trunk_tokens < baseline_trunk
+
+
+def _chunks(n, microbatch):
+    size = n if microbatch is None else microbatch
+    return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("name", ["qwen3_5-mixed", "nemotron_h"])
+def test_fp64_patched_short_prompt(monkeypatch, name, layout):
+    """A cached prefix shorter than the conv tail: the tail is left-padded with the conv's own zeros."""
+    fp64_kernels(monkeypatch)
+    family, types = MODELS[name]
+    _check(family(types), SHORT, layout, 1, 1e-9)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5-mixed", "nemotron_h"])
+def test_one_token_prompt(monkeypatch, name):
+    """No prefix to cache: every recurrent layer starts from its zero state."""
+    fp64_kernels(monkeypatch)
+    family, types = MODELS[name]
+    group = pf.synthetic_group(VOCAB, 1, [3, 5], seed=7)
+    stats = _check(family(types), group, "packed", None, 1e-9)
+    assert stats.prefix_tokens == 0
+
+
+@pytest.mark.parametrize("microbatch", [None, 1])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("name", ["qwen3_5-full-first", "qwen3_5-linear-only", "nemotron_h"])
+def test_fp64_stock_within_1e6(name, layout, microbatch):
+    """Stock transformers: its norms and kernels compute in fp32, so the prefix/suffix split differs in
+    rounding only."""
+    family, types = MODELS[name]
+    _check(family(types), GROUP, layout, microbatch, 1e-6)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("name", ["qwen3_5-mixed", "nemotron_h"])
+def test_activation_checkpointing(monkeypatch, name, layout):
+    """HF's own non-reentrant checkpointing: Phase C recomputes the recurrent prefix blocks unchanged."""
+    fp64_kernels(monkeypatch)
+    family, types = MODELS[name]
+    model = family(types)
+    pf.apply_ac(model, "full")
+    _check(model, GROUP, layout, 2, 1e-9)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5-mixed", "nemotron_h"])
+def test_plain_forward_unchanged(name):
+    """With no phase running, the recurrent layers run their own forward (generation, evaluation)."""
+    family, types = MODELS[name]
+    model = family(types)
+    tokens = torch.cat([GROUP.prompt, GROUP.responses[1]]).unsqueeze(0)
+    before = model.base_model(input_ids=tokens, use_cache=False).last_hidden_state
+    pf.apply_prefixflow(model)
+    after = model.base_model(input_ids=tokens, use_cache=False).last_hidden_state
+    assert torch.equal(before, after)
+
+
+def test_cache_released_after_group(monkeypatch):
+    """No state leaf or accumulator survives a group."""
+    from prefixflow.state_cache import StateCache
+
+    caches = []
+    original = StateCache.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        caches.append(self)
+
+    monkeypatch.setattr(StateCache, "__init__", spy)
+    family, types = MODELS["qwen3_5-mixed"]
+    model = family(types)
+    pf.apply_prefixflow(model)
+    pf.train_group(model, GROUP, layout="packed", microbatch=2)
+    assert caches and all(len(c) == 0 and c.nbytes() == 0 for c in caches)

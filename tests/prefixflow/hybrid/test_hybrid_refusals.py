@@ -1,0 +1,50 @@
+"""What the recurrent-state cache refuses, by name, before any gradient changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from support.hybrid import VOCAB, nemotron_h, qwen3_5  # noqa: E402
+
+import prefixflow as pf  # noqa: E402
+from prefixflow import state_layers  # noqa: E402
+from prefixflow.integrations import hf  # noqa: E402
+
+LIN, FULL = "linear_attention", "full_attention"
+
+
+def test_layer_type_without_rule_is_refused(monkeypatch):
+    rules = {k: v for k, v in state_layers._RULES.items() if k != "Qwen3_5GatedDeltaNet"}
+    monkeypatch.setattr(state_layers, "_RULES", rules)
+    with pytest.raises(
+        ValueError, match="no state rule for layer type 'linear_attention'.*Qwen3_5GatedDeltaNet"
+    ):
+        pf.apply_prefixflow(qwen3_5((FULL, LIN)))
+
+
+def test_moe_block_is_refused():
+    model = nemotron_h((LIN, "moe"))
+    with pytest.raises(ValueError, match="layer type 'moe'"):
+        pf.apply_prefixflow(model)
+
+
+def test_tree_is_refused_naming_the_layer_type():
+    model = qwen3_5((LIN, FULL))
+    pf.apply_prefixflow(model)
+    group = pf.synthetic_group(VOCAB, 5, [3, 4], seed=1)
+    masks = [torch.tensor([True, False, True]), torch.ones(4, dtype=torch.bool)]
+    tree = pf.RolloutGroup(group.prompt, group.responses, group.advantages, loss_masks=masks)
+    with pytest.raises(ValueError, match=r"recurrent states.*linear_attention"):
+        pf.train_group(model, tree)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_build_hf_model_names():
+    for name in ("qwen3_5-tiny", "nemotron_h-tiny"):
+        model = hf.build_hf_model(name, dtype=torch.float64)
+        pf.apply_prefixflow(model)
+        stats = pf.train_group(model, pf.synthetic_group(64, 9, [3, 5], seed=2), layout="packed")
+        assert stats.prefix_tokens == 8
