@@ -60,7 +60,7 @@ class BoundaryCache:
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
         full = conv_states if self.initial is None else torch.cat([self.initial["conv"], conv_states], dim=-1)
         keep = self.kernel - 1
-        tail = full[..., -keep:] if keep else full[..., :0]
+        tail = (full[..., -keep:] if keep else full[..., :0]).clone()  # not a view: the inputs stay dormant
         if tail.shape[-1] < keep:  # a prefix shorter than the kernel: the zeros the causal conv pads with
             tail = F.pad(tail, (keep - tail.shape[-1], 0))
         self.final["conv"] = tail
