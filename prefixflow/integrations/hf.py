@@ -142,7 +142,7 @@ class HFAdapter(ModelAdapter):
                 f"PrefixFlow wraps transformers' sdpa attention; this model uses {impl!r}. Load it with "
                 "attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))"
             )
-        layers = boundary_layers(config.get_text_config(), self.blocks(model))
+        layers = boundary_layers(config.get_text_config(), self.blocks(model), self.state_rule)
         if not layers or any(kind == "attention" and not hasattr(m, "layer_idx") for kind, m, _, _ in layers):
             raise ValueError(
                 "every attention layer needs a layer_idx (a transformers decoder), and a model at least one "
@@ -152,13 +152,13 @@ class HFAdapter(ModelAdapter):
         def wrap(attention, n):
             object.__setattr__(attention, _WRAPPER, PrefixAwareAttention(_causal_sdpa, n, state))
 
-        n = install_boundaries(config.get_text_config(), self.blocks(model), state, wrap)
+        n = install_boundaries(config.get_text_config(), self.blocks(model), state, wrap, self.state_rule)
         model.set_attn_implementation(ATTENTION_NAME)
         return n
 
     def attentions(self, model) -> list[nn.Module]:
         """The model's attention modules (hybrid models have recurrent layers besides)."""
-        layers = boundary_layers(model.config.get_text_config(), self.blocks(model))
+        layers = boundary_layers(model.config.get_text_config(), self.blocks(model), self.state_rule)
         return [m for kind, m, _, _ in layers if kind == "attention"]
 
     def check(self, model, group) -> None:

@@ -127,7 +127,9 @@ def _attention_of(block: nn.Module) -> nn.Module | None:
     )
 
 
-def boundary_layers(config, blocks: list[nn.Module]) -> list[tuple[str, nn.Module, StateRule | None, str]]:
+def boundary_layers(
+    config, blocks: list[nn.Module], rule_for=state_rule_for
+) -> list[tuple[str, nn.Module, StateRule | None, str]]:
     """``(kind, module, rule, layer type)`` for every boundary of the decoder, in forward order: ``kind``
     ``"attention"`` (its module caches K/V) or ``"state"`` (a recurrent mixer with its rule). State-free
     layers (an MLP block) have none. Raises ``ValueError`` naming a layer type PrefixFlow has no rule for."""
@@ -135,7 +137,7 @@ def boundary_layers(config, blocks: list[nn.Module]) -> list[tuple[str, nn.Modul
     for i, block in enumerate(blocks):
         layer_type = _layer_type(config, block, i)
         attention = _attention_of(block)
-        mixers = [(c, state_rule_for(c)) for c in block.children() if state_rule_for(c) is not None]
+        mixers = [(c, rule) for c in block.children() if (rule := rule_for(c)) is not None]
         if attention is not None and mixers:
             raise ValueError(
                 f"layer {i} ({layer_type!r}) runs attention and a recurrent mixer side by side; PrefixFlow "
@@ -154,10 +156,12 @@ def boundary_layers(config, blocks: list[nn.Module]) -> list[tuple[str, nn.Modul
     return found
 
 
-def install_boundaries(config, blocks, state: AttentionState, attention_wrapper) -> int:
+def install_boundaries(
+    config, blocks, state: AttentionState, attention_wrapper, rule_for=state_rule_for
+) -> int:
     """Install PrefixFlow at every boundary: ``attention_wrapper(module, index)`` on attention layers, a
     :class:`StatefulLayer` on recurrent mixers. Returns the number of boundaries (their indices 0..n-1)."""
-    layers = boundary_layers(config, blocks)
+    layers = boundary_layers(config, blocks, rule_for)
     for index, (kind, module, rule, layer_type) in enumerate(layers):
         if kind == "attention":
             attention_wrapper(module, index)
