@@ -75,6 +75,9 @@ def validate_call(model: nn.Module, group: RolloutGroup, system: str, layout: st
         raise ValueError(
             f"microbatch must be None (all responses), an int >= 1 or 'auto', got {microbatch!r}"
         )
+    if runtime.state.state_layers and is_compiled(model):
+        kinds = sorted({layer.layer_type for layer in runtime.state.state_layers})
+        raise ValueError(f"compiled blocks do not run recurrent layers ({kinds}) yet; drop apply_compile")
     runtime.stage.check(model, system, microbatch)
     if isinstance(group, RolloutTree):
         return

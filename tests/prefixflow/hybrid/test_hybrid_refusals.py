@@ -48,3 +48,14 @@ def test_build_hf_model_names():
         pf.apply_prefixflow(model)
         stats = pf.train_group(model, pf.synthetic_group(64, 9, [3, 5], seed=2), layout="packed")
         assert stats.prefix_tokens == 8
+
+
+def test_compiled_blocks_are_refused():
+    model = qwen3_5((LIN, FULL))
+    pf.apply_prefixflow(model)
+    pf.apply_compile(model)
+    with pytest.raises(
+        ValueError, match=r"compiled blocks do not run recurrent layers \(\['linear_attention'\]\)"
+    ):
+        pf.train_group(model, pf.synthetic_group(VOCAB, 5, [3, 4], seed=1))
+    assert all(p.grad is None for p in model.parameters())
