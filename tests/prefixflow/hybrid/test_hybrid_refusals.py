@@ -59,3 +59,16 @@ def test_compiled_blocks_are_refused():
     ):
         pf.train_group(model, pf.synthetic_group(VOCAB, 5, [3, 4], seed=1))
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_dense_cost_model_refuses_hybrids():
+    """pf-bench records no cost columns for a hybrid rather than counting its recurrent layers as attention."""
+    from harness.costmodel.flops import as_shape
+
+    for name, kinds in (
+        ("qwen3_5-tiny", "'linear_attention'"),
+        ("nemotron_h-tiny", "'linear_attention', 'mlp'"),
+    ):
+        with pytest.raises(ValueError, match=f"does not cover \\[{kinds}\\] layers"):
+            as_shape(hf.hf_config(name))
+    assert as_shape(hf.hf_config("qwen3-tiny")).n_layers == 2
