@@ -75,8 +75,8 @@ class BoundaryCache:
 
 class HFRecurrentRule(StateRule):
     """A transformers recurrent mixer from its boundary ``(recurrent state, conv tail)``: its own forward with a
-    :class:`BoundaryCache`. A one-token call is padded to two tokens (and the pad's output dropped), so the
-    mixer never takes its single-token decode path, which updates the state in place."""
+    :class:`BoundaryCache`. A one-token call from a given state is padded to two tokens (and the pad's output
+    dropped), so the mixer never takes its single-token decode path, which updates the state in place."""
 
     names = ("recurrent", "conv")
 
@@ -89,7 +89,10 @@ class HFRecurrentRule(StateRule):
                 f"{type(module).__name__} under PrefixFlow takes no padding mask (the layout places pads)"
             )
         kwargs = {k: v for k, v in kwargs.items() if k not in ("cache", "cache_params")}
-        x = F.pad(hidden, (0, 0, 0, 1)) if length == 1 else hidden
+        # From a given state, a one-token call would take the mixer's decode step, which writes the state in
+        # place: pad it to two tokens (causal: the pad changes nothing before it). From the zero state the
+        # chunked path runs anyway, and the end state must be the real token's, so no pad.
+        x = F.pad(hidden, (0, 0, 0, 1)) if length == 1 and initial is not None else hidden
         cache = BoundaryCache(initial, int(module.conv_kernel_size))
         out = type(module).forward(module, x, cache=cache, **kwargs)
         return out[:, :length], cache.final

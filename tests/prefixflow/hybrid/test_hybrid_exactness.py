@@ -30,6 +30,7 @@ MODELS = {
 }
 GROUP = pf.synthetic_group(VOCAB, 13, [5, 9, 1, 7], seed=3)
 SHORT = pf.synthetic_group(VOCAB, 3, [4, 6], seed=5)  # 2 cached tokens < conv kernel - 1 = 3
+ONE = pf.synthetic_group(VOCAB, 2, [1, 4, 6], seed=6)  # one cached token: a one-token prefix forward
 
 
 def _check(model, group, layout, microbatch, tol) -> pf.GroupStats:
@@ -68,11 +69,13 @@ def _chunks(n, microbatch):
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("name", ["qwen3_5-mixed", "nemotron_h"])
-def test_fp64_patched_short_prompt(monkeypatch, name, layout):
-    """A cached prefix shorter than the conv tail: the tail is left-padded with the conv's own zeros."""
+@pytest.mark.parametrize("group", [SHORT, ONE], ids=["2-cached", "1-cached"])
+def test_fp64_patched_short_prompt(monkeypatch, name, layout, group):
+    """A cached prefix shorter than the conv tail: the tail is left-padded with the conv's own zeros. One
+    cached token: Phase A's forward is one token long (and so is a one-token response's suffix)."""
     fp64_kernels(monkeypatch)
     family, types = MODELS[name]
-    _check(family(types), SHORT, layout, 1, 1e-9)
+    _check(family(types), group, layout, 1, 1e-9)
 
 
 @pytest.mark.parametrize("name", ["qwen3_5-mixed", "nemotron_h"])
