@@ -111,8 +111,9 @@ class StatefulLayer:
             mask = mode.mask
         else:
             raise ValueError(
-                f"a {self.layer_type} layer ({type(module).__name__}) has no state rule for "
-                f"{type(mode).__name__} (prefix trees do not carry recurrent states yet)"
+                f"a {self.layer_type} layer ({type(module).__name__}) does not run under "
+                f"{type(mode).__name__}: recurrent states are carried by PrefixFlow's flat-group phases and "
+                "the baseline only (not yet by prefix trees or PrefixGrouper's packed prefix)"
             )
         lengths = _segments(mask, hidden)
         if lengths is None:

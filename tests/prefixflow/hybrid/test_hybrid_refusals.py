@@ -72,3 +72,24 @@ def test_dense_cost_model_refuses_hybrids():
         with pytest.raises(ValueError, match=f"does not cover \\[{kinds}\\] layers"):
             as_shape(hf.hf_config(name))
     assert as_shape(hf.hf_config("qwen3-tiny")).n_layers == 2
+
+
+def test_pf_bench_cell_on_a_hybrid():
+    """pf-bench runs hf:qwen3_5-tiny; PrefixGrouper's one packed graph would chain the recurrent state from the
+    prefix through every response, so its system fails naming the layer instead of training something else."""
+    from harness.run.measurement import measure_cell
+    from harness.spec.cell import Cell, ModelSpec
+
+    cell = Cell(
+        spec="t", model=ModelSpec(name="hf:qwen3_5-tiny"), prefix_len=12, suffix_len=4, n=3, warmup=1, repeats=1,
+        systems=("baseline", "prefixflow", "prefix_grouper"), layout="packed",
+    )  # fmt: skip
+    records = {r["system"]: r for r in measure_cell(cell)}
+    assert records["baseline"]["status"] == records["prefixflow"]["status"] == "ok"
+    assert records["prefixflow"]["prefix_tokens"] == 11
+    assert abs(records["prefixflow"]["loss"] - records["baseline"]["loss"]) <= 1e-5
+    assert records["prefix_grouper"]["status"] != "ok"
+    assert (
+        "linear_attention layer (Qwen3_5GatedDeltaNet) does not run under"
+        in records["prefix_grouper"]["error"]
+    )
