@@ -13,7 +13,8 @@ mask construction, sdpa's mask function under the same name) and :class:`HFAdapt
 
 Verified (fp64 and fp32 gradients against the same model on full sequences): ``llama``, ``mistral``,
 ``qwen2``, ``qwen3`` (dense, GQA, tied or untied embeddings), and the hybrids ``qwen3_5_text`` (gated DeltaNet +
-attention) and ``nemotron_h`` (Mamba-2 + attention + MLP blocks), whose recurrent layers cache their state
+attention), ``nemotron_h`` (Mamba-2 + attention + MLP blocks), ``granitemoehybrid`` (Granite-4 hybrid, dense:
+``num_local_experts=0``) and ``bamba`` (Mamba-2 + attention), whose recurrent layers cache their state
 (:mod:`prefixflow.integrations.hf_state`). Other model types raise at ``apply_prefixflow``.
 """
 
@@ -51,12 +52,14 @@ __all__ = [
 ]
 
 ATTENTION_NAME = "prefixflow"
-VERIFIED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "nemotron_h")
+VERIFIED_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "nemotron_h", "granitemoehybrid", "bamba",
+)  # fmt: skip
 _WRAPPER = (
     "_prefixflow_attention"  # per-layer attribute (plain attribute: not a submodule, not in state_dict)
 )
 # Config fields that change what the LM head or attention computes beyond what PrefixFlow reproduces.
-_UNSUPPORTED_CONFIG = ("attn_logit_softcapping", "final_logit_softcapping", "logit_scale")
+_UNSUPPORTED_CONFIG = ("attn_logit_softcapping", "final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def _prefixflow_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

@@ -1,6 +1,7 @@
 """Hybrid Hugging Face models: the recurrent mixers' state rule and the per-layer boundary scan.
 
-transformers' recurrent mixers (Qwen3.5's ``Qwen3_5GatedDeltaNet``, Nemotron-H's ``NemotronHMamba2Mixer``) read
+transformers' recurrent mixers (Qwen3.5's ``Qwen3_5GatedDeltaNet``; the Mamba-2 mixers of Nemotron-H, Granite-4
+hybrid and Bamba: ``NemotronHMamba2Mixer``, ``GraniteMoeHybridMambaLayer``, ``BambaMixer``) read
 and write their state through one cache interface: ``get_conv_state`` / ``get_recurrent_state``,
 ``update_conv_state`` (returns ``[conv tail ; new inputs]`` for the causal convolution) and
 ``update_recurrent_state``. :class:`HFRecurrentRule` runs the mixer's own forward with a
@@ -35,7 +36,12 @@ __all__ = [
 
 STATE_ATTR = "_prefixflow_state"  # per-mixer plain attribute: its StatefulLayer
 # The recurrent mixers verified under PrefixFlow (module class names), and the layer types with no boundary.
-RECURRENT_MIXERS = ("Qwen3_5GatedDeltaNet", "NemotronHMamba2Mixer")
+RECURRENT_MIXERS = (
+    "Qwen3_5GatedDeltaNet",
+    "NemotronHMamba2Mixer",
+    "GraniteMoeHybridMambaLayer",
+    "BambaMixer",
+)
 _STATE_FREE_TYPES = ("mlp",)
 
 
@@ -120,6 +126,10 @@ def _layer_type(config, block: nn.Module, index: int) -> str:
     return str(getattr(block, "block_type", getattr(block, "layer_type", "decoder")))
 
 
+def _class_name(module: nn.Module) -> str:
+    return type(module).__name__
+
+
 def _attention_of(block: nn.Module) -> nn.Module | None:
     found = getattr(block, "self_attn", None)
     if found is not None:
@@ -139,6 +149,12 @@ def boundary_layers(
     found = []
     for i, block in enumerate(blocks):
         layer_type = _layer_type(config, block, i)
+        experts = [n for n in map(_class_name, block.children()) if n.lower().endswith(("moe", "moeblock"))]
+        if experts:
+            raise ValueError(
+                f"layer {i} (layer type {layer_type!r}) has MoE experts {experts}; PrefixFlow replays MoE "
+                "routing on TorchTitan models only"
+            )
         attention = _attention_of(block)
         mixers = [(c, rule) for c in block.children() if (rule := rule_for(c)) is not None]
         if attention is not None and mixers:

@@ -1,4 +1,5 @@
-"""Tiny hybrid Hugging Face models (Qwen3.5 gated DeltaNet, Nemotron-H Mamba-2), their fp64 patch, and the
+"""Tiny hybrid Hugging Face models (Qwen3.5 gated DeltaNet; Mamba-2: Nemotron-H, Granite-4 hybrid, Bamba), their
+fp64 patch, and the
 independent full-sequence reference the hybrid tests compare PrefixFlow with.
 
 The reference runs transformers' own base model on one full sequence ``[P || S_i]`` at a time (no cache, no
@@ -53,6 +54,47 @@ def nemotron_h(layer_types, *, seed: int = 0, dtype=torch.float64):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = NemotronHForCausalLM._from_config(config, attn_implementation="sdpa").to(dtype)
+    _randomise(model, seed, None)
+    return model
+
+
+_MAMBA2 = dict(
+    vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+    mamba_n_heads=4, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=8,
+    max_position_embeddings=512,
+)  # fmt: skip
+
+
+def granite_hybrid(layer_types, *, seed: int = 0, dtype=torch.float64, **fields):
+    """A tiny dense Granite-4 hybrid (``GraniteMoeHybridForCausalLM``, ``num_local_experts=0``, RoPE): the Mamba-2
+    shape of :func:`nemotron_h`'s, a shared MLP in every layer, Granite's embedding/residual/attention
+    multipliers at their defaults."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    fields = {
+        "num_local_experts": 0,
+        "shared_intermediate_size": 64,
+        "position_embedding_type": "rope",
+        **fields,
+    }
+    config = GraniteMoeHybridConfig(
+        **_MAMBA2, num_hidden_layers=len(layer_types), layer_types=list(layer_types), **fields
+    )
+    return _built(GraniteMoeHybridForCausalLM, config, seed, dtype)
+
+
+def bamba(attention_layers, n_layers: int, *, seed: int = 0, dtype=torch.float64):
+    """A tiny ``BambaForCausalLM``: Mamba-2 layers with attention at ``attention_layers``."""
+    from transformers import BambaConfig, BambaForCausalLM
+
+    config = BambaConfig(**_MAMBA2, num_hidden_layers=n_layers, attn_layer_indices=list(attention_layers))
+    return _built(BambaForCausalLM, config, seed, dtype)
+
+
+def _built(cls, config, seed, dtype):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls._from_config(config, attn_implementation="sdpa").to(dtype)
     _randomise(model, seed, None)
     return model
 
@@ -114,6 +156,14 @@ _PATCHED = {
     },
     "transformers.models.nemotron_h.modeling_nemotron_h": {
         "classes": ("NemotronHRMSNorm", "NemotronHRMSNormGated", "NemotronHMamba2Mixer"),
+        "functions": ("mamba2_chunk_scan", "mamba2_selective_state_update"),
+    },
+    "transformers.models.granitemoehybrid.modeling_granitemoehybrid": {
+        "classes": ("GraniteMoeHybridRMSNorm", "GraniteMoeHybridRMSNormGated", "GraniteMoeHybridMambaLayer"),
+        "functions": ("mamba2_chunk_scan", "mamba2_selective_state_update"),
+    },
+    "transformers.models.bamba.modeling_bamba": {
+        "classes": ("BambaRMSNorm", "BambaRMSNormGated", "BambaMixer"),
         "functions": ("mamba2_chunk_scan", "mamba2_selective_state_update"),
     },
 }

@@ -1,7 +1,8 @@
 """Hybrid HF models under ``train_group``: the recurrent state is the training-time cache, and the gradients equal
 an independent full-sequence computation (transformers' own base model, one ``[P || S_i]`` at a time).
 
-- Qwen3.5 (gated DeltaNet + gated full attention; GQA in both) and Nemotron-H (Mamba-2 + attention + MLP);
+- Qwen3.5 (gated DeltaNet + gated full attention; GQA in both), and three Mamba-2 families: Nemotron-H (Mamba-2 +
+  attention + MLP blocks, no positional encoding), Granite-4 hybrid (dense, RoPE, Granite's multipliers) and Bamba;
 - fp64 with HF's fp32 casts patched to fp64 (norms, gated norm, gate ``.float()``, chunk/recurrent kernels):
   loss and every gradient within 1e-9 (max|d| / max|ref| per tensor);
 - stock (unpatched) fp64: within 1e-6;
@@ -16,7 +17,17 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.hybrid import VOCAB, fp64_kernels, loss_scale, nemotron_h, qwen3_5, reference_pg, worst_grad  # noqa: E402
+from support.hybrid import (  # noqa: E402
+    VOCAB,
+    bamba,
+    fp64_kernels,
+    granite_hybrid,
+    loss_scale,
+    nemotron_h,
+    qwen3_5,
+    reference_pg,
+    worst_grad,
+)
 
 import prefixflow as pf  # noqa: E402
 from prefixflow.integrations import hf  # noqa: E402,F401  (registers the HF adapter)
@@ -27,6 +38,8 @@ MODELS = {
     "qwen3_5-full-first": (qwen3_5, (FULL, LIN)),
     "qwen3_5-linear-only": (qwen3_5, (LIN, LIN)),
     "nemotron_h": (nemotron_h, (LIN, FULL, "mlp")),
+    "granite_hybrid": (granite_hybrid, ("mamba", "attention", "mamba")),
+    "bamba": (lambda types: bamba([1], len(types)), (LIN, FULL)),
 }
 GROUP = pf.synthetic_group(VOCAB, 13, [5, 9, 1, 7], seed=3)
 SHORT = pf.synthetic_group(VOCAB, 3, [4, 6], seed=5)  # 2 cached tokens < conv kernel - 1 = 3
@@ -90,7 +103,9 @@ def test_one_token_prompt(monkeypatch, name):
 
 @pytest.mark.parametrize("microbatch", [None, 1])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-@pytest.mark.parametrize("name", ["qwen3_5-full-first", "qwen3_5-linear-only", "nemotron_h"])
+@pytest.mark.parametrize(
+    "name", ["qwen3_5-full-first", "qwen3_5-linear-only", "nemotron_h", "granite_hybrid", "bamba"]
+)
 def test_fp64_stock_within_1e6(name, layout, microbatch):
     """Stock transformers: its norms and kernels compute in fp32, so the prefix/suffix split differs in
     rounding only."""

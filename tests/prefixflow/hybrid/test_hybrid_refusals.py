@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.hybrid import VOCAB, nemotron_h, qwen3_5  # noqa: E402
+from support.hybrid import VOCAB, granite_hybrid, nemotron_h, qwen3_5  # noqa: E402
 
 import prefixflow as pf  # noqa: E402
 from prefixflow import state_layers  # noqa: E402
@@ -25,10 +25,19 @@ def test_layer_type_without_rule_is_refused(monkeypatch):
         pf.apply_prefixflow(qwen3_5((FULL, LIN)))
 
 
-def test_moe_block_is_refused():
-    model = nemotron_h((LIN, "moe"))
-    with pytest.raises(ValueError, match="layer type 'moe'"):
+def test_moe_blocks_are_refused():
+    with pytest.raises(ValueError, match=r"layer 1 \(layer type 'moe'\) has MoE experts \['NemotronHMoE'\]"):
+        pf.apply_prefixflow(nemotron_h((LIN, "moe")))
+    model = granite_hybrid(("mamba", "attention"), num_local_experts=2, num_experts_per_tok=1)
+    with pytest.raises(ValueError, match=r"has MoE experts \['GraniteMoeHybridMoE'\]"):
         pf.apply_prefixflow(model)
+
+
+def test_granite_logits_scaling_is_refused():
+    """Granite divides its logits by ``logits_scaling`` in the causal-LM forward, outside the LM head PrefixFlow
+    applies: a model that sets it is refused rather than trained on other logits."""
+    with pytest.raises(ValueError, match="logits_scaling"):
+        pf.apply_prefixflow(granite_hybrid(("mamba", "attention"), logits_scaling=4.0))
 
 
 def test_tree_is_refused_naming_the_layer_type():
