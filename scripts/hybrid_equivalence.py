@@ -27,6 +27,8 @@ MODELS = {
     "qwen3_5 [full, lin]": (H.qwen3_5, (FULL, LIN)),
     "qwen3_5 [lin, lin]": (H.qwen3_5, (LIN, LIN)),
     "nemotron_h [mamba, attn, mlp]": (H.nemotron_h, (LIN, FULL, "mlp")),
+    "granite-4 hybrid [mamba, attn, mamba]": (H.granite_hybrid, ("mamba", "attention", "mamba")),
+    "bamba [mamba, attn]": (lambda types: H.bamba([1], len(types)), (LIN, FULL)),
 }
 GROUP = pf.synthetic_group(H.VOCAB, 13, [5, 9, 1, 7], seed=3)
 

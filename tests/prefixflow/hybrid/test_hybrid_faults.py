@@ -14,7 +14,16 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.hybrid import VOCAB, fp64_kernels, loss_scale, nemotron_h, qwen3_5, reference_pg, worst_grad  # noqa: E402
+from support.hybrid import (  # noqa: E402
+    VOCAB,
+    fp64_kernels,
+    granite_hybrid,
+    loss_scale,
+    nemotron_h,
+    qwen3_5,
+    reference_pg,
+    worst_grad,
+)
 
 import prefixflow as pf  # noqa: E402
 from prefixflow import state_layers  # noqa: E402
@@ -22,7 +31,11 @@ from prefixflow.integrations import hf_state  # noqa: E402
 from prefixflow.state_cache import StateCache  # noqa: E402
 
 LIN, FULL = "linear_attention", "full_attention"
-FAMILIES = {"qwen3_5": (qwen3_5, (LIN, FULL, LIN)), "nemotron_h": (nemotron_h, (LIN, FULL, "mlp"))}
+FAMILIES = {
+    "qwen3_5": (qwen3_5, (LIN, FULL, LIN)),
+    "nemotron_h": (nemotron_h, (LIN, FULL, "mlp")),
+    "granite_hybrid": (granite_hybrid, ("mamba", "attention", "mamba")),
+}
 GROUP = pf.synthetic_group(VOCAB, 13, [5, 9, 1, 7], seed=3)
 
 
