@@ -57,3 +57,42 @@ def test_offload_fault_is_seen(monkeypatch):
     monkeypatch.setattr(FilePool, "_read", corrupt)
     _, got = _run("qwen3_5", pf.PrefixFlowConfig(offload=True), "packed")
     assert not all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+class _PhaseLive:
+    """Observer: live bytes when each phase starts and its peak."""
+
+    def __init__(self, meter) -> None:
+        self.meter, self.start, self.peak = meter, {}, {}
+
+    def enter(self, phase):
+        self.start[phase] = self.meter.current
+        self.meter.reset_peak()
+
+    def exit(self, phase):
+        self.peak[phase] = self.meter.peak
+
+
+def _measure(name, config):
+    from prefixflow.live_bytes import LiveBytesMeter
+
+    family, types = FAMILIES[name]
+    model = family(types, dtype=torch.float32)
+    pf.apply_prefixflow(model, config)
+    meter = LiveBytesMeter()
+    meter.register(model)
+    probe = _PhaseLive(meter)
+    with meter:
+        stats = pf.train_group(model, GROUP, layout="packed", microbatch=1, observer=probe)
+    return stats, probe
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_phase_b_live_bytes_drop_by_the_offloaded_bytes(name):
+    """The recurrent layers' dormant prefix activations really leave device memory for Phase B."""
+    _, base = _measure(name, None)
+    stats, off = _measure(name, pf.PrefixFlowConfig(offload=True))
+    resident_saved = stats.offload.offloaded_bytes - stats.offload.dropped_bytes
+    assert resident_saved > 0
+    assert base.start["B"] - off.start["B"] == resident_saved
+    assert off.peak["B"] < base.peak["B"]
