@@ -177,3 +177,33 @@ def test_groups_leave_no_state(monkeypatch, name, layout):
     gc.collect()
     assert len(caches) == 3 and all(ref() is None for ref in caches)
     assert model._prefixflow.state.mode is None
+
+
+@pytest.mark.parametrize("name", ["qwen3_5-mixed", "nemotron_h"])
+def test_suffixes_read_the_leaves_expanded(monkeypatch, name):
+    """Phase B hands every recurrent mixer the cached leaves themselves, expanded over the batch (stride 0),
+    never a repeated copy."""
+    from prefixflow.integrations.hf_state import BoundaryCache
+    from prefixflow.state_cache import StateCache
+
+    fp64_kernels(monkeypatch)
+    leaves, seen = set(), []
+    capture, init = StateCache.capture, BoundaryCache.__init__
+
+    def spy_capture(self, layer, live):
+        capture(self, layer, live)
+        leaves.update(t.data_ptr() for t in self.layers[layer].leaves.values())
+
+    def spy_init(self, initial, kernel):
+        init(self, initial, kernel)
+        if initial is not None:
+            seen.extend(initial.values())
+
+    monkeypatch.setattr(StateCache, "capture", spy_capture)
+    monkeypatch.setattr(BoundaryCache, "__init__", spy_init)
+    family, types = MODELS[name]
+    model = family(types)
+    pf.apply_prefixflow(model)
+    pf.train_group(model, GROUP, layout="padded")
+    assert seen and all(t.shape[0] == GROUP.n and t.stride(0) == 0 for t in seen)
+    assert {t.data_ptr() for t in seen} <= leaves
