@@ -89,3 +89,20 @@ def test_one_sgd_step_equals_grpo_trainer(tmp_path):
     assert max(float(s.abs().max()) for s in base_step) > 1e-3
     assert max_rel_diff(got, base) <= 1e-5
     assert max_rel_diff(got_step, base_step) <= 1e-4
+
+
+def test_bf16_autocast_first_step_verifies(tmp_path):
+    """TRL's default mixed precision (bf16 autocast over fp32 weights), packed suffixes: verify_first_step
+    compares PrefixFlow's first update with TRL's own and passes within bf16 tolerance."""
+    tr = PrefixFlowGRPOTrainer(
+        model=qwen3_5_model(),
+        reward_funcs=F.reward_even_words,
+        args=F.config(tmp_path, bf16=True, loss_type="dapo"),
+        train_dataset=F.dataset(),
+        processing_class=F.tokenizer(),
+        prefixflow_layout="packed",
+        verify_first_step=True,
+    )
+    tr.train()
+    assert tr._prefixflow_verified
+    assert 0 < tr.state.log_history[0]["prefixflow/verify_max_rel_diff"] <= 5e-2
