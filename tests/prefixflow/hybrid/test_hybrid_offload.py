@@ -22,20 +22,24 @@ FAMILIES = {"qwen3_5": (qwen3_5, (LIN, FULL, LIN)), "nemotron_h": (nemotron_h, (
 GROUP = pf.synthetic_group(VOCAB, 21, [5, 9, 1, 7], seed=3)
 
 
-def _run(name, config, layout):
+def _run(name, config, layout, ac="none"):
     family, types = FAMILIES[name]
     model = family(types)
+    pf.apply_ac(model, ac)
     pf.apply_prefixflow(model, config)
     stats = pf.train_group(model, GROUP, layout=layout, microbatch=2)
     return stats, [p.grad for p in model.parameters()]
 
 
+@pytest.mark.parametrize("ac", ["none", "full"])
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_offload_bitwise(name, layout, prefetch):
-    want_stats, want = _run(name, None, layout)
-    stats, got = _run(name, pf.PrefixFlowConfig(offload=True, offload_prefetch=prefetch), layout)
+def test_offload_bitwise(name, layout, prefetch, ac):
+    """Offload on vs off, with and without HF's activation checkpointing (which leaves only the checkpointed
+    blocks' inputs to offload)."""
+    want_stats, want = _run(name, None, layout, ac)
+    stats, got = _run(name, pf.PrefixFlowConfig(offload=True, offload_prefetch=prefetch), layout, ac)
     assert stats.loss == want_stats.loss
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     off = stats.offload
