@@ -9,7 +9,10 @@ The three phases never reach into a model's modules. They ask the model's :class
 - ``blocks(model)`` and ``block_is_checkpointed``: the decoder blocks, in order;
 - ``wrap_attention(model, state)``: install :class:`~prefixflow.attention.PrefixAwareAttention` at each
   layer's attention boundary, after RoPE, so the schedule's attention modes see post-RoPE ``[B, H, L, D]``
-  q/k/v.
+  q/k/v; and, for a recurrent token mixer (gated DeltaNet, Mamba-2), a
+  :class:`~prefixflow.state_layers.StatefulLayer` running the layer's state rule;
+- ``state_rule(module)``: the per-layer-type state cache hook: how a recurrent mixer carries its prefix
+  boundary as a state (:class:`~prefixflow.state_layers.StateRule`), or None for a module that has none.
 
 :class:`TorchTitanAdapter` lives here. Integrations (``prefixflow.integrations.hf``) register their own with
 :func:`register_adapter`; the core never imports them. An installed integration may also announce itself
@@ -26,6 +29,7 @@ from torch import nn
 
 from .attention import AttentionState, PrefixAwareAttention
 from .models import rope_buffer
+from .state_layers import StateRule, state_rule_for
 
 __all__ = ["ModelAdapter", "TorchTitanAdapter", "register_adapter", "adapter_for", "ENTRY_POINT_GROUP"]
 
@@ -73,6 +77,12 @@ class ModelAdapter:
         """Route every layer's attention through a ``PrefixAwareAttention`` sharing ``state``; return the
         number of layers wrapped. Raise ``ValueError`` (naming the fix) for an attention it cannot wrap."""
         raise NotImplementedError
+
+    def state_rule(self, module: nn.Module) -> StateRule | None:
+        """The state rule of a recurrent token mixer (its prefix boundary is ``(state, conv tail)``, cached in
+        ``PrefixKVCache.states``), or None. Default: the rules registered per module class
+        (:func:`~prefixflow.state_layers.register_state_rule`). A family without recurrent layers needs none."""
+        return state_rule_for(module)
 
     def check(self, model: nn.Module, group) -> None:
         """Family-specific validation of a group before any gradient changes (default: none)."""

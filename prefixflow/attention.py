@@ -54,6 +54,7 @@ class AttentionState:
     def __init__(self) -> None:
         self.mode = None
         self.wrappers: list[PrefixAwareAttention] = []
+        self.state_layers: list = []  # recurrent layers' StatefulLayer (prefixflow.state_layers)
 
     @contextlib.contextmanager
     def use(self, mode) -> Iterator[None]:

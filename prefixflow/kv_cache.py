@@ -10,6 +10,9 @@ How a layer's suffix attention gets its *full* prefix view, and where gK/gV go b
 accumulates gK/gV straight into ``leaf.grad``. A parallel layout supplies another view through its schedule hook
 (``ScheduleHooks.prefix_view``): context parallelism all-gathers each layer's prefix shards from the CP group and
 reduce-scatters the gathered view's gK/gV back into the owners' leaves (``prefixflow.parallel.cp``).
+
+Recurrent layers (gated DeltaNet, Mamba-2) keep their prefix boundary, the end state and conv tail, in the
+cache's ``states`` (:class:`~prefixflow.state_cache.StateCache`); Phase C seeds them in the same backward.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .state_cache import StateCache
 
 __all__ = ["PrefixKVCache", "LayerKV", "PrefixView"]
 
@@ -67,6 +72,7 @@ class PrefixKVCache:
         self.layers: dict[int, LayerKV] = {}
         self.prefix_loss: torch.Tensor | None = None  # loss terms of the prefix graph itself (Phase A)
         self.view = view or PrefixView()
+        self.states = StateCache(grad_dtype)  # recurrent layers' end states (prefixflow.state_cache)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -116,7 +122,7 @@ class PrefixKVCache:
             for t in (e.prefix_k, e.prefix_v, e.prefix_k.grad, e.prefix_v.grad):
                 if t is not None:
                     total += t.numel() * t.element_size()
-        return total
+        return total + self.states.nbytes()
 
     def add_prefix_loss(self, loss: torch.Tensor | None) -> None:
         """Keep a scalar the prefix forward added to the objective (e.g. an MoE balance loss over the prefix
@@ -138,6 +144,9 @@ class PrefixKVCache:
                     continue
                 roots.append(live)
                 grads.append(leaf.grad.to(live.dtype))
+        state_roots, state_grads = self.states.roots()
+        roots += state_roots
+        grads += state_grads
         if roots:
             torch.autograd.backward(roots, grads)
 
@@ -147,4 +156,5 @@ class PrefixKVCache:
             entry.prefix_k.grad = None
             entry.prefix_v.grad = None
         self.layers.clear()
+        self.states.release()
         self.prefix_loss = None

@@ -75,6 +75,9 @@ def validate_call(model: nn.Module, group: RolloutGroup, system: str, layout: st
         raise ValueError(
             f"microbatch must be None (all responses), an int >= 1 or 'auto', got {microbatch!r}"
         )
+    if runtime.state.state_layers and is_compiled(model):
+        kinds = sorted({layer.layer_type for layer in runtime.state.state_layers})
+        raise ValueError(f"compiled blocks do not run recurrent layers ({kinds}) yet; drop apply_compile")
     runtime.stage.check(model, system, microbatch)
     if isinstance(group, RolloutTree):
         return
@@ -108,6 +111,9 @@ def _check_tree_call(model: nn.Module, tree: RolloutTree) -> None:
             )
     if is_compiled(model):
         raise ValueError("prefix trees do not run compiled blocks yet; drop apply_compile for trees")
+    if runtime.state.state_layers:
+        kinds = sorted({layer.layer_type for layer in runtime.state.state_layers})
+        raise ValueError(f"prefix trees do not carry recurrent states yet; this model has {kinds} layers")
     adapter = adapter_for(model)
     tree.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
     tree.check_representable(compute_dtype(model))

@@ -40,6 +40,8 @@ PREFIXFLOW_LAYERS = [
         "prefixflow.memory_limit",
         "prefixflow.models",
         "prefixflow.split_attention",
+        "prefixflow.state_cache",
+        "prefixflow.state_layers",
         "prefixflow.tree",
         "prefixflow.tree_build",
         "prefixflow.tree_layouts",

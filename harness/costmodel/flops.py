@@ -110,6 +110,9 @@ def as_shape(args) -> ModelShape:
 
 
 def _hf_shape(config) -> ModelShape:
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
+    if other:  # hybrids (gated DeltaNet, Mamba-2, MLP blocks): not every layer is attention
+        raise ValueError(f"the dense cost model does not cover {other} layers (a hybrid model) yet")
     if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
         raise ValueError("MoE models are not covered by the dense cost model")
     n_heads = int(config.num_attention_heads)

@@ -12,7 +12,10 @@ mask construction, sdpa's mask function under the same name) and :class:`HFAdapt
   RoPE as the model's ``position_ids``; no installed file is patched.
 
 Verified (fp64 and fp32 gradients against the same model on full sequences): ``llama``, ``mistral``,
-``qwen2``, ``qwen3`` (dense, GQA, tied or untied embeddings). Other model types raise at ``apply_prefixflow``.
+``qwen2``, ``qwen3`` (dense, GQA, tied or untied embeddings), and the hybrids ``qwen3_5_text`` (gated DeltaNet +
+attention), ``nemotron_h`` (Mamba-2 + attention + MLP blocks), ``granitemoehybrid`` (Granite-4 hybrid, dense:
+``num_local_experts=0``) and ``bamba`` (Mamba-2 + attention), whose recurrent layers cache their state
+(:mod:`prefixflow.integrations.hf_state`). Other model types raise at ``apply_prefixflow``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ..adapters import ModelAdapter, register_adapter
 from ..attention import AttentionState, PrefixAwareAttention
+from .hf_state import boundary_layers, install_boundaries
 
 __all__ = [
     "ATTENTION_NAME",
@@ -48,12 +52,14 @@ __all__ = [
 ]
 
 ATTENTION_NAME = "prefixflow"
-VERIFIED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+VERIFIED_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "nemotron_h", "granitemoehybrid", "bamba",
+)  # fmt: skip
 _WRAPPER = (
     "_prefixflow_attention"  # per-layer attribute (plain attribute: not a submodule, not in state_dict)
 )
 # Config fields that change what the LM head or attention computes beyond what PrefixFlow reproduces.
-_UNSUPPORTED_CONFIG = ("attn_logit_softcapping", "final_logit_softcapping", "logit_scale")
+_UNSUPPORTED_CONFIG = ("attn_logit_softcapping", "final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def _prefixflow_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -139,20 +145,29 @@ class HFAdapter(ModelAdapter):
                 f"PrefixFlow wraps transformers' sdpa attention; this model uses {impl!r}. Load it with "
                 "attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))"
             )
-        attentions = [getattr(layer, "self_attn", None) for layer in self.blocks(model)]
-        if not attentions or any(a is None or not hasattr(a, "layer_idx") for a in attentions):
+        layers = boundary_layers(config.get_text_config(), self.blocks(model), self.state_rule)
+        if not layers or any(kind == "attention" and not hasattr(m, "layer_idx") for kind, m, _, _ in layers):
             raise ValueError(
-                "every decoder layer needs a self_attn with a layer_idx (a transformers decoder)"
+                "every attention layer needs a layer_idx (a transformers decoder), and a model at least one "
+                "attention or recurrent layer"
             )
-        for n, attention in enumerate(attentions):
+
+        def wrap(attention, n):
             object.__setattr__(attention, _WRAPPER, PrefixAwareAttention(_causal_sdpa, n, state))
+
+        n = install_boundaries(config.get_text_config(), self.blocks(model), state, wrap, self.state_rule)
         model.set_attn_implementation(ATTENTION_NAME)
-        return len(attentions)
+        return n
+
+    def attentions(self, model) -> list[nn.Module]:
+        """The model's attention modules (hybrid models have recurrent layers besides)."""
+        layers = boundary_layers(model.config.get_text_config(), self.blocks(model), self.state_rule)
+        return [m for kind, m, _, _ in layers if kind == "attention"]
 
     def check(self, model, group) -> None:
         longest = group.prompt_len + max(group.response_lens)
-        for layer in self.blocks(model):
-            window = getattr(layer.self_attn, "sliding_window", getattr(model.config, "sliding_window", None))
+        for attention in self.attentions(model):
+            window = getattr(attention, "sliding_window", getattr(model.config, "sliding_window", None))
             if window is not None and longest > window:
                 raise ValueError(
                     f"prompt + longest response = {longest} tokens exceeds the model's sliding_window={window}; "
@@ -204,6 +219,40 @@ HF_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-tiny": ("mistral", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16}),
     "qwen2-tiny": ("qwen2", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256}),
     "qwen3-tiny": ("qwen3", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16}),
+    # Hybrids: Qwen3.5 (gated DeltaNet, GQA 2 key over 4 value heads; attention every 3rd layer) and Nemotron-H
+    # (Mamba-2, attention, MLP blocks). Their recurrent layers cache their state (integrations/hf_state.py).
+    "qwen3_5-tiny": (
+        "qwen3_5_text",
+        {
+            **_TINY,
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "vocab_size": 256,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "layer_types": ["linear_attention", "linear_attention", "full_attention"],
+        },
+    ),  # fmt: skip
+    "nemotron_h-tiny": (
+        "nemotron_h",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "vocab_size": 256,
+            "layers_block_type": ["linear_attention", "full_attention", "mlp"],
+            "ssm_state_size": 16,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "n_groups": 2,
+            "chunk_size": 32,
+        },
+    ),  # fmt: skip
     "llama-debug": (
         "llama",
         {

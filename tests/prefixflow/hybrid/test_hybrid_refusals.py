@@ -1,0 +1,104 @@
+"""What the recurrent-state cache refuses, by name, before any gradient changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from support.hybrid import VOCAB, granite_hybrid, nemotron_h, qwen3_5  # noqa: E402
+
+import prefixflow as pf  # noqa: E402
+from prefixflow import state_layers  # noqa: E402
+from prefixflow.integrations import hf  # noqa: E402
+
+LIN, FULL = "linear_attention", "full_attention"
+
+
+def test_layer_type_without_rule_is_refused(monkeypatch):
+    rules = {k: v for k, v in state_layers._RULES.items() if k != "Qwen3_5GatedDeltaNet"}
+    monkeypatch.setattr(state_layers, "_RULES", rules)
+    with pytest.raises(
+        ValueError, match="no state rule for layer type 'linear_attention'.*Qwen3_5GatedDeltaNet"
+    ):
+        pf.apply_prefixflow(qwen3_5((FULL, LIN)))
+
+
+def test_moe_blocks_are_refused():
+    with pytest.raises(ValueError, match=r"layer 1 \(layer type 'moe'\) has MoE experts \['NemotronHMoE'\]"):
+        pf.apply_prefixflow(nemotron_h((LIN, "moe")))
+    model = granite_hybrid(("mamba", "attention"), num_local_experts=2, num_experts_per_tok=1)
+    with pytest.raises(ValueError, match=r"has MoE experts \['GraniteMoeHybridMoE'\]"):
+        pf.apply_prefixflow(model)
+
+
+def test_granite_logits_scaling_is_refused():
+    """Granite divides its logits by ``logits_scaling`` in the causal-LM forward, outside the LM head PrefixFlow
+    applies: a model that sets it is refused rather than trained on other logits."""
+    with pytest.raises(ValueError, match="logits_scaling"):
+        pf.apply_prefixflow(granite_hybrid(("mamba", "attention"), logits_scaling=4.0))
+
+
+def test_tree_is_refused_naming_the_layer_type():
+    model = qwen3_5((LIN, FULL))
+    pf.apply_prefixflow(model)
+    group = pf.synthetic_group(VOCAB, 5, [3, 4], seed=1)
+    masks = [torch.tensor([True, False, True]), torch.ones(4, dtype=torch.bool)]
+    tree = pf.RolloutGroup(group.prompt, group.responses, group.advantages, loss_masks=masks)
+    with pytest.raises(ValueError, match=r"recurrent states.*linear_attention"):
+        pf.train_group(model, tree)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_build_hf_model_names():
+    for name in ("qwen3_5-tiny", "nemotron_h-tiny"):
+        model = hf.build_hf_model(name, dtype=torch.float64)
+        pf.apply_prefixflow(model)
+        stats = pf.train_group(model, pf.synthetic_group(64, 9, [3, 5], seed=2), layout="packed")
+        assert stats.prefix_tokens == 8
+
+
+def test_compiled_blocks_are_refused():
+    model = qwen3_5((LIN, FULL))
+    pf.apply_prefixflow(model)
+    pf.apply_compile(model)
+    with pytest.raises(
+        ValueError, match=r"compiled blocks do not run recurrent layers \(\['linear_attention'\]\)"
+    ):
+        pf.train_group(model, pf.synthetic_group(VOCAB, 5, [3, 4], seed=1))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_dense_cost_model_refuses_hybrids():
+    """pf-bench records no cost columns for a hybrid rather than counting its recurrent layers as attention."""
+    from harness.costmodel.flops import as_shape
+
+    for name, kinds in (
+        ("qwen3_5-tiny", "'linear_attention'"),
+        ("nemotron_h-tiny", "'linear_attention', 'mlp'"),
+    ):
+        with pytest.raises(ValueError, match=f"does not cover \\[{kinds}\\] layers"):
+            as_shape(hf.hf_config(name))
+    assert as_shape(hf.hf_config("qwen3-tiny")).n_layers == 2
+
+
+def test_pf_bench_cell_on_a_hybrid():
+    """pf-bench runs hf:qwen3_5-tiny; PrefixGrouper's one packed graph would chain the recurrent state from the
+    prefix through every response, so its system fails naming the layer instead of training something else."""
+    from harness.run.measurement import measure_cell
+    from harness.spec.cell import Cell, ModelSpec
+
+    cell = Cell(
+        spec="t", model=ModelSpec(name="hf:qwen3_5-tiny"), prefix_len=12, suffix_len=4, n=3, warmup=1, repeats=1,
+        systems=("baseline", "prefixflow", "prefix_grouper"), layout="packed",
+    )  # fmt: skip
+    records = {r["system"]: r for r in measure_cell(cell)}
+    assert records["baseline"]["status"] == records["prefixflow"]["status"] == "ok"
+    assert records["prefixflow"]["prefix_tokens"] == 11
+    assert abs(records["prefixflow"]["loss"] - records["baseline"]["loss"]) <= 1e-5
+    assert records["prefix_grouper"]["status"] != "ok"
+    assert (
+        "linear_attention layer (Qwen3_5GatedDeltaNet) does not run under"
+        in records["prefix_grouper"]["error"]
+    )
