@@ -96,7 +96,8 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
 
 
 def _check_tree_call(model: nn.Module, tree: RolloutTree) -> None:
-    """What a prefix tree cannot run yet (one process, no schedule hooks), and the tree's fit."""
+    """What a prefix tree cannot run yet (pipeline stages, MoE, hooks that do not take trees, compiled blocks,
+    recurrent states), and the tree's fit."""
     runtime = runtime_of(model)
     if type(runtime.stage) is not Stage:
         raise ValueError(
