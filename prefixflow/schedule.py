@@ -129,15 +129,16 @@ class GroupShare:
 
 # -- the phases -----------------------------------------------------------------------------------------
 def phase_a_prefix_forward(
-    run: GroupRun, cache: PrefixKVCache, offload: PrefixOffload | None = None
+    run: GroupRun, cache: PrefixKVCache, offload: PrefixOffload | None = None, wave=None
 ) -> Microbatch | None:
     """Phase A: run the shared prefix ``P[:-1]`` forward once; each layer leaves its live K/V in ``cache``.
     With ``offload``, the other tensors the prefix graph saves move out of device memory as they are saved.
     Loss terms the hooks add during this forward (``extra_loss``) join Phase C's backward.
     Returns the prefix microbatch this rank ran (Phase C recomputes under its attention), None if empty.
-    A tree (``cache``: its ``NodeCaches``) runs each internal node's forward once, top-down."""
+    A tree (``cache``: its ``NodeCaches``) runs the forward of each cached node the ``wave`` reads first,
+    top-down (each node's once in the whole call)."""
     if run.tree_plan is not None:
-        return tree_phases.node_forwards(run, cache)
+        return tree_phases.node_forwards(run, cache, wave)
     if run.group.prompt_len == 1:
         return None  # one-token prompt: nothing to cache, suffixes start at position 0
     mb = run.hooks.shard(prefix_microbatch(run.group, run.device))
@@ -164,12 +165,12 @@ def _last_needed_layer(run: GroupRun) -> int | None:
     return run.runtime.n_wrapped - 1
 
 
-def phase_b_suffix_microbatches(run: GroupRun, cache: PrefixKVCache) -> float:
+def phase_b_suffix_microbatches(run: GroupRun, cache: PrefixKVCache, wave=None) -> float:
     """Phase B: train the suffixes as ordinary microbatches reading the cache; returns the group loss.
     ``run.plan`` yields each microbatch's responses (:mod:`prefixflow.budget`: fixed sizes, or sized to a
-    budget). A tree trains its paths' leaf rows, reading each path's ancestor nodes."""
+    budget). A tree trains the ``wave``'s paths' leaf rows, reading each path's ancestor nodes."""
     if run.tree_plan is not None:
-        return tree_phases.leaf_microbatches(run, cache)
+        return tree_phases.leaf_microbatches(run, cache, wave)
     segments = suffix_segments(run.group)
     variant = run.runtime.config.attention_for(run.device)
 
@@ -182,15 +183,19 @@ def phase_b_suffix_microbatches(run: GroupRun, cache: PrefixKVCache) -> float:
 
 
 def phase_c_prefix_backward(
-    run: GroupRun, cache: PrefixKVCache, prefix: Microbatch | None, offload: PrefixOffload | None = None
+    run: GroupRun,
+    cache: PrefixKVCache,
+    prefix: Microbatch | None,
+    offload: PrefixOffload | None = None,
+    wave=None,
 ) -> None:
     """Phase C: inject the accumulated gK/gV into the retained prefix graph; one prefix backward.
     With ``offload``, its saved tensors are prefetched in reverse layer order (or demand-loaded).
     Checkpointed prefix blocks recompute under the prefix's attention (Phase A's minus the capture: plain
-    causal, or the sharded prefix's when its tokens are spread over ranks). A tree runs each internal node's
-    backward once, children before parents."""
+    causal, or the sharded prefix's when its tokens are spread over ranks). A tree runs the backward of each
+    cached node no later path of the ``wave`` reads, children before parents (each node's once)."""
     if run.tree_plan is not None:
-        return tree_phases.node_backwards(run, cache)
+        return tree_phases.node_backwards(run, cache, wave)
     if offload is not None:
         offload.prefetch()
     recompute = None  # unsharded: no mode, the plain forward's causal attention
@@ -286,16 +291,22 @@ def run_group(
                     if runtime.config.offload and share.computes_prefix():
                         offload = PrefixOffload(model, cache, prefetch=runtime.config.offload_prefetch)
                     cache.view = hooks.prefix_view(model, group.prompt_len - 1) or cache.view
-                with run.plan.prefix_window(), clock("A"), hooks.phase("A"):
-                    prefix = share.prefix_forward(
-                        run, cache, lambda: phase_a_prefix_forward(run, cache, offload)
-                    )
-                with clock("B"), hooks.phase("B"):
-                    value = phase_b_suffix_microbatches(run, cache)
-                with clock("C"), hooks.phase("C"):
-                    share.prefix_backward(
-                        run, cache, lambda: phase_c_prefix_backward(run, cache, prefix, offload)
-                    )
+                value = 0.0
+                # A flat group is one wave; a tree runs one per Phase-B microbatch, depth-first: the nodes it
+                # reads first forward just before it, those no later path reads backward right after it.
+                for wave in tree_phases.waves(run) if run.tree_plan is not None else [None]:
+                    with run.plan.prefix_window(), clock("A"), hooks.phase("A"):
+                        prefix = share.prefix_forward(
+                            run, cache, lambda w=wave: phase_a_prefix_forward(run, cache, offload, w)
+                        )
+                    with clock("B"), hooks.phase("B"):
+                        value += phase_b_suffix_microbatches(run, cache, wave)
+                    with clock("C"), hooks.phase("C"):
+                        share.prefix_backward(
+                            run,
+                            cache,
+                            lambda w=wave, p=prefix: phase_c_prefix_backward(run, cache, p, offload, w),
+                        )
             value = hooks.reduce_loss(value)
     finally:
         if cache is not None:
@@ -338,8 +349,9 @@ def group_run(
             "context parallelism spreads them over the CP group (use 'token')"
         )
     paths = (share or GroupShare()).responses(group)
-    if run.tree_plan is not None and system != "baseline":
-        paths = [i for i in paths if i in run.tree_plan.leaf_rows]  # the rest have no leaf row to run
+    if run.tree_plan is not None and system != "baseline":  # depth-first; the rest have no leaf row to run
+        mine = set(paths)
+        paths = [i for i in run.tree_plan.dfs_paths if i in mine and i in run.tree_plan.leaf_rows]
     run.plan = _plan(run, paths, microbatch)
     return run
 
@@ -382,7 +394,7 @@ class _PhaseClock:
             yield
         finally:
             self._sync()
-            self.times[phase] = time.perf_counter() - start
+            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
             if self.observer is not None:
                 self.observer.exit(phase)
 

@@ -95,11 +95,12 @@ class Stage:
         """Phase A's forward of the prefix microbatch (the caller set the capture mode)."""
         forward_hidden(run.model, mb.tokens, mb.positions, final_norm=False)
 
-    def microbatches(self, run, build: Callable[[list[int]], tuple]) -> float:
-        """Forward, objective and backward of every microbatch of ``run.plan``; ``build(chunk)`` lays out one
-        and returns ``(microbatch, attention mode)``. Returns the summed loss."""
+    def microbatches(self, run, build: Callable[[list[int]], tuple], chunks=None) -> float:
+        """Forward, objective and backward of every microbatch of ``run.plan`` (or of ``chunks``: ``(index in
+        the plan, responses)`` pairs, a prefix tree's wave); ``build(chunk)`` lays out one and returns
+        ``(microbatch, attention mode)``. Returns the summed loss."""
         total = 0.0
-        for index, chunk in enumerate(run.plan):
+        for index, chunk in enumerate(run.plan) if chunks is None else chunks:
             with run.plan.measure(index):
                 mb, mode = build(chunk)
                 with attention_mode(run, mode), run.hooks.microbatch(mb):

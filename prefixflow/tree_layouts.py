@@ -42,6 +42,9 @@ class TreePlan:
         self.tree = tree
         self.trunk_tokens = 0  # token slots the phases ran (pads included), counted as they build rows
         self.node_times: dict[int, dict[str, float]] = {}  # cached node -> {"A": s, "C": s}
+        self.leafless_units = 0  # objective-only microbatches run (paths with no leaf row)
+        self.peak_live_nodes = 0  # most cached nodes live at once, and their K/V bytes
+        self.peak_cache_bytes = 0
         self.cached = [j for j in tree.order if tree.children[j]]  # top-down
         index: dict[int, dict[tuple[int, int], int]] = {j: {} for j in self.cached}
         self.scores: dict[int, tuple[list[int], list[int]]] = {j: ([], []) for j in self.cached}
@@ -73,8 +76,11 @@ class TreePlan:
             self.shared.append(shared)
             if own.cols:
                 self.leaf_rows[i] = own
+        # paths in depth-first order (of the node each ends at): the order Phase B runs them in
+        rank = {j: k for k, j in enumerate(tree.order)}
+        self.dfs_paths = sorted(range(tree.n), key=lambda i: rank[tree.path_ends[i]])
         # paths whose trained tokens all lie in cached nodes: no Phase-B row, their loss reads those leaves
-        self.leafless = [i for i in range(tree.n) if i not in self.leaf_rows]
+        self.leafless = [i for i in self.dfs_paths if i not in self.leaf_rows]
 
     def node_row(self, j: int) -> TreeRow:
         """Phase A's row of cached node ``j``: its whole segment after its ancestors; its ``slots`` are the

@@ -1,5 +1,10 @@
 """The three phases on a prefix tree (``RolloutTree``); the driver's phase functions call these for a tree.
 
+The driver runs them in *waves* (:func:`waves`), one per Phase-B microbatch of paths in depth-first order:
+each wave forwards the cached nodes its paths read that are not live yet, trains its microbatch, and
+backwards the nodes no later path reads. Live prefix state is then bounded by the tree's depth (times the
+microbatch's span), not by its size; with ``microbatch=None`` one wave holds everything.
+
 - Phase A, top-down over the cached nodes (those with children): each node's forward runs once, reading its
   ancestors' cached K/V through detached leaves (positions continue), keeping its own live K/V in its cache
   and scoring the trained tokens it predicts (LM head at those rows only); its log-probs go to the paths
@@ -78,6 +83,12 @@ class NodeCaches:
         self.leaf: dict[int, torch.Tensor] = {}
         self.local: dict[int, list[int]] = {}
 
+    def note_live(self) -> None:
+        """Record the most cached nodes (and their K/V bytes) live at once."""
+        live = [c for c in self.caches.values() if len(c)]
+        self.plan.peak_live_nodes = max(self.plan.peak_live_nodes, len(live))
+        self.plan.peak_cache_bytes = max(self.plan.peak_cache_bytes, sum(c.nbytes() for c in live))
+
     def reader(self, nodes: list[int]) -> AncestorKV:
         return AncestorKV([self.caches[j] for j in nodes])
 
@@ -140,10 +151,63 @@ class NodeCaches:
             self.drop(j)
 
 
-def node_forwards(run, caches: NodeCaches) -> None:
-    """Phase A: every cached node's forward once, top-down (its part on this rank, under CP)."""
+@dataclasses.dataclass
+class TreeWave:
+    """One wave: ``forward`` (cached nodes, top-down), ``chunks`` (``(plan index, paths)`` Phase-B
+    microbatches), ``leafless`` (paths with no leaf row whose objective runs now), ``backward`` (cached
+    nodes, children first)."""
+
+    forward: list[int]
+    chunks: list[tuple[int, list[int]]]
+    leafless: list[int]
+    backward: list[int]
+
+
+def waves(run):
+    """The waves of a tree's PrefixFlow call. Lazy: ``run.plan`` (a ``microbatch="auto"`` plan sizes each
+    microbatch after the ones before it ran) gives the next chunk when the previous wave is done. A path with
+    no leaf row joins the first wave whose microbatch reaches past it in depth-first order."""
     plan, tree = run.tree_plan, run.group
-    for j in plan.cached:
+    cached = set(plan.cached)
+    top_down = {j: k for k, j in enumerate(plan.cached)}
+    nodes_of = {i: [j for j in tree.path_nodes(i) if j in cached] for i in range(tree.n)}
+    readers = dict.fromkeys(plan.cached, 0)
+    for i in range(tree.n):
+        for j in nodes_of[i]:
+            readers[j] += 1
+    position = {i: k for k, i in enumerate(plan.dfs_paths)}
+    leafless = list(plan.leafless)  # depth-first order
+    live: set[int] = set()
+    finished: set[int] = set()
+
+    def wave(chunks, paths):
+        need = {j for i in paths for j in nodes_of[i]} - live - finished
+        live.update(need)
+        for i in paths:
+            for j in nodes_of[i]:
+                readers[j] -= 1
+        done = sorted((j for j in live if readers[j] == 0), key=top_down.get, reverse=True)
+        live.difference_update(done)
+        finished.update(done)
+        lone = [i for i in paths if i not in plan.leaf_rows]
+        return TreeWave(sorted(need, key=top_down.get), chunks, lone, done)
+
+    ran = False
+    for index, chunk in enumerate(run.plan):
+        last = max(position[i] for i in chunk)
+        lone = []
+        while leafless and position[leafless[0]] < last:
+            lone.append(leafless.pop(0))
+        ran = True
+        yield wave([(index, chunk)], [*chunk, *lone])
+    if leafless or not ran:
+        yield wave([], leafless)
+
+
+def node_forwards(run, caches: NodeCaches, wave: TreeWave) -> None:
+    """Phase A: the wave's cached nodes' forwards, top-down (their part on this rank, under CP)."""
+    plan, tree = run.tree_plan, run.group
+    for j in wave.forward:
         mb, keys = tree_microbatch(tree, [plan.node_row(j)], "padded", run.device)
         plan.trunk_tokens += mb.n_tokens
         mb = run.hooks.shard(mb)
@@ -156,10 +220,11 @@ def node_forwards(run, caches: NodeCaches) -> None:
                 hidden = forward_hidden(run.model, mb.tokens, mb.positions)
             if plan.scores[j][0]:  # the node scores tokens (on some rank): the same LM-head calls everywhere
                 caches.score(j, mb, loss_logprobs(run, mb, hidden))
+        caches.note_live()
 
 
-def leaf_microbatches(run, caches: NodeCaches) -> float:
-    """Phase B: the paths' leaf rows in ``run.plan``'s microbatches, then the paths with no leaf row."""
+def leaf_microbatches(run, caches: NodeCaches, wave: TreeWave) -> float:
+    """Phase B: the wave's microbatch of leaf rows, then its paths with no leaf row."""
     plan, tree = run.tree_plan, run.group
 
     def build(chunk):
@@ -168,13 +233,15 @@ def leaf_microbatches(run, caches: NodeCaches) -> float:
         mb = dataclasses.replace(run.hooks.shard(mb), shared_logprobs=caches.shared(plan, chunk))
         return mb, AttendWithAncestors(caches.reader(keys), mb.mask, sequence=mb.sequence)
 
-    total = run.stage.microbatches(run, build)
-    rest = plan.leafless
-    if rest:
+    total = run.stage.microbatches(run, build, wave.chunks)
+    rest = wave.leafless
+    shared = caches.shared(plan, rest) if rest else None
+    plan.leafless_units += bool(rest)
+    if shared is not None:  # None: this rank holds none of their scores (CP)
         empty = torch.zeros(0, dtype=torch.long, device=run.device)
         mb = Microbatch(
             empty.view(1, 0), None, None, empty, empty, empty, empty, empty, tuple(rest),
-            shared_logprobs=caches.shared(plan, rest),
+            shared_logprobs=shared,
         )  # fmt: skip
         no_logp = torch.zeros(0, dtype=mb.shared_logprobs[0].dtype, device=run.device)
         value, objective = logprob_objective(run, mb, no_logp)
@@ -183,10 +250,10 @@ def leaf_microbatches(run, caches: NodeCaches) -> float:
     return total
 
 
-def node_backwards(run, caches: NodeCaches) -> None:
-    """Phase C: every cached node's backward once, children before parents; each node's cache and graph
+def node_backwards(run, caches: NodeCaches, wave: TreeWave) -> None:
+    """Phase C: the wave's cached nodes' backwards, children before parents; each node's cache and graph
     are dropped right after its backward."""
-    for j in reversed(run.tree_plan.cached):
+    for j in wave.backward:
         mask, sequence, keys = caches.rows[j]
         roots, grads = [], []
         if (leaf := caches.leaf.get(j)) is not None:
@@ -239,6 +306,8 @@ def tree_summary(run) -> dict:
         "cached_nodes": len(plan.cached),
         "unique_tokens": tree.unique_tokens,
         "node_times": {j: dict(t) for j, t in plan.node_times.items()},
+        "peak_live_nodes": plan.peak_live_nodes,
+        "peak_cache_bytes": plan.peak_cache_bytes,
     }
 
 
@@ -250,5 +319,5 @@ def tree_counts(run) -> tuple[int, int, int, int]:
     prefix = 0
     if run.system != "baseline":
         prefix = plan.prefix_tokens
-        n_mb += bool(plan.leafless)  # their one objective-only microbatch
+        n_mb += plan.leafless_units  # objective-only microbatches of the paths with no leaf row
     return n_mb, prefix, sum(int(m.sum()) for m in tree.loss_masks), plan.trunk_tokens

@@ -124,7 +124,9 @@ class Pipeline(Stage):
         if not self.last:
             self.p2p.send(out, +1, _FWD)
 
-    def microbatches(self, run, build) -> float:
+    def microbatches(self, run, build, chunks=None) -> float:
+        if chunks is not None:  # prefix trees are refused on pipeline stages (validation)
+            raise ValueError("a pipeline stage runs a whole group's microbatches, not a tree's wave")
         work = [build(chunk) for chunk in run.plan]
         program = stage_program(self.switching, self.n_stages, self.stage, len(work), self.has_prefix)
         saved: dict[int, tuple] = {}

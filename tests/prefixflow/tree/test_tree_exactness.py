@@ -224,3 +224,32 @@ def test_offload_of_dormant_node_activations_is_bitwise_exact_and_released(ac):
         # every offloaded byte came back once, except what autograd freed unneeded
         assert off.loaded_bytes == off.offloaded_bytes - off.dropped_bytes > 0
         assert (off.prefetched_bytes > 0) == prefetch
+
+
+def test_depth_first_waves_bound_live_prefix_state_by_the_depth():
+    """A full ternary tree (1 + 3 + 9 cached nodes, 27 leaves): with one path per microbatch only a
+    root-to-parent chain is live at once (3 nodes); with every path in one microbatch, all 13. Both exact."""
+    gen = torch.Generator().manual_seed(2)
+    fresh = iter(torch.randperm(97, generator=gen).tolist())  # 87 distinct tokens: no accidental sharing
+
+    def seg(n):
+        return torch.tensor([next(fresh) for _ in range(n)])
+
+    root = seg(6)
+    seqs = []
+    for _ in range(3):
+        child = torch.cat([root, seg(3)])
+        for _ in range(3):
+            grandchild = torch.cat([child, seg(2)])
+            seqs += [torch.cat([grandchild, seg(2)]) for _ in range(3)]
+    tree = pf.build_tree(seqs, torch.randn(len(seqs), generator=gen, dtype=torch.float64))
+    model = tiny_model("llama3")
+    want_loss, want = reference_tree(model, tree)
+    peaks = {}
+    for microbatch in (1, 3, None):
+        loss, got, stats = train(model, tree, layout="packed", microbatch=microbatch)
+        assert_close(loss, got, want_loss, want, microbatch)
+        peaks[microbatch] = (stats.tree["peak_live_nodes"], stats.tree["peak_cache_bytes"])
+        assert stats.n_microbatches == -(-27 // (microbatch or 27))
+    assert peaks[1][0] == peaks[3][0] == 3 and peaks[None][0] == 13
+    assert peaks[1][1] < peaks[None][1]  # (the live chain also holds its gK/gV accumulators by then)
