@@ -58,6 +58,8 @@ class Microbatch:
     # Prefix trees: log-probs of this microbatch's paths' trained tokens that ancestor nodes scored in Phase A,
     # as ``(logprobs, path ids, loss slots)``; the loss joins them to the tokens scored here.
     shared_logprobs: tuple | None = None
+    # Prefix trees: the rows (``prefixflow.tree_layouts.TreeRow``) this microbatch lays out, in row/packing order.
+    tree_rows: tuple | None = None
 
     @property
     def n_tokens(self) -> int:

@@ -109,7 +109,9 @@ class RolloutTree:
     None for a root; ``path_ends``: the node each path ends at (any node, internal ones included; several
     paths may end at one node). ``advantages``: Tensor[N]; ``loss_masks``: N bool tensors over each path's
     tokens (True = trained; never the root's first token); ``old_logprobs``/``ref_logprobs``: optional N float
-    tensors over each path's tokens (read at trained tokens only). Validated on construction.
+    tensors over each path's tokens (read at trained tokens only). ``routing``: optional recorded MoE routing,
+    one LongTensor[n_moe_layers, node_len, k] of expert ids per node (``prefixflow.record_routing(model,
+    tree)``), which both systems replay. Validated on construction.
     """
 
     segments: list[torch.Tensor]
@@ -119,6 +121,7 @@ class RolloutTree:
     loss_masks: list[torch.Tensor]
     old_logprobs: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
+    routing: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.segments, (list, tuple)) or not self.segments:
@@ -155,6 +158,37 @@ class RolloutTree:
         ]
         self.old_logprobs = check_logprobs("old_logprobs", self.old_logprobs, lengths)
         self.ref_logprobs = check_logprobs("ref_logprobs", self.ref_logprobs, lengths)
+        self.routing = self.checked_routing()
+
+    def checked_routing(self) -> list[torch.Tensor] | None:
+        """``routing`` validated against the nodes (one ``[layers, node_len, k]`` LongTensor of expert ids
+        >= 0 each, every node alike in layers and k); raises ValueError naming the entry."""
+        if self.routing is None:
+            return None
+        if not isinstance(self.routing, (list, tuple)) or len(self.routing) != self.n_nodes:
+            raise ValueError(f"routing must be a list of {self.n_nodes} masks, one per node")
+        out = []
+        for j, m in enumerate(self.routing):
+            if not isinstance(m, torch.Tensor) or m.dtype.is_floating_point or m.dtype == torch.bool:
+                raise ValueError(f"routing[{j}] must be an integer tensor of expert ids")
+            first = out[0] if out else m
+            if (
+                m.dim() != 3
+                or m.shape[1] != self.node_len(j)
+                or (m.shape[0], m.shape[2])
+                != (
+                    first.shape[0],
+                    first.shape[2],
+                )
+            ):
+                raise ValueError(
+                    f"routing[{j}] has shape {tuple(m.shape)}; expected [layers, {self.node_len(j)}, k] "
+                    "(node length; the same layers and k on every node)"
+                )
+            if m.numel() and int(m.min()) < 0:
+                raise ValueError(f"routing[{j}] has a negative expert id")
+            out.append(m.long())
+        return out
 
     def _order_nodes(self) -> None:
         """Children, depths and a top-down (preorder) node order; a cycle raises."""
@@ -253,5 +287,5 @@ class RolloutTree:
 
         return RolloutTree(
             move(self.segments), list(self.parents), list(self.path_ends), self.advantages.to(device),
-            move(self.loss_masks), move(self.old_logprobs), move(self.ref_logprobs),
+            move(self.loss_masks), move(self.old_logprobs), move(self.ref_logprobs), move(self.routing),
         )  # fmt: skip

@@ -24,7 +24,9 @@ __all__ = ["TreeRow", "TreePlan", "tree_microbatch"]
 class TreeRow:
     """One sequence of a microbatch: ``tokens`` at positions ``first_position ..``, reading the cached K/V of
     ``ancestors`` (nodes, root first); ``cols``/``targets``/``slots``: its scored positions, the tokens they
-    predict and the loss slots of ``path`` they fill."""
+    predict and the loss slots of ``path`` they fill; ``nodes``: the nodes whose tokens it holds, in order
+    (MoE routing replay reads their masks); ``weights``: how many full-sequence tokens each of its tokens
+    stands for (the logical token accounting of MoE load counters)."""
 
     path: int
     tokens: torch.Tensor
@@ -33,6 +35,8 @@ class TreeRow:
     cols: list[int]
     targets: list[int]
     slots: list[int]
+    nodes: tuple[int, ...] = ()
+    weights: list[float] | None = None
 
 
 class TreePlan:
@@ -46,6 +50,10 @@ class TreePlan:
         self.peak_live_nodes = 0  # most cached nodes live at once, and their K/V bytes
         self.peak_cache_bytes = 0
         self.cached = [j for j in tree.order if tree.children[j]]  # top-down
+        self.paths_through = [0] * tree.n_nodes
+        for i in range(tree.n):
+            for j in tree.path_nodes(i):
+                self.paths_through[j] += 1
         index: dict[int, dict[tuple[int, int], int]] = {j: {} for j in self.cached}
         self.scores: dict[int, tuple[list[int], list[int]]] = {j: ([], []) for j in self.cached}
         self.shared: list[list[tuple[int, int, int]]] = []  # per path: (node, index in its scores, slot)
@@ -56,8 +64,10 @@ class TreePlan:
             node_of = torch.repeat_interleave(
                 torch.tensor(nodes), torch.tensor([tree.node_len(j) for j in nodes])
             ).tolist()
+            leaf_len = tree.node_len(nodes[-1])
             shared, own = [], TreeRow(i, tree.segments[nodes[-1]], tree.first_position[nodes[-1]],
-                                      tuple(nodes[:-1]), [], [], [])  # fmt: skip
+                                      tuple(nodes[:-1]), [], [], [], (nodes[-1],),
+                                      [1.0] * (leaf_len - 1) + [0.0])  # fmt: skip
             for slot, t in enumerate(tree.loss_masks[i].nonzero().flatten().tolist()):
                 m = node_of[t]
                 o = t - tree.first_position[m]
@@ -87,16 +97,22 @@ class TreePlan:
         score indices (where each log-prob goes in the node's scores)."""
         tree = self.tree
         rows, targets = self.scores[j]
+        through, ends = self.paths_through[j], tree.path_ends.count(j)
+        weights = [float(through)] * (tree.node_len(j) - 1) + [float(through - ends)]
         return TreeRow(
             -1, tree.segments[j], tree.first_position[j], tuple(tree.ancestors(j)), rows, targets,
-            list(range(len(rows))),
+            list(range(len(rows))), (j,), weights,
         )  # fmt: skip
 
     def full_row(self, i: int) -> TreeRow:
         """The baseline's row of path ``i``: the whole path but its last token, scoring every trained token."""
         tokens = self.tree.path_tokens(i)
         ts = self.tree.loss_masks[i].nonzero().flatten().tolist()
-        return TreeRow(i, tokens[:-1], 0, (), [t - 1 for t in ts], tokens[ts].tolist(), list(range(len(ts))))
+        nodes = tuple(self.tree.path_nodes(i))
+        return TreeRow(
+            i, tokens[:-1], 0, (), [t - 1 for t in ts], tokens[ts].tolist(), list(range(len(ts))), nodes,
+            [1.0] * (len(tokens) - 1),
+        )  # fmt: skip
 
     @property
     def prefix_tokens(self) -> int:
@@ -159,6 +175,6 @@ def tree_microbatch(
         positions=None if positions is None else positions.to(device),
         mask=None if mask is None else mask.to(device),
         loss_rows=rows_t, loss_cols=cols, targets=targets, response_ids=paths, token_ids=slots,
-        responses=tuple(r.path for r in rows), cached_prefix_len=n_keys,
+        responses=tuple(r.path for r in rows), cached_prefix_len=n_keys, tree_rows=tuple(rows),
     )  # fmt: skip
     return mb, key_nodes

@@ -78,7 +78,7 @@ class NodeCaches:
             self.offloads = {
                 j: PrefixOffload(run.model, c, prefetch=prefetch) for j, c in self.caches.items()
             }
-        self.rows: dict[int, tuple[torch.Tensor | None, object, list[int]]] = {}
+        self.rows: dict[int, tuple[Microbatch, list[int]]] = {}  # Phase A's row of each node, its key nodes
         self.live: dict[int, torch.Tensor] = {}
         self.leaf: dict[int, torch.Tensor] = {}
         self.local: dict[int, list[int]] = {}
@@ -211,15 +211,16 @@ def node_forwards(run, caches: NodeCaches, wave: TreeWave) -> None:
         mb, keys = tree_microbatch(tree, [plan.node_row(j)], "padded", run.device)
         plan.trunk_tokens += mb.n_tokens
         mb = run.hooks.shard(mb)
-        caches.rows[j] = (mb.mask, mb.sequence, keys)
+        caches.rows[j] = (mb, keys)
         mode = AttendWithAncestors(
             caches.reader(keys), mb.mask, capture=caches.caches[j], sequence=mb.sequence
         )
         with _node_clock(run, j, "A"):
-            with attention_mode(run, mode), offloading(caches.offloads.get(j)):
+            with attention_mode(run, mode), run.hooks.microbatch(mb), offloading(caches.offloads.get(j)):
                 hidden = forward_hidden(run.model, mb.tokens, mb.positions)
             if plan.scores[j][0]:  # the node scores tokens (on some rank): the same LM-head calls everywhere
                 caches.score(j, mb, loss_logprobs(run, mb, hidden))
+            caches.caches[j].add_prefix_loss(run.hooks.extra_loss())  # e.g. MoE balance: joins its Phase C
         caches.note_live()
 
 
@@ -254,18 +255,19 @@ def node_backwards(run, caches: NodeCaches, wave: TreeWave) -> None:
     """Phase C: the wave's cached nodes' backwards, children before parents; each node's cache and graph
     are dropped right after its backward."""
     for j in wave.backward:
-        mask, sequence, keys = caches.rows[j]
+        mb, keys = caches.rows[j]
         roots, grads = [], []
         if (leaf := caches.leaf.get(j)) is not None:
             # Seeded on every rank, zeros where no path read this rank's scores: under CP each rank's backward
             # must reach the same sequence exchanges (the last layer's is reached only through the scores).
             roots.append(caches.live[j])
             grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
-        recompute = AttendWithAncestors(caches.reader(keys), mask, sequence=sequence)
+        recompute = AttendWithAncestors(caches.reader(keys), mb.mask, sequence=mb.sequence)
         if j in caches.offloads:
             caches.offloads[j].prefetch()
         with _node_clock(run, j, "C"), attention_mode(run, recompute), run.hooks.prefix_backward():
-            caches.caches[j].backward_prefix(roots, grads)
+            with run.hooks.microbatch(mb):  # a checkpointed block recomputes under the node's route plan
+                caches.caches[j].backward_prefix(roots, grads)
         caches.drop(j)
 
 

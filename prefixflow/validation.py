@@ -96,15 +96,15 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
 
 
 def _check_tree_call(model: nn.Module, tree: RolloutTree) -> None:
-    """What a prefix tree cannot run yet (pipeline stages, MoE, hooks that do not take trees, compiled blocks,
+    """What a prefix tree cannot run yet (pipeline stages, hooks that do not take trees, compiled blocks,
     recurrent states), and the tree's fit."""
     runtime = runtime_of(model)
     if type(runtime.stage) is not Stage:
         raise ValueError(
             "prefix trees run on one process; a pipeline stage (apply_pp) does not take them yet"
         )
-    if getattr(model, "_prefixflow_moe", None) is not None:  # before the hooks: MoE registers some too
-        raise ValueError("prefix trees do not replay MoE routing yet; train a dense model")
+    if tree.routing is not None and getattr(model, "_prefixflow_moe", None) is None:
+        raise ValueError("tree.routing replays MoE expert choices, but this model has no MoE layers")
     for hook in hooks_of(model).hooks:
         if not hook.runs_trees:
             raise ValueError(
@@ -118,3 +118,4 @@ def _check_tree_call(model: nn.Module, tree: RolloutTree) -> None:
     adapter = adapter_for(model)
     tree.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
     tree.check_representable(compute_dtype(model))
+    hooks_of(model).check(model, tree, "prefixflow")

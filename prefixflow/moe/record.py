@@ -1,5 +1,6 @@
 """``record_routing``: the recording pass that produces a group's routing masks (what a rollout engine
-records for Rollout Routing Replay), with the prefix routed once for the whole group."""
+records for Rollout Routing Replay), with the prefix routed once for the whole group; a prefix tree's masks
+are one per node."""
 
 from __future__ import annotations
 
@@ -12,20 +13,55 @@ from ..attention import AttendWithPrefix, CapturePrefix
 from ..group import RoutingMasks
 from ..kv_cache import PrefixKVCache
 from ..layouts import build_microbatch, suffix_segments
+from ..tree import RolloutTree
 from .layers import RoutePlan
 from .schedule_hooks import moe_layers
 
 __all__ = ["record_routing"]
 
 
+def _routed(layers, tokens: torch.Tensor, forward) -> torch.Tensor:
+    """Run ``forward`` with every MoE layer recording its live choice: ``[n_layers, tokens, k]``."""
+    plans = [RoutePlan(shape=tuple(tokens.shape), record=[]) for _ in layers]
+    for layer, plan in zip(layers, plans, strict=True):
+        layer.route_plan = plan
+    try:
+        forward()
+    finally:
+        for layer in layers:
+            layer.route_plan = None
+    return torch.stack([plan.record[-1] for plan in plans])
+
+
+def _record_tree(model: nn.Module, tree: RolloutTree, layers) -> list[torch.Tensor]:
+    """One mask per node: each path's plain forward, once per path that reaches a node not recorded yet."""
+    adapter = adapter_for(model)
+    device = next(model.parameters()).device
+    masks: list[torch.Tensor | None] = [None] * tree.n_nodes
+    for i in range(tree.n):
+        nodes = tree.path_nodes(i)
+        if all(masks[j] is not None for j in nodes):
+            continue
+        tokens = tree.path_tokens(i).to(device).unsqueeze(0)
+        rows = _routed(layers, tokens, lambda t=tokens: adapter.hidden(model, t, None, final_norm=False))
+        for j in nodes:
+            start = tree.first_position[j]
+            if masks[j] is None:
+                masks[j] = rows[:, start : start + tree.node_len(j)].cpu()
+    return masks
+
+
 @torch.no_grad()
-def record_routing(model: nn.Module, group, *, microbatch: int | None = None) -> RoutingMasks:
+def record_routing(
+    model: nn.Module, group, *, microbatch: int | None = None
+) -> RoutingMasks | list[torch.Tensor]:
     """Route ``group`` live, without gradients, and return its :class:`RoutingMasks`.
 
     The prefix ``P[:-1]`` runs once and leaves its K/V in a cache; the suffixes ``[P[-1], S_i[:-1]]`` run
     packed, ``microbatch`` responses at a time (None = all), reading it, exactly as PrefixFlow trains them.
     ``P[-1]``'s row of the prefix mask comes from the first response. Needs ``apply_prefixflow(model)``.
-    The model's load counters are not touched.
+    The model's load counters are not touched. For a :class:`~prefixflow.RolloutTree` it returns one mask per
+    node (``tree.routing``), each node routed in a plain forward of a path through it.
     """
     runtime = runtime_of(model)
     layers = moe_layers(model)
@@ -37,19 +73,13 @@ def record_routing(model: nn.Module, group, *, microbatch: int | None = None) ->
         raise ValueError(f"microbatch must be None (all responses) or an int >= 1, got {microbatch!r}")
     adapter = adapter_for(model)
     group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
+    if isinstance(group, RolloutTree):
+        return _record_tree(model, group, layers)
     device = next(model.parameters()).device
     group = group.to(device)
 
     def routed(tokens: torch.Tensor, forward) -> torch.Tensor:
-        plans = [RoutePlan(shape=tuple(tokens.shape), record=[]) for _ in layers]
-        for layer, plan in zip(layers, plans, strict=True):
-            layer.route_plan = plan
-        try:
-            forward()
-        finally:
-            for layer in layers:
-                layer.route_plan = None
-        return torch.stack([plan.record[-1] for plan in plans])  # [n_layers, tokens, k]
+        return _routed(layers, tokens, forward)
 
     cache = PrefixKVCache()
     try:

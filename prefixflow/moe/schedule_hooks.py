@@ -14,6 +14,9 @@ baseline microbatch          per sequence ``[P, S_i[:-1]]``: prefix mask + its s
 So both systems replay the same expert ids for the same logical tokens, and count every prefix token ``N``
 times (logical prefix-token accounting), which keeps the load counters and the auxiliary balance loss
 identical. Pads are routed live (their output reaches nothing) and count 0.
+
+A prefix tree (``RolloutTree.routing``: one mask per node) replays per row (:mod:`.tree_routing`): each row
+reads the masks of the nodes it holds, and a token counts once per full sequence (path) that feeds it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from torch import nn
 
 from ..group import RoutingMasks, check_routing_masks
 from ..hooks import ScheduleHooks
+from ..tree import RolloutTree
+from . import tree_routing
 from .layers import ReplayMoE, RoutePlan
 
 __all__ = ["MoEScheduleHooks", "moe_layers"]
@@ -38,6 +43,8 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 class MoEScheduleHooks(ScheduleHooks):
     """Routing replay, logical token accounting and the auxiliary balance loss for both systems.
     Registered by :func:`prefixflow.moe.apply_moe`; reads its ``config`` (a :class:`MoEConfig`)."""
+
+    runs_trees = True
 
     def __init__(self, config) -> None:
         self.config = config
@@ -54,9 +61,12 @@ class MoEScheduleHooks(ScheduleHooks):
         layers = moe_layers(model)
         routing = group.routing
         if routing is not None:
-            check_routing_masks(routing, group.prompt_len, group.response_lens)  # also if set after __init__
             router = layers[0].router
-            routing.check_model(_moe_count(layers), router.num_experts, router.top_k)
+            if isinstance(group, RolloutTree):
+                tree_routing.check(group, _moe_count(layers), router.num_experts, router.top_k)
+            else:
+                check_routing_masks(routing, group.prompt_len, group.response_lens)  # also if set later
+                routing.check_model(_moe_count(layers), router.num_experts, router.top_k)
             if self.config.capacity_factor is not None:
                 raise ValueError(
                     f"MoEConfig.capacity_factor={self.config.capacity_factor} drops tokens depending on the "
@@ -74,7 +84,8 @@ class MoEScheduleHooks(ScheduleHooks):
     @contextlib.contextmanager
     def group(self, model, group, system):
         self.layers, self.group_, self.system = moe_layers(model), group, system
-        self.routing = _routing_of(group.routing, self.layers)
+        tree = isinstance(group, RolloutTree)
+        self.routing = group.routing if tree else _routing_of(group.routing, self.layers)
         self.aux_coef = self._aux_coefficients(group) if self.config.aux_loss_coef else None
         self.aux_terms, self.aux_loss = [], 0.0
         try:
@@ -86,7 +97,7 @@ class MoEScheduleHooks(ScheduleHooks):
 
     @contextlib.contextmanager
     def phase(self, name):
-        if name not in ("A", "C"):
+        if name not in ("A", "C") or isinstance(self.group_, RolloutTree):  # a tree plans per row
             yield
             return
         plans = self._set(self._prefix_plan())
@@ -99,7 +110,12 @@ class MoEScheduleHooks(ScheduleHooks):
 
     @contextlib.contextmanager
     def microbatch(self, mb):
-        self._set(self._microbatch_plan(mb))
+        if mb.tree_rows is not None:
+            experts, weight = tree_routing.plan(self.routing, mb, len(self.layers))
+            plans = self._plans(experts, weight)
+        else:
+            plans = self._microbatch_plan(mb)
+        self._set(plans)
         try:
             yield
         finally:
@@ -187,6 +203,11 @@ class MoEScheduleHooks(ScheduleHooks):
         the ``T`` logical tokens of the N full sequences (the prefix counted N times)."""
         routing, router = self.routing, self.layers[0].router
         num_experts, k = router.num_experts, router.top_k
+        if isinstance(group, RolloutTree):
+            return [
+                self.config.aux_loss_coef * num_experts * fraction
+                for fraction in tree_routing.fractions(group, routing, num_experts, k)
+            ]
         tokens = group.n * group.prompt_len + sum(n - 1 for n in group.response_lens)
         coefs = []
         for layer in range(routing.n_layers):

@@ -166,16 +166,6 @@ def test_trees_refuse_hooks_that_do_not_take_them_in_one_line():
         pf.train_group(model, tree)
 
 
-def test_trees_refuse_moe_models_naming_the_routing():
-    from support.moe import tiny_moe
-
-    tree = pf.build_tree([t(1, 2, 3), t(1, 2, 4)], [1.0, -1.0])
-    with pytest.raises(
-        ValueError, match=r"^prefix trees do not replay MoE routing yet; train a dense model$"
-    ):
-        pf.train_group(tiny_moe(), tree)
-
-
 def test_train_step_on_one_process_trains_trees_and_groups_like_train_group():
     from prefixflow.parallel.dp import train_step
 
