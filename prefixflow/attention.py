@@ -241,13 +241,22 @@ class AttendWithAncestors:
     :class:`~prefixflow.kv_cache.PrefixKVCache` that keeps this forward's live K/V (Phase A); None in Phase B
     and when a checkpointed node block recomputes in Phase C. ``sequence``: the microbatch's sequence
     exchange when its tokens are spread over ranks (the mask then has this rank's query rows; a node captures
-    its own K/V shard). ``read`` may have ``begin()``/``end()``, called around the phase's forward.
+    its own K/V shard). ``read`` may have ``begin()``/``end()``, called around the phase's forward, and
+    ``states(layer, parents)`` (recurrent layers: each row's parent node's end state). ``rows``: the
+    microbatch's tree rows (``Microbatch.tree_rows``), in row/packing order.
     """
 
     def __init__(
-        self, read, mask: torch.Tensor | None, capture: PrefixKVCache | None = None, *, sequence=None
+        self,
+        read,
+        mask: torch.Tensor | None,
+        capture: PrefixKVCache | None = None,
+        *,
+        sequence=None,
+        rows: tuple = (),
     ) -> None:
         self.read, self.mask, self.capture, self.sequence = read, mask, capture, sequence
+        self.rows = rows
 
     def bind(self, wrappers: list[PrefixAwareAttention]) -> None:
         if hasattr(self.read, "begin"):

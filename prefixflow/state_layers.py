@@ -26,7 +26,14 @@ import weakref
 import torch
 from torch import nn
 
-from .attention import AttendWithPrefix, AttentionState, CapturePrefix, MaskedAttention, PrefixCaptured
+from .attention import (
+    AttendWithAncestors,
+    AttendWithPrefix,
+    AttentionState,
+    CapturePrefix,
+    MaskedAttention,
+    PrefixCaptured,
+)
 
 __all__ = ["StateRule", "StatefulLayer", "register_state_rule", "state_rule_for", "segment_lengths"]
 
@@ -109,11 +116,16 @@ class StatefulLayer:
             initial, mask = mode.cache.states.read(self.layer), mode.mask
         elif isinstance(mode, MaskedAttention):
             mask = mode.mask
+        elif isinstance(mode, AttendWithAncestors):  # a prefix tree: each row starts at its parent's end
+            parents = [r.ancestors[-1] if r.ancestors else None for r in mode.rows]
+            initial, mask = mode.read.states(self.layer, parents), mode.mask
+            if mode.capture is not None:
+                capture = mode.capture.states
         else:
             raise ValueError(
                 f"a {self.layer_type} layer ({type(module).__name__}) does not run under "
-                f"{type(mode).__name__}: recurrent states are carried by PrefixFlow's flat-group phases and "
-                "the baseline only (not yet by prefix trees or PrefixGrouper's packed prefix)"
+                f"{type(mode).__name__}: recurrent states are carried by PrefixFlow's phases (flat groups and "
+                "prefix trees) and the baseline only (not by PrefixGrouper's packed prefix)"
             )
         lengths = _segments(mask, hidden)
         if lengths is None:
@@ -124,7 +136,7 @@ class StatefulLayer:
             out = torch.cat([out[i, :n] for i, n in enumerate(lengths)]).unsqueeze(0)
         if capture is not None:
             capture.capture(self.layer, final)
-            if self.layer == mode.stop_after:
+            if isinstance(mode, CapturePrefix) and self.layer == mode.stop_after:
                 raise PrefixCaptured
         return out
 

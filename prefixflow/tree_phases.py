@@ -42,8 +42,9 @@ class AncestorKV:
     :class:`~prefixflow.kv_cache.PrefixView`: its own leaves, or gathered from the CP ranks' shards), or None.
     ``begin``/``end`` bracket one forward (a view may prefetch the next layer)."""
 
-    def __init__(self, caches: list[PrefixKVCache]) -> None:
+    def __init__(self, caches: list[PrefixKVCache], nodes: list[int]) -> None:
         self.caches = caches
+        self.by_node = dict(zip(nodes, caches, strict=True))
 
     def begin(self) -> None:
         for cache in self.caches:
@@ -52,6 +53,21 @@ class AncestorKV:
     def end(self) -> None:
         for cache in self.caches:
             cache.view.end()
+
+    def states(self, layer: int, parents: list[int | None]) -> dict[str, torch.Tensor] | None:
+        """A recurrent layer's start state per row (``[rows, ...]``): the end state of the row's parent node
+        (its detached leaves, so the gradient accumulates there), zero for a row with no parent; None when no
+        row has one."""
+        reads = [None if p is None else self.by_node[p].states.read(layer) for p in parents]
+        known = [r for r in reads if r is not None]
+        if not known:
+            return None
+        return {
+            name: torch.cat(
+                [known[0][name].new_zeros(known[0][name].shape) if r is None else r[name] for r in reads]
+            )
+            for name in known[0]
+        }
 
     def __call__(self, layer: int, dtype: torch.dtype):
         if not self.caches:
@@ -90,7 +106,7 @@ class NodeCaches:
         self.plan.peak_cache_bytes = max(self.plan.peak_cache_bytes, sum(c.nbytes() for c in live))
 
     def reader(self, nodes: list[int]) -> AncestorKV:
-        return AncestorKV([self.caches[j] for j in nodes])
+        return AncestorKV([self.caches[j] for j in nodes], nodes)
 
     def score(self, j: int, mb: Microbatch, logp: torch.Tensor) -> None:
         """Keep node ``j``'s log-probs of this rank's scored tokens (``mb.token_ids``: their score index)."""
@@ -213,7 +229,7 @@ def node_forwards(run, caches: NodeCaches, wave: TreeWave) -> None:
         mb = run.hooks.shard(mb)
         caches.rows[j] = (mb, keys)
         mode = AttendWithAncestors(
-            caches.reader(keys), mb.mask, capture=caches.caches[j], sequence=mb.sequence
+            caches.reader(keys), mb.mask, capture=caches.caches[j], sequence=mb.sequence, rows=mb.tree_rows
         )
         with _node_clock(run, j, "A"):
             with attention_mode(run, mode), run.hooks.microbatch(mb), offloading(caches.offloads.get(j)):
@@ -232,7 +248,7 @@ def leaf_microbatches(run, caches: NodeCaches, wave: TreeWave) -> float:
         mb, keys = tree_microbatch(tree, [plan.leaf_rows[i] for i in chunk], run.layout, run.device)
         plan.trunk_tokens += mb.n_tokens
         mb = dataclasses.replace(run.hooks.shard(mb), shared_logprobs=caches.shared(plan, chunk))
-        return mb, AttendWithAncestors(caches.reader(keys), mb.mask, sequence=mb.sequence)
+        return mb, AttendWithAncestors(caches.reader(keys), mb.mask, sequence=mb.sequence, rows=mb.tree_rows)
 
     total = run.stage.microbatches(run, build, wave.chunks)
     rest = wave.leafless
@@ -262,7 +278,7 @@ def node_backwards(run, caches: NodeCaches, wave: TreeWave) -> None:
             # must reach the same sequence exchanges (the last layer's is reached only through the scores).
             roots.append(caches.live[j])
             grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
-        recompute = AttendWithAncestors(caches.reader(keys), mb.mask, sequence=mb.sequence)
+        recompute = AttendWithAncestors(caches.reader(keys), mb.mask, sequence=mb.sequence, rows=mb.tree_rows)
         if j in caches.offloads:
             caches.offloads[j].prefetch()
         with _node_clock(run, j, "C"), attention_mode(run, recompute), run.hooks.prefix_backward():

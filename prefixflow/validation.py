@@ -113,8 +113,17 @@ def _check_tree_call(model: nn.Module, tree: RolloutTree) -> None:
     if is_compiled(model):
         raise ValueError("prefix trees do not run compiled blocks yet; drop apply_compile for trees")
     if runtime.state.state_layers:
-        kinds = sorted({layer.layer_type for layer in runtime.state.state_layers})
-        raise ValueError(f"prefix trees do not carry recurrent states yet; this model has {kinds} layers")
+        short = [
+            j
+            for j in range(tree.n_nodes)
+            if tree.node_len(j) == 1 and tree.parents[j] >= 0 and tree.children[j]
+        ]
+        if short:
+            raise ValueError(
+                f"node {short[0]} is one token long and has children: a recurrent layer cannot keep its end "
+                "state after one token run from its parent's state yet; build the tree with "
+                "build_tree(..., min_shared_tokens=2)"
+            )
     adapter = adapter_for(model)
     tree.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
     tree.check_representable(compute_dtype(model))

@@ -40,15 +40,22 @@ def test_granite_logits_scaling_is_refused():
         pf.apply_prefixflow(granite_hybrid(("mamba", "attention"), logits_scaling=4.0))
 
 
-def test_tree_is_refused_naming_the_layer_type():
+def test_a_group_with_masks_inside_responses_trains_as_its_tree(monkeypatch):
+    """Tool output inside a response (``loss_masks``) on a hybrid: the group trains as its tree, and both
+    systems agree to 1e-9 (fp64 kernels)."""
+    from support.hybrid import fp64_kernels, worst_grad
+
+    fp64_kernels(monkeypatch)
     model = qwen3_5((LIN, FULL))
     pf.apply_prefixflow(model)
     group = pf.synthetic_group(VOCAB, 5, [3, 4], seed=1)
     masks = [torch.tensor([True, False, True]), torch.ones(4, dtype=torch.bool)]
     tree = pf.RolloutGroup(group.prompt, group.responses, group.advantages, loss_masks=masks)
-    with pytest.raises(ValueError, match=r"recurrent states.*linear_attention"):
-        pf.train_group(model, tree)
-    assert all(p.grad is None for p in model.parameters())
+    want = pf.train_group(model, tree, system="baseline").loss
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    got = pf.train_group(model, tree, layout="packed", microbatch=1).loss
+    assert abs(got - want) <= 1e-9 * abs(want) and worst_grad(model, grads)[0] <= 1e-9
 
 
 def test_build_hf_model_names():
