@@ -194,3 +194,51 @@ register_contender(
 register_contender(
     "prefixflow_pp_barrier", lambda: ParallelScheduleVariant("prefixflow_pp_barrier", pp_switching="barrier")
 )
+
+
+class TreePeerContender:
+    """A peer on prefix trees (``harness.peers``): one tree in one process, on the PrefixFlow-wrapped model
+    (the baseline's kernels) and ``prefixflow.loss``. ``tree_mask`` packs each microbatch of paths once under a
+    tree mask; ``dfs_relay`` walks the tree one path at a time; ``prefixflow_flat`` is PrefixFlow sharing only
+    the paths' longest common prefix. ``baseline`` and ``prefixflow`` take trees through ``train_group``."""
+
+    cost_model = None
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def attention_variant(self, device) -> None:
+        return None
+
+    def prepare(self, model: nn.Module, cell: Any) -> nn.Module:
+        from prefixflow import apply_prefixflow
+
+        if getattr(cell, "world_size", 1) != 1 or getattr(cell, "groups_per_step", 1) != 1:
+            raise ValueError(f"system {self.name!r} runs one tree in one process")
+        return apply_prefixflow(model, prefixflow_config(cell))
+
+    def step(self, model: nn.Module, groups: list, cell: Any, observer: Any) -> Any:
+        from prefixflow import RolloutTree
+
+        (tree,) = groups
+        if not isinstance(tree, RolloutTree):  # a flat group: its depth-1 tree
+            tree = tree.as_tree()
+        if self.name == "tree_mask":
+            from harness.peers.tree_mask import train_tree_mask
+
+            return train_tree_mask(model, tree, microbatch=cell.microbatch, loss=cell.loss, observer=observer)
+        if self.name == "dfs_relay":
+            from harness.peers.dfs_relay import train_dfs_relay
+
+            return train_dfs_relay(model, tree, loss=cell.loss, observer=observer)
+        from harness.peers.tree_flat import flatten_tree
+        from prefixflow import train_group
+
+        return train_group(
+            model, flatten_tree(tree), system="prefixflow", layout=cell.layout, microbatch=cell.microbatch,
+            loss=cell.loss, observer=observer,
+        )  # fmt: skip
+
+
+for _name in ("tree_mask", "dfs_relay", "prefixflow_flat"):
+    register_contender(_name, lambda _n=_name: TreePeerContender(_n))

@@ -77,9 +77,15 @@ class _Shape(BaseModel):
         seqs, masks = [], []
         for parts, trained in paths:
             seqs.append(torch.cat(parts))
-            masks.append(torch.cat([torch.full((p.numel(),), t) for p, t in zip(parts, trained, strict=True)]))
+            masks.append(
+                torch.cat([torch.full((p.numel(),), t) for p, t in zip(parts, trained, strict=True)])
+            )
         adv = torch.randn(len(seqs), generator=gen, dtype=torch.float64)
         return Workload(seqs, masks, adv, self.label)
+
+
+def _nominal(trunk: int, longest: int, paths: int) -> tuple[int, int, int]:
+    return trunk, max(1, longest - trunk), paths
 
 
 class AgenticShape(_Shape):
@@ -98,6 +104,13 @@ class AgenticShape(_Shape):
             f"agentic s{self.system_len} t{self.turns} a{self.assistant_len} r{self.reply_len} "
             f"b{self.branch}@{at}"
         )
+
+    def nominal(self) -> tuple[int, int, int]:
+        """(shared trunk, longest path minus the trunk, paths) from the parameters alone."""
+        at = sorted(t for t in set(self.branch_at) if t < self.turns)
+        trunk = self.system_len + (at[0] if at else self.turns) * (self.assistant_len + self.reply_len)
+        longest = self.system_len + self.turns * (self.assistant_len + self.reply_len)
+        return _nominal(trunk, longest, self.branch ** len(at))
 
     def generate(self, vocab: int) -> Workload:
         draw, gen = self._draw(vocab)
@@ -124,6 +137,11 @@ class SearchShape(_Shape):
     @property
     def label(self) -> str:
         return f"search p{self.prompt_len} d{self.depth} b{self.branch} seg{self.segment_len}"
+
+    def nominal(self) -> tuple[int, int, int]:
+        return _nominal(
+            self.prompt_len, self.prompt_len + self.depth * self.segment_len, self.branch**self.depth
+        )
 
     def generate(self, vocab: int) -> Workload:
         draw, gen = self._draw(vocab)
@@ -155,13 +173,20 @@ class SharedContextShape(_Shape):
             f"n{self.responses} r{self.response_len}"
         )
 
+    def nominal(self) -> tuple[int, int, int]:
+        longest = self.context_len + self.prompt_len + self.response_len
+        return _nominal(self.context_len, longest, self.prompts * self.responses)
+
     def generate(self, vocab: int) -> Workload:
         draw, gen = self._draw(vocab)
         context = draw(self.context_len)
         out = []
         for _ in range(self.prompts):
             prompt = draw(self.prompt_len)
-            out += [([context, prompt, draw(self.response_len)], [False, False, True]) for _ in range(self.responses)]
+            out += [
+                ([context, prompt, draw(self.response_len)], [False, False, True])
+                for _ in range(self.responses)
+            ]
         return self._finish(out, gen)
 
 
@@ -174,6 +199,9 @@ class FlatShape(_Shape):
     @property
     def label(self) -> str:
         return f"flat p{self.prompt_len} n{self.n} r{self.response_len}"
+
+    def nominal(self) -> tuple[int, int, int]:
+        return _nominal(self.prompt_len, self.prompt_len + self.response_len, self.n)
 
     def generate(self, vocab: int) -> Workload:
         draw, gen = self._draw(vocab)

@@ -152,7 +152,9 @@ class _Relay:
                 roots.append(live_logp)
                 grads.append(leaf.grad)
         if roots:
-            torch.autograd.backward(roots, [torch.ones_like(r) if g is None else g for r, g in zip(roots, grads, strict=True)])
+            torch.autograd.backward(
+                roots, [torch.ones_like(r) if g is None else g for r, g in zip(roots, grads, strict=True)]
+            )
         self.deposit(made)
         self.kv.pop(j, None)
         self.dkv.pop(j, None)

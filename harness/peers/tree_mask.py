@@ -46,7 +46,9 @@ def pack_paths(inp, paths: list[int]):
     for j in nodes:
         for a in tree.ancestors(j):
             sees[local[j], local[a]] = True
-    node_of = torch.repeat_interleave(torch.arange(len(nodes)), torch.tensor([tree.node_len(j) for j in nodes]))
+    node_of = torch.repeat_interleave(
+        torch.arange(len(nodes)), torch.tensor([tree.node_len(j) for j in nodes])
+    )
     q = torch.arange(at)
     same = node_of.view(-1, 1) == node_of.view(1, -1)
     mask = sees[node_of][:, node_of] | (same & (q.view(-1, 1) >= q.view(1, -1)))
@@ -57,7 +59,9 @@ def pack_paths(inp, paths: list[int]):
                   for node, k, slot in plan.shared[i]]  # fmt: skip
         if (row := plan.leaf_rows.get(i)) is not None:
             leaf = tree.path_ends[i]
-            scored += [(start[leaf] + c, t, s) for c, t, s in zip(row.cols, row.targets, row.slots, strict=True)]
+            scored += [
+                (start[leaf] + c, t, s) for c, t, s in zip(row.cols, row.targets, row.slots, strict=True)
+            ]
         for pos, target, slot in scored:
             entries.append((index.setdefault((pos, target), len(index)), i, slot))
     rows = [p for p, _ in index]
