@@ -90,6 +90,15 @@ class TrainGroupContender:
 
         return PrefixFlowConfig(attention=self.attention).attention_for(device)
 
+    def layout_for(self, group: Any, cell: Any) -> str:
+        """The cell's layout; on a tree the baseline always runs its paths padded: they share nothing, and
+        its packed layout is one dense masked SDPA over the whole pack (docs/trees-practice.md)."""
+        from prefixflow import RolloutTree
+
+        if self.library_system == "baseline" and isinstance(group, RolloutTree):
+            return "padded"
+        return cell.layout
+
     def prepare(self, model: nn.Module, cell: Any) -> nn.Module:
         from prefixflow import PrefixFlowConfig, apply_prefixflow
 
@@ -119,7 +128,7 @@ class TrainGroupContender:
             model,
             groups[0],
             system=self.library_system,
-            layout=cell.layout,
+            layout=self.layout_for(groups[0], cell),
             microbatch=cell.microbatch,
             loss=cell.loss,
             observer=observer,
@@ -200,7 +209,8 @@ class TreePeerContender:
     """A peer on prefix trees (``harness.peers``): one tree in one process, on the PrefixFlow-wrapped model
     (the baseline's kernels) and ``prefixflow.loss``. ``tree_mask`` packs each microbatch of paths once under a
     tree mask; ``dfs_relay`` walks the tree one path at a time; ``prefixflow_flat`` is PrefixFlow sharing only
-    the paths' longest common prefix. ``baseline`` and ``prefixflow`` take trees through ``train_group``."""
+    the paths' longest common prefix; ``prefixflow_auto`` is PrefixFlow on the same paths rebuilt with
+    ``build_tree(min_shared_tokens="auto")``. ``baseline`` and ``prefixflow`` take trees through ``train_group``."""
 
     cost_model = None
 
@@ -231,14 +241,15 @@ class TreePeerContender:
             from harness.peers.dfs_relay import train_dfs_relay
 
             return train_dfs_relay(model, tree, loss=cell.loss, observer=observer)
-        from harness.peers.tree_flat import flatten_tree
+        from harness.peers.tree_flat import flatten_tree, rebuild_tree
         from prefixflow import train_group
 
+        shaped = rebuild_tree(tree, "auto") if self.name == "prefixflow_auto" else flatten_tree(tree)
         return train_group(
-            model, flatten_tree(tree), system="prefixflow", layout=cell.layout, microbatch=cell.microbatch,
+            model, shaped, system="prefixflow", layout=cell.layout, microbatch=cell.microbatch,
             loss=cell.loss, observer=observer,
         )  # fmt: skip
 
 
-for _name in ("tree_mask", "dfs_relay", "prefixflow_flat"):
+for _name in ("tree_mask", "dfs_relay", "prefixflow_flat", "prefixflow_auto"):
     register_contender(_name, lambda _n=_name: TreePeerContender(_n))

@@ -8,7 +8,7 @@ three-phase schedule on it."""
 
 from __future__ import annotations
 
-__all__ = ["common_prefix_len", "flatten_tree"]
+__all__ = ["common_prefix_len", "flatten_tree", "rebuild_tree"]
 
 
 def common_prefix_len(tree) -> int:
@@ -44,3 +44,13 @@ def flatten_tree(tree):
     return RolloutTree(
         segments, parents, ends, tree.advantages, tree.loss_masks, tree.old_logprobs, tree.ref_logprobs
     )
+
+
+def rebuild_tree(tree, min_shared_tokens):
+    """``tree``'s paths (tokens, masks, advantages, log-probs) through ``prefixflow.build_tree`` again."""
+    from prefixflow import build_tree
+
+    return build_tree(
+        [tree.path_tokens(i) for i in range(tree.n)], tree.advantages, loss_masks=list(tree.loss_masks),
+        old_logprobs=tree.old_logprobs, ref_logprobs=tree.ref_logprobs, min_shared_tokens=min_shared_tokens,
+    )  # fmt: skip

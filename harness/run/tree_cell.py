@@ -141,7 +141,8 @@ def run_tree_cell(cell: Cell) -> list[dict[str, Any]]:
             rec.update(status="ok", error=None, **step_time_columns(samples[name]))
             rec.update(memory_columns(memory.get(name), samples[name], cell))
             rec.update(
-                loss=float(st.loss), n_microbatches=st.n_microbatches, prefix_tokens=st.prefix_tokens,
+                loss=float(st.loss), layout_run=st.layout, n_microbatches=st.n_microbatches,
+                prefix_tokens=st.prefix_tokens,
                 suffix_tokens=st.suffix_tokens, trunk_tokens=st.trunk_tokens,
                 level_times=_median_levels(levels[name]),
                 phase_full_s=statistics.median(s["phase_times_s"].get("full", float("nan")) for s in samples[name]),

@@ -15,7 +15,7 @@ from harness.contenders import get_contender
 from harness.peers import dfs_relay as relay_mod
 from harness.peers import tree_mask as mask_mod
 from harness.peers.dfs_relay import train_dfs_relay
-from harness.peers.tree_flat import common_prefix_len, flatten_tree
+from harness.peers.tree_flat import common_prefix_len, flatten_tree, rebuild_tree
 from harness.peers.tree_mask import train_tree_mask
 from harness.workloads import AgenticShape, FlatShape, SearchShape, SharedContextShape
 
@@ -29,6 +29,7 @@ PEERS = {
         m, flatten_tree(t), layout="packed", microbatch=2, **kw
     ),
     "prefixflow": lambda m, t, **kw: pf.train_group(m, t, layout="packed", microbatch=2, **kw),
+    "prefixflow_auto": lambda m, t, **kw: pf.train_group(m, rebuild_tree(t, "auto"), microbatch=2, **kw),
 }
 
 
@@ -136,6 +137,6 @@ def test_contenders_take_flat_groups_and_trees():
         microbatch, loss, layout = None, "pg", "packed"
 
     want_loss, want = run(model, lambda: pf.train_group(model, group, system="baseline"))
-    for name in ("tree_mask", "dfs_relay", "prefixflow_flat"):
+    for name in ("tree_mask", "dfs_relay", "prefixflow_flat", "prefixflow_auto"):
         got_loss, got = run(model, lambda n=name: get_contender(n).step(model, [group], Cell, None))
         assert abs(got_loss - want_loss) <= TOL and max_rel_diff(got, want) <= TOL, name

@@ -52,13 +52,20 @@ def test_shapes_are_seeded_and_nominal_matches_generated():
 def test_trees_spec_expands_and_smoke_preset():
     spec = load_spec(SPEC)
     cells = expand(spec)
-    assert len(cells) == 6 * 2 * 2 and {c.tree.kind for c in cells} == {
+    assert len(cells) == 6 * 2 * 3 and {c.tree.kind for c in cells} == {
         "agentic",
         "search",
         "shared_context",
         "flat",
     }
-    assert set(spec.systems) == {"baseline", "prefixflow", "prefixflow_flat", "tree_mask", "dfs_relay"}
+    assert set(spec.systems) == {
+        "baseline",
+        "prefixflow",
+        "prefixflow_auto",
+        "prefixflow_flat",
+        "tree_mask",
+        "dfs_relay",
+    }
     smoke = load_spec(SPEC, "smoke")
     assert smoke.name == "trees-smoke" and len(expand(smoke)) == 2
     assert len({c.cell_id for c in cells}) == len(cells)
@@ -94,3 +101,13 @@ def test_tree_cell_records_every_system():
     )
     assert by["prefixflow"]["level_times"] and by["baseline"]["level_times"] is None
     assert all(r["peak_mem_bytes"] > 0 and r["counted_flops"] > 0 for r in rows)
+
+
+def test_baseline_runs_a_tree_padded_whatever_the_cell_layout():
+    from harness.contenders import get_contender
+
+    cell = expand(load_spec(SPEC, "smoke"))[0]
+    tree = cell.tree.generate(128).tree()
+    assert cell.layout == "packed"
+    assert get_contender("baseline").layout_for(tree, cell) == "padded"
+    assert get_contender("prefixflow").layout_for(tree, cell) == "packed"
