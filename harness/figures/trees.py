@@ -17,7 +17,7 @@ import pandas as pd
 from .common import MIB, SkipFigure, mark_revisions, save, theme
 
 __all__ = ["TREE_SYSTEMS", "tree_frame", "tree_best", "tree_pareto", "tree_speedup", "tree_time_memory",
-           "tree_tables"]  # fmt: skip
+           "tree_tables", "tree_vs_flat"]  # fmt: skip
 
 TREE_SYSTEMS = ("prefixflow", "prefixflow_auto", "prefixflow_flat", "tree_mask", "dfs_relay", "baseline")
 PEERS = ("baseline", "prefixflow_flat", "tree_mask", "dfs_relay")
@@ -96,6 +96,21 @@ def tree_pareto(df: pd.DataFrame) -> pd.DataFrame:
     return agg.reset_index()
 
 
+def tree_vs_flat(df: pd.DataFrame) -> pd.DataFrame:
+    """Per shape: PrefixFlow on the tree against flat PrefixFlow measured in the same cell (``prefixflow_flat``
+    step / ``prefixflow`` step), the median and best over the shape's cells."""
+    m = tree_frame(df)
+    if m.empty:
+        return m
+    t = m.pivot_table(index=["workload_label", "cell_id"], columns="system", values="step_time_s")
+    if not {"prefixflow", "prefixflow_flat"} <= set(t.columns):
+        return pd.DataFrame()
+    ratio = (t["prefixflow_flat"] / t["prefixflow"]).rename("ratio").reset_index()
+    shape = m.groupby("workload_label")[["tree_levels", "tree_shared_fraction"]].first()
+    out = ratio.groupby("workload_label")["ratio"].agg(median="median", best="max", cells="size")
+    return shape.join(out).reset_index()
+
+
 def tree_speedup(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     best = tree_best(df)
     if best.empty:
@@ -163,6 +178,9 @@ def tree_tables(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     paths += _write(
         out_dir, "trees_best", best, "Best configuration per shape and system (speedup: same cell)"
     )
+    flat = tree_vs_flat(df)
+    if not flat.empty:
+        paths += _write(out_dir, "trees_vs_flat", flat, "PrefixFlow trees vs flat PrefixFlow, same cell")
     pareto = tree_pareto(df)
     if not pareto.empty:
         paths += _write(

@@ -52,7 +52,7 @@ def test_shapes_are_seeded_and_nominal_matches_generated():
 def test_trees_spec_expands_and_smoke_preset():
     spec = load_spec(SPEC)
     cells = expand(spec)
-    assert len(cells) == 6 * 2 * 3 and {c.tree.kind for c in cells} == {
+    assert len(cells) == 7 * 2 * 3 and {c.tree.kind for c in cells} == {
         "agentic",
         "search",
         "shared_context",
@@ -111,3 +111,20 @@ def test_baseline_runs_a_tree_padded_whatever_the_cell_layout():
     assert cell.layout == "packed"
     assert get_contender("baseline").layout_for(tree, cell) == "padded"
     assert get_contender("prefixflow").layout_for(tree, cell) == "packed"
+
+
+def test_smoke_preset_sweeps_through_the_cli(tmp_path):
+    """CI: `pf-bench sweep experiments/trees.yaml --preset smoke` records every cell ok, then figures draw."""
+    from typer.testing import CliRunner
+
+    from harness.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "results"
+    args = ["sweep", SPEC, "--preset", "smoke", "--out", str(out), "--executor", "debug"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert len(list((out / "trees-smoke").glob("*.parquet"))) == 2
+    res = runner.invoke(app, ["figures", "--results", str(out), "--out", str(tmp_path / "fig")])
+    assert res.exit_code == 0, res.output
+    assert {"trees_speedup.png", "trees_time_memory.png"} <= {p.name for p in (tmp_path / "fig").iterdir()}
