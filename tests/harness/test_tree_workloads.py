@@ -52,7 +52,7 @@ def test_shapes_are_seeded_and_nominal_matches_generated():
 def test_trees_spec_expands_and_smoke_preset():
     spec = load_spec(SPEC)
     cells = expand(spec)
-    assert len(cells) == 7 * 2 * 3 and {c.tree.kind for c in cells} == {
+    assert len(cells) == 7 * 2 * 3 + 7 and {c.tree.kind for c in cells} == {
         "agentic",
         "search",
         "shared_context",
