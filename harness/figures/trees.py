@@ -24,8 +24,11 @@ PEERS = ("baseline", "prefixflow_flat", "tree_mask", "dfs_relay")
 
 
 def _config(r) -> str:
+    """``layout b=microbatch``, with ``+offload`` where a PrefixFlow system ran with PrefixFlowConfig.offload
+    (the cell's other systems ignore the flag)."""
     mb = "all" if pd.isna(r["microbatch"]) else str(int(r["microbatch"]))
-    return f"{r['layout']} b={mb}"
+    off = " +offload" if bool(r.get("offload", False)) and str(r["system"]).startswith("prefixflow") else ""
+    return f"{r['layout']} b={mb}{off}"
 
 
 def tree_frame(df: pd.DataFrame) -> pd.DataFrame:
@@ -107,7 +110,7 @@ def tree_vs_flat(df: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     ratio = (t["prefixflow_flat"] / t["prefixflow"]).rename("ratio").reset_index()
     shape = m.groupby("workload_label")[["tree_levels", "tree_shared_fraction"]].first()
-    out = ratio.groupby("workload_label")["ratio"].agg(median="median", best="max", cells="size")
+    out = ratio.groupby("workload_label")["ratio"].agg(median="median", best="max", cells="count")
     return shape.join(out).reset_index()
 
 

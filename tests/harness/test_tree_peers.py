@@ -140,3 +140,16 @@ def test_contenders_take_flat_groups_and_trees():
     for name in ("tree_mask", "dfs_relay", "prefixflow_flat", "prefixflow_auto"):
         got_loss, got = run(model, lambda n=name: get_contender(n).step(model, [group], Cell, None))
         assert abs(got_loss - want_loss) <= TOL and max_rel_diff(got, want) <= TOL, name
+
+
+if __name__ == "__main__":  # the worst gap per peer over both families (docs/trees-practice.md)
+    worst = dict.fromkeys(PEERS, 0.0)
+    cases = [(1, 4, "pg"), (2, 3, "grpo"), (3, 2, "pg"), (4, 2, "grpo")]
+    for family in ("llama3", "qwen3"):
+        model = tiny_model(family)
+        trees = [(random_tree(d * 10 + b, d, b, grpo=loss == "grpo"), loss) for d, b, loss in cases]
+        trees += [(shape.generate(97).tree(), "pg") for shape in SHAPES]
+        for tree, loss in trees:
+            for peer in PEERS:
+                worst[peer] = max(worst[peer], *gap(model, tree, peer, loss))
+    print({peer: f"{v:.1e}" for peer, v in worst.items()})
