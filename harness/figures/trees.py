@@ -93,7 +93,7 @@ def tree_pareto(df: pd.DataFrame) -> pd.DataFrame:
     if out.empty:
         return out
     agg = out.groupby(["shape", "peer"]).agg(
-        configs=("ok", "size"), dominated=("ok", "sum"), worst_peer_s=("peer_s", "min"),
+        configs=("ok", "size"), dominated=("ok", "sum"), best_peer_s=("peer_s", "min"),
         peer_peak_mib=("peer_peak_mib", "min"),
     )  # fmt: skip
     return agg.reset_index()
