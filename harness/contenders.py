@@ -236,6 +236,11 @@ class TreePeerContender:
         if self.name == "tree_mask":
             from harness.peers.tree_mask import train_tree_mask
 
+            if cell.microbatch == "auto":
+                raise ValueError(
+                    "tree_mask takes a fixed microbatch of paths (or null); 'auto' is PrefixFlow's"
+                )
+
             return train_tree_mask(model, tree, microbatch=cell.microbatch, loss=cell.loss, observer=observer)
         if self.name == "dfs_relay":
             from harness.peers.dfs_relay import train_dfs_relay
