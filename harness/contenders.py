@@ -90,6 +90,15 @@ class TrainGroupContender:
 
         return PrefixFlowConfig(attention=self.attention).attention_for(device)
 
+    def layout_for(self, group: Any, cell: Any) -> str:
+        """The cell's layout; on a tree the baseline always runs its paths padded: they share nothing, and
+        its packed layout is one dense masked SDPA over the whole pack (docs/trees-practice.md)."""
+        from prefixflow import RolloutTree
+
+        if self.library_system == "baseline" and isinstance(group, RolloutTree):
+            return "padded"
+        return cell.layout
+
     def prepare(self, model: nn.Module, cell: Any) -> nn.Module:
         from prefixflow import PrefixFlowConfig, apply_prefixflow
 
@@ -119,7 +128,7 @@ class TrainGroupContender:
             model,
             groups[0],
             system=self.library_system,
-            layout=cell.layout,
+            layout=self.layout_for(groups[0], cell),
             microbatch=cell.microbatch,
             loss=cell.loss,
             observer=observer,
@@ -194,3 +203,58 @@ register_contender(
 register_contender(
     "prefixflow_pp_barrier", lambda: ParallelScheduleVariant("prefixflow_pp_barrier", pp_switching="barrier")
 )
+
+
+class TreePeerContender:
+    """A peer on prefix trees (``harness.peers``): one tree in one process, on the PrefixFlow-wrapped model
+    (the baseline's kernels) and ``prefixflow.loss``. ``tree_mask`` packs each microbatch of paths once under a
+    tree mask; ``dfs_relay`` walks the tree one path at a time; ``prefixflow_flat`` is PrefixFlow sharing only
+    the paths' longest common prefix; ``prefixflow_auto`` is PrefixFlow on the same paths rebuilt with
+    ``build_tree(min_shared_tokens="auto")``. ``baseline`` and ``prefixflow`` take trees through ``train_group``."""
+
+    cost_model = None
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def attention_variant(self, device) -> None:
+        return None
+
+    def prepare(self, model: nn.Module, cell: Any) -> nn.Module:
+        from prefixflow import apply_prefixflow
+
+        if getattr(cell, "world_size", 1) != 1 or getattr(cell, "groups_per_step", 1) != 1:
+            raise ValueError(f"system {self.name!r} runs one tree in one process")
+        return apply_prefixflow(model, prefixflow_config(cell))
+
+    def step(self, model: nn.Module, groups: list, cell: Any, observer: Any) -> Any:
+        from prefixflow import RolloutTree
+
+        (tree,) = groups
+        if not isinstance(tree, RolloutTree):  # a flat group: its depth-1 tree
+            tree = tree.as_tree()
+        if self.name == "tree_mask":
+            from harness.peers.tree_mask import train_tree_mask
+
+            if cell.microbatch == "auto":
+                raise ValueError(
+                    "tree_mask takes a fixed microbatch of paths (or null); 'auto' is PrefixFlow's"
+                )
+
+            return train_tree_mask(model, tree, microbatch=cell.microbatch, loss=cell.loss, observer=observer)
+        if self.name == "dfs_relay":
+            from harness.peers.dfs_relay import train_dfs_relay
+
+            return train_dfs_relay(model, tree, loss=cell.loss, observer=observer)
+        from harness.peers.tree_flat import flatten_tree, rebuild_tree
+        from prefixflow import train_group
+
+        shaped = rebuild_tree(tree, "auto") if self.name == "prefixflow_auto" else flatten_tree(tree)
+        return train_group(
+            model, shaped, system="prefixflow", layout=cell.layout, microbatch=cell.microbatch,
+            loss=cell.loss, observer=observer,
+        )  # fmt: skip
+
+
+for _name in ("tree_mask", "dfs_relay", "prefixflow_flat", "prefixflow_auto"):
+    register_contender(_name, lambda _n=_name: TreePeerContender(_n))

@@ -10,7 +10,15 @@ import torch
 
 from .tree import RolloutTree, check_logprobs, check_loss_mask, check_tokens
 
-__all__ = ["build_tree"]
+__all__ = ["AUTO_NODE_COST_TOKENS", "build_tree"]
+
+#: ``min_shared_tokens="auto"``: a shared node's fixed cost (one more Phase-A forward and Phase-C backward, its
+#: cache and masks), in tokens of per-token work. Splitting out a node of ``l`` tokens with ``h`` heirs (its
+#: children, plus one for the paths ending at it) saves ``(h - 1) * l`` tokens of recomputation; it pays when
+#: that is at least this. Measured on CPU (Llama3, dim 128, 2 layers, fp32, one thread: the crossover of
+#: split vs merged nodes, 43 tokens; 50 at dim 64, 34 at dim 256) by ``python -m harness.peers.node_cost``
+#: (docs/trees-practice.md, "min_shared_tokens='auto'").
+AUTO_NODE_COST_TOKENS = 43
 
 
 class _Node:
@@ -29,21 +37,26 @@ def build_tree(
     *,
     old_logprobs: list[torch.Tensor] | None = None,
     ref_logprobs: list[torch.Tensor] | None = None,
-    min_shared_tokens: int = 1,
+    min_shared_tokens: int | str = 1,
 ) -> RolloutTree:
     """The prefix tree of ``sequences`` (N unpadded 1-D token tensors); path ``i`` is ``sequences[i]``.
 
     ``advantages``: N floats or a 1-D tensor. ``loss_masks``: N bool tensors of the sequences' lengths, True
     where the token is trained; None trains every token after the sequences' longest common prefix.
     ``old_logprobs``/``ref_logprobs``: N float tensors of the same lengths. A shared node shorter than
-    ``min_shared_tokens`` is not split out: its tokens go to each of its children. Duplicate sequences and a
+    ``min_shared_tokens`` is not split out: its tokens go to each of its children. ``"auto"`` (opt-in): a node
+    is split out when the work it saves pays its fixed cost, ``(heirs - 1) * tokens >=``
+    :data:`AUTO_NODE_COST_TOKENS` (heirs: its children, plus one for paths ending at it). Duplicate sequences and a
     sequence that is a prefix of another are paths ending at a shared or internal node; sequences that share
     no first token make a forest.
     """
     if isinstance(sequences, torch.Tensor) or not isinstance(sequences, (list, tuple)) or not sequences:
         raise TypeError("sequences must be a non-empty list of 1-D LongTensors (unpadded token ids)")
-    if isinstance(min_shared_tokens, bool) or not isinstance(min_shared_tokens, int) or min_shared_tokens < 1:
-        raise ValueError(f"min_shared_tokens must be an int >= 1, got {min_shared_tokens!r}")
+    auto = min_shared_tokens == "auto"
+    if not auto and (
+        isinstance(min_shared_tokens, bool) or not isinstance(min_shared_tokens, int) or min_shared_tokens < 1
+    ):
+        raise ValueError(f"min_shared_tokens must be an int >= 1 or 'auto', got {min_shared_tokens!r}")
     seqs = [check_tokens(f"sequences[{i}]", s) for i, s in enumerate(sequences)]
     lengths = [int(s.numel()) for s in seqs]
     if loss_masks is None:
@@ -56,7 +69,7 @@ def build_tree(
     ]
     old_logprobs = check_logprobs("old_logprobs", old_logprobs, lengths)
     ref_logprobs = check_logprobs("ref_logprobs", ref_logprobs, lengths)
-    roots = _merge_short(_compressed_trie(seqs), min_shared_tokens)
+    roots = _merge_short(_compressed_trie(seqs), None if auto else min_shared_tokens)
     segments, parents, path_ends = [], [], [0] * len(seqs)
     stack = [(r, -1) for r in reversed(roots)]
     while stack:  # number the nodes top-down (preorder)
@@ -114,14 +127,23 @@ def _compressed_trie(seqs: list[torch.Tensor]) -> list[_Node]:
     return roots
 
 
-def _merge_short(roots: list[_Node], min_shared: int) -> list[_Node]:
-    """Top-down: a node with children and fewer than ``min_shared`` tokens passes its tokens down to each
-    child (and to a new leaf for the paths ending at it) and disappears."""
+def _too_short(node: _Node, min_shared: int | None) -> bool:
+    """Whether ``node`` (with children) is merged into its heirs: shorter than ``min_shared`` tokens, or with
+    ``None`` ("auto") when the recomputation it saves is less than its fixed cost."""
+    if min_shared is not None:
+        return len(node.tokens) < min_shared
+    heirs = len(node.children) + bool(node.ends)
+    return (heirs - 1) * len(node.tokens) < AUTO_NODE_COST_TOKENS
+
+
+def _merge_short(roots: list[_Node], min_shared: int | None) -> list[_Node]:
+    """Top-down: a node with children that :func:`_too_short` rejects passes its tokens down to each child
+    (and to a new leaf for the paths ending at it) and disappears."""
     kept: list[_Node] = []
     stack = list(reversed(roots))
     while stack:
         node = stack.pop()
-        if node.children and len(node.tokens) < min_shared:
+        if node.children and _too_short(node, min_shared):
             heirs = list(node.children)
             if node.ends:
                 leaf = _Node([], node.parent)

@@ -78,7 +78,14 @@ PREFIXFLOW_LAYERS = [
 # import only its own layer or lower ones (function-local and TYPE_CHECKING imports included) and must not
 # form a cycle within its layer. The order reads as the pipeline: spec -> run -> execute -> sweep -> cli.
 HARNESS_LAYERS = [
-    ["harness", "harness.safe_fs", "harness.peers", "harness.costmodel", "harness.figures"],
+    [
+        "harness",
+        "harness.safe_fs",
+        "harness.peers",
+        "harness.costmodel",
+        "harness.figures",
+        "harness.workloads",
+    ],
     ["harness.records", "harness.contenders", "harness.simulate"],
     ["harness.spec"],
     ["harness.run"],

@@ -52,6 +52,7 @@ class ExecutorKind(StrEnum):
 class Preset(StrEnum):
     cpu = "cpu"
     paper = "paper"
+    smoke = "smoke"
 
 
 def _fail(msg: str, code: int = 2) -> NoReturn:

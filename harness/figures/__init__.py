@@ -22,6 +22,7 @@ from .fig10 import figure10a, figure10b, frontier_table
 from .fig11 import figure11
 from .smoke import smoke_overview
 from .tables import alignment_table, peer_table, speedup_table
+from .trees import tree_speedup, tree_tables, tree_time_memory
 
 # frontier_table stays importable from here: docs/claim4.md and notebooks/capacity_frontier.ipynb use it.
 __all__ = ["FIGURES", "frontier_table", "render_all", "render_tables"]
@@ -44,6 +45,8 @@ FIGURES: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {
     "fig10b": figure10b,
     "fig11": figure11,
     "smoke": smoke_overview,
+    "trees_speedup": tree_speedup,
+    "trees_time_memory": tree_time_memory,
 }
 
 
@@ -72,6 +75,7 @@ def render_tables(df: pd.DataFrame, out_dir: str | Path, alignment=None) -> list
     Table 3."""
     paths = _run("speedup table", speedup_table, df, Path(out_dir))
     paths += _run("PrefixGrouper table", peer_table, df, Path(out_dir))
+    paths += _run("tree tables", tree_tables, df, Path(out_dir))
     if alignment is None:
         log.info("skip table3: no alignment records given")
     else:

@@ -94,8 +94,8 @@ def frontier_mask(df: pd.DataFrame) -> pd.Series:
 
 def measured(df: pd.DataFrame) -> pd.DataFrame:
     """Successful sweep-cell records that were measured: no capacity-frontier probes, no ``pf-bench simulate``
-    rows, no rows of another kind (``record_kind`` set: e.g. Claim 2's closed-loop steps, which their own
-    figures read)."""
+    rows, no rows of another kind (``record_kind`` set: e.g. Claim 2's closed-loop steps; ``workload`` set:
+    tree cells), which their own figures read."""
     if df.empty or "status" not in df.columns:
         return df.iloc[0:0]
     ok = (df["status"] == "ok") & ~frontier_mask(df)
@@ -103,6 +103,8 @@ def measured(df: pd.DataFrame) -> pd.DataFrame:
         ok &= ~df["source"].isin(["simulated", "simulator-validation"])
     if "record_kind" in df.columns:
         ok &= df["record_kind"].isna()
+    if "workload" in df.columns:  # tree cells: their own figures (harness.figures.trees)
+        ok &= df["workload"].isna()
     return df[ok]
 
 

@@ -47,6 +47,10 @@ def measure_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] 
     refused = refusal(cell, check_memory=not memory_only)  # a capacity probe's over-budget is its answer
     if refused is not None:
         return refused
+    if cell.tree is not None:
+        from harness.run.tree_cell import run_tree_cell
+
+        return run_tree_cell(cell)
     if cell.world_size != 1 or cell.groups_per_step != 1:
         return run_parallel_step_cell(cell, memory_only=memory_only)
     return run_single_group_cell(cell, memory_only=memory_only)

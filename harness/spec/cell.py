@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from harness.workloads import TreeShape
+
 SYSTEM_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 PEAK_OF = re.compile(r"^peak:([a-z][a-z0-9_]*)$")  # a memory budget: the measured peak of another system
 MemoryBudget = int | str | None
@@ -186,6 +188,9 @@ class Cell(StrictModel):
         None  # set: this cell is a capacity-frontier search (harness.run.frontier)
     )
     alignment: AlignmentSettings | None = None  # set: this cell is a Table 3 run (harness.run.parallel_step)
+    # set: the step trains this seeded tree workload (harness.workloads; prefix_len/suffix_len/n are its
+    # nominal trunk, longest path minus the trunk, and paths) instead of a synthetic flat group
+    tree: TreeShape | None = None
 
     @field_validator("systems")
     @classmethod
@@ -218,7 +223,8 @@ class Cell(StrictModel):
     def cell_id(self) -> str:
         skip = set(NOT_IDENTITY) | ({"frontier"} if self.frontier is None else set())
         skip |= {"alignment"} if self.alignment is None else set()
-        skip |= {"memory_budget"} if self.memory_budget is None else set()  # ids of earlier cells unchanged
+        skip |= {"memory_budget"} if self.memory_budget is None else set()
+        skip |= {"tree"} if self.tree is None else set()  # ids of earlier cells unchanged
         ident = self.model_dump(mode="json", exclude=skip)
         # Layout fields enter the id only where they matter, so cells recorded before they existed keep it.
         ident["parallel"] = self.parallel.identity()

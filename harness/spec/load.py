@@ -34,7 +34,7 @@ __all__ = [
     "safe_name",
 ]
 
-PRESETS = ("cpu", "paper")
+PRESETS = ("cpu", "paper", "smoke")
 DEFAULT_MAX_CELLS = 2_000
 
 
@@ -118,9 +118,11 @@ def count_cells(spec: Spec) -> int:
         pairs = (
             len(ax.lengths)
             if ax.lengths is not None
+            else len(ax.trees)
+            if ax.trees is not None
             else len(ax.total_len or []) * len(ax.prefix_ratio or [])
         )
-        total += len(ax.models) * pairs * math.prod(len(getattr(ax, name)) for name in SWEPT)
+        total += len(ax.models) * pairs * math.prod(len(_swept_values(ax, name)) for name in SWEPT)
     return total
 
 
@@ -163,7 +165,16 @@ SWEPT = (
 
 
 def _swept_values(ax: Axes, name: str) -> list:
+    if name == "n" and ax.trees is not None:
+        return [None]  # a tree cell's paths come from its shape
     return ax.layouts() if name == "parallel" else getattr(ax, name)
+
+
+def _workloads(ax: Axes) -> list[tuple[tuple[int, int], Any]]:
+    """((prefix_len, suffix_len), tree shape or None) of each length point of a block."""
+    if ax.trees is not None:
+        return [(shape.nominal()[:2], shape) for shape in ax.trees]
+    return [(pair, None) for pair in ax.length_pairs()]
 
 
 def _expand_block(spec: Spec, ax: Axes) -> list[Cell]:
@@ -176,13 +187,15 @@ def _expand_block(spec: Spec, ax: Axes) -> list[Cell]:
         "split_threshold": ax.split_threshold,
     }
     cells = []
-    for model, (p, s), *values in itertools.product(
-        ax.models, ax.length_pairs(), *(_swept_values(ax, name) for name in SWEPT)
+    for model, ((p, s), shape), *values in itertools.product(
+        ax.models, _workloads(ax), *(_swept_values(ax, name) for name in SWEPT)
     ):
         swept = dict(zip(SWEPT, values, strict=True))
         if swept["microbatch"] != "auto":
             swept["memory_budget"] = None  # a budget only sizes "auto" microbatches (duplicates are dropped)
-        cells.append(Cell(**fixed, model=model, prefix_len=p, suffix_len=s, **swept))
+        if shape is not None:
+            swept["n"] = shape.nominal()[2]
+        cells.append(Cell(**fixed, model=model, prefix_len=p, suffix_len=s, tree=shape, **swept))
     return cells
 
 

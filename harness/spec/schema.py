@@ -24,6 +24,7 @@ from harness.spec.cell import (
     check_budget,
     check_systems,
 )
+from harness.workloads import TreeShape
 
 
 class LengthPair(StrictModel):
@@ -38,7 +39,10 @@ class Axes(StrictModel):
     lengths: list[LengthPair] | None = Field(None, min_length=1, description="explicit prefix/suffix")
     prefix_ratio: list[float] | None = Field(None, min_length=1)
     total_len: list[Count] | None = Field(None, min_length=1)
-    n: list[Count] = Field(min_length=1)
+    n: list[Count] | None = Field(None, min_length=1, description="responses per group (not with 'trees')")
+    trees: list[TreeShape] | None = Field(
+        None, min_length=1, description="tree workloads (harness.workloads), instead of lengths and n"
+    )
     suffix_spread: list[float] = Field(default_factory=lambda: [0.0], min_length=1)
     layout: list[Literal["padded", "packed"]] = Field(default_factory=lambda: ["padded"], min_length=1)
     microbatch: list[Count | Literal["auto"] | None] = Field(default_factory=lambda: [None], min_length=1)
@@ -145,6 +149,13 @@ class Axes(StrictModel):
 
     @model_validator(mode="after")
     def _one_length_form(self) -> Axes:
+        if self.trees is not None:
+            given = [k for k in ("lengths", "prefix_ratio", "total_len", "n") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"'trees' sets the lengths and paths of its cells; drop {given}")
+            return self
+        if self.n is None:
+            raise ValueError("give 'n' (responses per group), or 'trees' (tree workloads)")
         ratio_form = self.prefix_ratio is not None or self.total_len is not None
         if self.lengths is not None and ratio_form:
             raise ValueError("give either 'lengths' or 'prefix_ratio' x 'total_len', not both")
@@ -155,6 +166,8 @@ class Axes(StrictModel):
         return self
 
     def length_pairs(self) -> list[tuple[int, int]]:
+        if self.trees is not None:
+            return [shape.nominal()[:2] for shape in self.trees]
         if self.lengths is not None:
             return [(p.prefix, p.suffix) for p in self.lengths]
         pairs = []
@@ -248,7 +261,7 @@ class Spec(StrictModel):
     frontier: list[Frontier] = Field(default_factory=list, description="capacity-frontier searches")
     alignment: list[Alignment] = Field(default_factory=list, description="Table 3 runs (alignment cells)")
     executor: ExecutorSettings = Field(default_factory=ExecutorSettings)
-    presets: dict[Literal["cpu", "paper"], dict[str, Any]] = Field(default_factory=dict)
+    presets: dict[Literal["cpu", "paper", "smoke"], dict[str, Any]] = Field(default_factory=dict)
 
     @field_validator("systems")
     @classmethod

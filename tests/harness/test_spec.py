@@ -113,7 +113,7 @@ def test_ratio_that_empties_a_side_is_an_error():
 def test_preset_errors_name_the_preset_and_unknown_presets_are_rejected():
     with pytest.raises(SpecError, match=r"preset 'paper'.*\n.*axes\.n"):
         parse_spec(_spec(presets={"paper": {"axes": {"n": [-1]}}}), "x.yaml")
-    with pytest.raises(SpecError, match="'cpu' or 'paper'"):
+    with pytest.raises(SpecError, match="'cpu', 'paper' or 'smoke'"):
         parse_spec(_spec(presets={"gpu": {}}), "x.yaml")
     with pytest.raises(SpecError, match="unknown preset"):
         parse_spec(_spec(), "x.yaml", preset="laptop")
