@@ -88,3 +88,115 @@ def config(tmp_path, **overrides):
         generation_kwargs={"exponential_decay_length_penalty": (2, 1.6)},
     )
     return GRPOConfig(**{**base, **overrides})
+
+
+def trainer(tmp_path, cls=None, model=None, dataset=None, **options):
+    """A trainer (PrefixFlowGRPOTrainer by default) over the tiny set-up; ``prefixflow_*``/``peft_config``
+    options go to the constructor, the rest to ``GRPOConfig``."""
+    from prefixflow.integrations.trl import PrefixFlowGRPOTrainer
+
+    ctor = ("peft_config", "verify_first_step", "verify_tolerance")
+    extra = {k: options.pop(k) for k in list(options) if k.startswith("prefixflow_") or k in ctor}
+    cls = cls or PrefixFlowGRPOTrainer
+    if cls is not PrefixFlowGRPOTrainer:
+        extra = {k: v for k, v in extra.items() if k == "peft_config"}
+    return cls(
+        model=model if model is not None else globals()["model"](),
+        reward_funcs=reward_even_words,
+        args=config(tmp_path, **options),
+        train_dataset=dataset if dataset is not None else globals()["dataset"](),
+        processing_class=tokenizer(),
+        **extra,
+    )
+
+
+def micro_batch(tr, seed: int = 0, drift: float = 0.3) -> dict:
+    """One micro-batch exactly as TRL's training_step sees it, with off-policy old log-probs and reference
+    log-probs (current ones + ``drift`` noise) injected so clipping, the KL and the masks are active."""
+    tr.model.train()
+    tr.current_gradient_accumulation_steps = tr.args.gradient_accumulation_steps  # set by train() otherwise
+    torch.manual_seed(seed)
+    inputs = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+    gen = torch.Generator().manual_seed(seed)
+    shape = inputs["completion_ids"].shape
+    with torch.no_grad():
+        logps, _, _ = tr._get_per_token_logps_and_entropies(
+            tr.model,
+            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
+            shape[1],
+        )
+    noise = lambda: drift * torch.randn(shape, generator=gen, dtype=logps.dtype)  # noqa: E731
+    inputs["old_per_token_logps"] = logps + noise()
+    inputs["ref_per_token_logps"] = logps + noise()
+    return inputs
+
+
+def grads(model):
+    return [p.grad.detach().clone() for p in model.parameters() if p.requires_grad]
+
+
+def trl_and_prefixflow_grads(tr, inputs):
+    """(TRL loss, TRL grads, PrefixFlow loss, PrefixFlow grads) on the same micro-batch."""
+    model = tr.model
+    model.zero_grad(set_to_none=True)
+    want_loss = tr.compute_loss(model, inputs)
+    want_loss.backward()
+    want = grads(model)
+    model.zero_grad(set_to_none=True)
+    got_loss = tr._prefixflow_update(model, inputs)
+    return float(want_loss), want, float(got_loss), grads(model)
+
+
+def fp64_norms(model) -> None:
+    """Every RMSNorm and the RoPE tables compute in fp64 (HF's compute in fp32 even in fp64 models, and TRL's
+    left padding puts prompts at other absolute positions, so fp32 tables differ); instance-level."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+
+            def forward(x, m=module):
+                variance = x.pow(2).mean(-1, keepdim=True)
+                return m.weight * (x * torch.rsqrt(variance + m.variance_epsilon))
+
+            module.forward = forward
+        if type(module).__name__.endswith("RotaryEmbedding"):  # HF's RoPE tables are fp32 in every dtype
+
+            def rotary(x, position_ids, m=module):
+                dim = m.inv_freq.numel() * 2  # default RoPE: base^(-2i/dim), here in fp64
+                base = m.config.rope_parameters["rope_theta"]
+                inv = base ** -(torch.arange(0, dim, 2, dtype=torch.float64, device=x.device) / dim)
+                freqs = position_ids[..., None].to(torch.float64) * inv
+                emb = torch.cat((freqs, freqs), dim=-1)
+                return (emb.cos() * m.attention_scaling).to(x.dtype), (emb.sin() * m.attention_scaling).to(
+                    x.dtype
+                )
+
+            module.forward = rotary
+
+
+class PlainLogProbs:
+    """A stand-in for TRL's chunked LM-head kernel (``trl.kernels.ChunkedLogProbFunction``, whose online
+    softmax accumulates in fp32 whatever the dtype): the same outputs from a plain ``log_softmax`` in the
+    model's dtype. Only for fp64 comparisons; everything else in TRL's loss runs as shipped."""
+
+    @staticmethod
+    def apply(
+        hidden, weight, bias, targets, temperature, chunk_size, softcap=None, logit_scale=1.0, outputs=()
+    ):
+        logits = hidden @ weight.T
+        if bias is not None:
+            logits = logits + bias
+        logits = logits * logit_scale
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        lsm = torch.log_softmax(logits / temperature, dim=-1)
+        logprobs = lsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        entropy = -(lsm.exp() * lsm).sum(-1) if "entropy" in outputs else None
+        return logprobs, entropy, None, None, None
+
+
+def fp64_trl(monkeypatch) -> None:
+    """TRL's LM head in the model's dtype (see :class:`PlainLogProbs`)."""
+    import trl.trainer.utils
+
+    monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", PlainLogProbs)
