@@ -95,11 +95,11 @@ def trainer(tmp_path, cls=None, model=None, dataset=None, **options):
     options go to the constructor, the rest to ``GRPOConfig``."""
     from prefixflow.integrations.trl import PrefixFlowGRPOTrainer
 
-    ctor = ("peft_config", "verify_first_step", "verify_tolerance")
+    ctor = ("peft_config", "verify_first_step", "verify_tolerance", "rollout_func")
     extra = {k: options.pop(k) for k in list(options) if k.startswith("prefixflow_") or k in ctor}
     cls = cls or PrefixFlowGRPOTrainer
     if cls is not PrefixFlowGRPOTrainer:
-        extra = {k: v for k, v in extra.items() if k == "peft_config"}
+        extra = {k: v for k, v in extra.items() if k in ("peft_config", "rollout_func")}
     return cls(
         model=model if model is not None else globals()["model"](),
         reward_funcs=reward_even_words,
@@ -200,3 +200,46 @@ def fp64_trl(monkeypatch) -> None:
     import trl.trainer.utils
 
     monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", PlainLogProbs)
+
+
+SYSTEM = "w1 w2 w3 w4 w5 w6"  # a shared system prompt / context
+
+
+def system_dataset(n_prompts: int = 4, seed: int = 0):
+    """Prompts that all begin with the same :data:`SYSTEM` context, then differ (and differ in length)."""
+    from datasets import Dataset
+
+    rows = dataset(n_prompts, seed)["prompt"]
+    return Dataset.from_dict({"prompt": [f"{SYSTEM} {p}" for p in rows]})
+
+
+TOOL_OUTPUT = [f"w{i}" for i in (50, 51, 52)]
+
+
+def multi_turn_rollout(prompts, trainer):
+    """A deterministic environment rollout (TRL's ``rollout_func``): assistant turn, tool output, assistant turn,
+    EOS. The tool output carries no loss (``env_mask`` 0, TRL's ``tool_mask``). Completions ``2k`` and ``2k+1``
+    of a prompt share their first turn and its tool output (a shared multi-turn prefix)."""
+    tok = trainer.processing_class
+    vocab = tok.get_vocab()
+    eos = tok.eos_token_id
+    out = {"prompt_ids": [], "completion_ids": [], "logprobs": None, "env_mask": []}
+    seen: dict[str, int] = {}
+    for prompt in prompts:
+        index = seen[prompt] = seen.get(prompt, -1) + 1
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        seed = sum(ids) * 131 + len(ids)
+        first = torch.Generator().manual_seed(seed + index // 2)
+        second = torch.Generator().manual_seed(seed + 1000 + index)
+        turn1 = [vocab[w] for w in WORDS[:48]]
+        turn1 = [
+            turn1[int(j)]
+            for j in torch.randint(0, 48, (int(torch.randint(2, 5, (1,), generator=first)),), generator=first)
+        ]
+        tool = [vocab[w] for w in TOOL_OUTPUT[: 2 + index // 2 % 2]]
+        n2 = int(torch.randint(1, 4, (1,), generator=second))
+        turn2 = [vocab[WORDS[int(j)]] for j in torch.randint(0, 48, (n2,), generator=second)] + [eos]
+        out["prompt_ids"].append(ids)
+        out["completion_ids"].append(turn1 + tool + turn2)
+        out["env_mask"].append([1] * len(turn1) + [0] * len(tool) + [1] * len(turn2))
+    return out
