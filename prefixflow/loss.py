@@ -26,7 +26,8 @@ the ``seq-mean-*`` modes (verl 0.9.x normalises over the whole mini-batch), and 
 
 ``policy`` picks the policy term (TRL 1.16's other loss types; default ``"clip"`` is the PPO-clip above):
 ``"cispo"``: ``-sg(min(r, cispo_cap)) A log pi`` (MiniMax-M1; TRL's ``epsilon_high`` is the cap);
-``"sapo"``: ``-sigmoid(tau (r-1)) 4/tau A``, ``tau`` = ``sapo_tau_pos`` if ``A > 0`` else ``sapo_tau_neg``;
+``"sapo"``: ``-sigmoid(tau (r-1)) 4/tau A``, ``tau`` = ``sapo_tau_pos`` if ``A > 0`` else ``sapo_tau_neg``
+(``tau``, ``k`` and ``lam`` rounded to fp32 first, as TRL's ``torch.where`` over Python floats does);
 ``"vespo"``: ``-sg(phi(w)) A log pi`` with ``w`` the response's ratio ``exp(sum_t clamp(log r_t, +-20))``
 clamped to ``[1e-8, e^20]`` and ``phi(w) = exp(lam + k log w - lam w)`` (``k, lam`` = ``vespo_k/lambda_pos`` if
 ``A >= 0`` else ``_neg``; non-finite phi -> 0). ``off_policy_threshold`` (TRL's off-policy sequence mask) zeroes
@@ -344,6 +345,7 @@ def _policy_term(cfg, ratio, adv, logp, token_log_ratio, mb, group) -> torch.Ten
     if cfg.policy == "cispo":
         return -torch.clamp(ratio, max=cfg.cispo_cap).detach() * adv * logp
     if cfg.policy == "sapo":
+        # torch.where over Python floats gives fp32 (as in TRL; 1.05 is not an fp32 number), then our dtype
         tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(ratio.dtype)
         return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
     if cfg.policy == "vespo":
