@@ -243,3 +243,10 @@ def multi_turn_rollout(prompts, trainer):
         out["completion_ids"].append(turn1 + tool + turn2)
         out["env_mask"].append([1] * len(turn1) + [0] * len(tool) + [1] * len(turn2))
     return out
+
+
+def saved_model(folder, family: str = "qwen3") -> str:
+    """:func:`model` saved to ``folder`` (TRL loads its reference model from the path when ``beta`` > 0)."""
+    m = model(family)
+    m.save_pretrained(str(folder))
+    return str(folder)

@@ -213,3 +213,36 @@ def test_plan_rejects_inputs_it_cannot_reproduce():
         plan_groups({**inputs, "importance_sampling_ratio": torch.ones(2, 3)}, **base)
     with pytest.raises(ValueError, match="one value per completion"):
         plan_groups({**inputs, "advantages": torch.ones(2, 3)}, **base)
+
+
+def test_trl_metrics_are_logged_every_step(tmp_path):
+    """Issue 26.6: TRL's kl, entropy and clip_ratio/* are logged on every step, as GRPOTrainer logs them."""
+    logs = {}
+    path = F.saved_model(tmp_path / "model")  # beta > 0: TRL loads its reference model from the path
+    for cls in (PrefixFlowGRPOTrainer.__mro__[1], PrefixFlowGRPOTrainer):
+        tr = trainer(
+            tmp_path / cls.__name__, cls=cls, model=path, loss_type="grpo", beta=0.04, max_steps=3,
+            learning_rate=0.05,
+        )  # fmt: skip
+        tr.train()
+        logs[cls] = [h for h in tr.state.log_history if "loss" in h]
+    base, pf = logs.values()
+    keys = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+    assert len(pf) == 3
+    for step, (b, p) in enumerate(zip(base, pf, strict=True)):
+        for key in keys:
+            assert key in p, (step, key)
+            assert p[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), (step, key)
+    assert pf[2]["kl"] > 0
+
+
+def test_prompt_beyond_max_position_embeddings_names_the_hf_field(tmp_path):
+    """Issue 26.6: the hint names config.max_position_embeddings (not TorchTitan's max_seq_len)."""
+    model = F.model()
+    model.config.max_position_embeddings = 12
+    tr = trainer(tmp_path, model=model, loss_type="grpo")
+    with pytest.raises(
+        ValueError, match=r"exceeds the model's config.max_position_embeddings=12; lower"
+    ) as err:
+        tr.train()
+    assert "max_seq_len" not in str(err.value)
