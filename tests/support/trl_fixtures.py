@@ -52,8 +52,9 @@ def model(family: str = "qwen3", seed: int = 0, dtype=torch.float32):
     )
     with torch.no_grad():
         for layer in m.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4.0)
-            layer.self_attn.k_proj.weight.mul_(4.0)
+            for name in ("q_proj", "k_proj", "qkv_proj"):  # Phi-3 fuses q/k/v
+                if hasattr(layer.self_attn, name):
+                    getattr(layer.self_attn, name).weight.mul_(4.0)
         m.lm_head.weight.mul_(8.0)  # a peaked policy: log-prob gradients well above fp32 noise
     m.generation_config.pad_token_id = 0
     m.generation_config.eos_token_id = 1

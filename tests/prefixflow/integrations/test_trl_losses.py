@@ -104,3 +104,13 @@ def test_a_wrong_policy_term_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(L, "_policy_term", swapped)
     _, _, (_, want, _, got) = _run(tmp_path, "sapo", torch.float32)
     assert max_rel_diff(got, want) > 1e-3
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3", "olmo2"])
+def test_more_families_equal_trl(tmp_path, family):
+    """Model families beyond Llama/Qwen under TRL (Gemma-3, Phi-3, OLMo-2), tool rollouts through a tree, fp32."""
+    tr = F.trainer(tmp_path, model=F.model(family), loss_type="dapo", rollout_func=F.multi_turn_rollout)
+    inputs = F.micro_batch(tr)
+    want_loss, want, got_loss, got = F.trl_and_prefixflow_grads(tr, inputs)
+    assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+    assert max_rel_diff(got, want) <= 1e-5
