@@ -104,8 +104,9 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             ),
             "vision-language models": self._is_vlm,
             "MoE router aux loss (set output_router_logits=False)": self.aux_loss_enabled,
-            "multi-process training (DDP/FSDP/DeepSpeed; run one process)": self.accelerator.num_processes
-            > 1,
+            "FSDP or DeepSpeed through accelerate (DDP runs; for FSDP2 shard with prefixflow.parallel)": (
+                self.is_fsdp_enabled or self.is_deepspeed_enabled
+            ),
             "fp16 with a gradient scaler (use bf16)": self.accelerator.scaler is not None,
         }
         bad = [name for name, refused in refusals.items() if refused]
@@ -192,6 +193,27 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         )
 
     def _prefixflow_update(self, model: nn.Module, inputs) -> torch.Tensor:
+        if self.accelerator.num_processes == 1:
+            return self._local_update(model, inputs)
+        # DDP: train_group runs on the unwrapped model, so DDP's reducer never sees it; this micro-batch's
+        # gradient is averaged over the processes here (one all-reduce), as DDP averages TRL's.
+        params = [p for p in model.parameters() if p.requires_grad]
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        with model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext():
+            loss = self._local_update(model, inputs)
+        flat = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in params])
+        torch.distributed.all_reduce(flat)
+        flat /= self.accelerator.num_processes
+        offset = 0
+        for p, s in zip(params, saved, strict=True):
+            g = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            p.grad = g.clone() if s is None else s + g
+        return loss
+
+    def _local_update(self, model: nn.Module, inputs) -> torch.Tensor:
         inner = self._prefixflow_model(self.accelerator.unwrap_model(model))
         plans = self._plan(inputs)
         options = {"layout": self.prefixflow_layout, "microbatch": self.prefixflow_microbatch, "loss": "grpo"}
