@@ -38,6 +38,7 @@ def reward_even_words(completions, **kwargs):
     """A deterministic reward with spread inside each group: the share of even-numbered words."""
     out = []
     for text in completions:
+        text = text if isinstance(text, str) else text[-1]["content"]  # conversational: the last message
         words = [w for w in text.split() if w.startswith("w")]
         out.append(sum(int(w[1:]) % 2 == 0 for w in words) / max(len(words), 1))
     return out
