@@ -21,6 +21,13 @@ CASES = {
     "grpo-ga2": dict(loss_type="grpo", gradient_accumulation_steps=2, steps_per_generation=2, prompts=8),
     "tools-tree": dict(loss_type="grpo", tools=True),
     "lora-sapo": dict(loss_type="sapo", lora=True),
+    "verify-ga2": dict(
+        loss_type="dapo",
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,
+        prompts=8,
+        verify_first_step=True,
+    ),
 }
 
 
@@ -79,6 +86,7 @@ def main(out: str) -> None:
                 "ranks_agree": float(max((g - gathered[0]).abs().max() for g in gathered)),
                 "group_size": logged.get("prefixflow/group_size"),
                 "trees": logged.get("prefixflow/trees"),
+                "verified": logged.get("prefixflow/verify_max_rel_diff"),
             }
         except Exception:  # noqa: BLE001 - reported to the test
             results[name] = {"error": traceback.format_exc()[-3000:]}

@@ -201,7 +201,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         saved = [p.grad for p in params]
         for p in params:
             p.grad = None
-        with model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext():
+        with _no_sync(model):
             loss = self._local_update(model, inputs)
         flat = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in params])
         torch.distributed.all_reduce(flat)
@@ -245,14 +245,15 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         with self._check_precision(model):
             for _, p in params:
                 p.grad = None
-            with self.compute_loss_context_manager():
+            # both sides this process's own micro-batch: DDP's reduction off for TRL's backward, none for ours
+            with self.compute_loss_context_manager(), _no_sync(model):
                 want_loss = self.compute_loss(model, inputs)
-            self.accelerator.backward(want_loss)
+                self.accelerator.backward(want_loss)
             want_loss = float(want_loss.detach())
             want = [p.grad for _, p in params]
             for _, p in params:
                 p.grad = None
-            loss = self._prefixflow_update(model, inputs)
+            loss = self._local_update(model, inputs)
             got = [p.grad for _, p in params]
         worst, where = _worst_rel_diff(params, got, want)
         loss_diff = abs(float(loss) - want_loss) / (abs(want_loss) or 1.0)
@@ -290,9 +291,19 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                 model.forward = wrapped
 
 
+def _no_sync(model: nn.Module):
+    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+
+
 def stats_reused(plans: list[GroupPlan]) -> int:
-    """Prompt tokens not recomputed: a flat group's prompt once per completion beyond the first."""
-    return sum((p.group.n - 1) * (p.group.prompt_len - 1) for p in plans if hasattr(p.group, "prompt"))
+    """Tokens not recomputed: a flat group's prompt once per completion beyond the first; a tree's path tokens
+    beyond its unique ones."""
+    return sum(
+        (p.group.n - 1) * (p.group.prompt_len - 1)
+        if hasattr(p.group, "prompt")
+        else sum(p.group.path_lens) - p.group.unique_tokens
+        for p in plans
+    )
 
 
 def _worst_rel_diff(params, got, want) -> tuple[float, str | None]:

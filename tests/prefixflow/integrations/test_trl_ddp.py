@@ -4,7 +4,8 @@ launcher (``python -m harness.local_ranks``) and with torchrun (rendezvous on 12
 
 Each rank runs its own prompts' groups (or tree); the gradient of each micro-batch is averaged over the ranks
 as DDP averages TRL's. TRL is deterministic here (two runs: identical weights). Cases: dapo; grpo with gradient
-accumulation 2; multi-turn tool rollouts through a prefix tree; LoRA with sapo. The worker is
+accumulation 2; multi-turn tool rollouts through a prefix tree; LoRA with sapo; ``verify_first_step`` with
+gradient accumulation 2. The worker is
 ``tests/support/trl_ddp_worker.py``.
 """
 
@@ -29,7 +30,7 @@ WORKER = TESTS / "support" / "trl_ddp_worker.py"
 
 
 def _check(results: dict) -> None:
-    assert set(results) == {"dapo", "grpo-ga2", "tools-tree", "lora-sapo"}
+    assert set(results) == {"dapo", "grpo-ga2", "tools-tree", "lora-sapo", "verify-ga2"}
     for name, r in results.items():
         assert "error" not in r, (name, r.get("error"))
         assert r["world"] == 2, name
@@ -39,6 +40,7 @@ def _check(results: dict) -> None:
         assert r["params"] <= 1e-5, (name, r)
         assert r["update"] <= 1e-4, (name, r)
     assert results["tools-tree"]["trees"] == 1
+    assert 0 < results["verify-ga2"]["verified"] <= 1e-5  # the first-step check compares this rank's own step
 
 
 def _fail(proc):

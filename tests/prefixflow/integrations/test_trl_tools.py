@@ -127,6 +127,7 @@ def test_one_sgd_step_with_an_environment_equals_grpo_trainer(tmp_path, loss_typ
         params[cls] = (after, [a - b for a, b in zip(after, before, strict=True)])
         if cls is None:
             assert tr.state.log_history[0]["prefixflow/trees"] == 1
+            assert tr.state.log_history[0]["prefixflow/prefix_tokens_reused"] > 0  # the trie's shared tokens
     (base, base_step), (pf, pf_step) = params.values()
     assert max(float(s.abs().max()) for s in base_step) > 1e-3
     assert max_rel_diff(pf, base) <= 1e-5
