@@ -1,6 +1,7 @@
 """Runs on each of 2 ranks (``harness.local_ranks`` or torchrun): for every case, one SGD step of TRL's
 ``GRPOTrainer`` and of ``PrefixFlowGRPOTrainer`` under the same launch and seed (accelerate's MULTI_CPU state,
-DDP over gloo); rank 0 writes the max relative difference of the weights and of the update per case.
+DDP over gloo); rank 0 writes the max relative difference of the weights after the step and of the reduced
+gradients the first optimizer step applies, per case.
 
 ``python -m harness.local_ranks --nproc-per-node=2 tests/support/trl_ddp_worker.py OUT.json``
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from transformers import TrainerCallback
 
 CASES = {
     "dapo": dict(loss_type="dapo"),
@@ -54,12 +56,19 @@ def _step(cls, folder: Path, options: dict):
         )  # fmt: skip
     tr = F.trainer(folder, cls=cls, **options)
     params = [p for p in tr.model.parameters() if p.requires_grad]
-    before = [p.detach().clone() for p in params]
+    grads = []
+
+    class FirstGradients(TrainerCallback):  # the reduced gradients the first optimizer step applies
+        def on_pre_optimizer_step(self, *args, **kwargs):
+            if not grads:
+                grads.extend(p.grad.detach().clone() for p in params)
+
+    tr.add_callback(FirstGradients())
     tr.train()
     after = [p.detach().clone() for p in params]
     world = tr.accelerator.num_processes
     logged = tr.state.log_history[0]
-    return after, [a - b for a, b in zip(after, before, strict=True)], world, logged
+    return after, grads, world, logged
 
 
 def main(out: str) -> None:
@@ -81,8 +90,8 @@ def main(out: str) -> None:
                 "world": world,
                 "trl_deterministic": _rel(again, base),
                 "params": _rel(pf, base),
-                "update": _rel(pf_step, base_step),
-                "update_size": max(float(s.abs().max()) for s in base_step),
+                "grads": _rel(pf_step, base_step),
+                "grad_size": max(float(s.abs().max()) for s in base_step),
                 "ranks_agree": float(max((g - gathered[0]).abs().max() for g in gathered)),
                 "group_size": logged.get("prefixflow/group_size"),
                 "trees": logged.get("prefixflow/trees"),
