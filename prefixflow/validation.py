@@ -79,7 +79,7 @@ def validate_call(model: nn.Module, group: RolloutGroup, system: str, layout: st
     if isinstance(group, RolloutTree):
         return
     adapter = adapter_for(model)
-    group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
+    group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model), adapter.max_seq_len_field)
     group.check_representable(compute_dtype(model))
     adapter.check(model, group)
     if group.routing is not None and getattr(model, "_prefixflow_moe", None) is None:
@@ -109,5 +109,5 @@ def _check_tree_call(model: nn.Module, tree: RolloutTree) -> None:
     if is_compiled(model):
         raise ValueError("prefix trees do not run compiled blocks yet; drop apply_compile for trees")
     adapter = adapter_for(model)
-    tree.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
+    tree.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model), adapter.max_seq_len_field)
     tree.check_representable(compute_dtype(model))

@@ -128,6 +128,8 @@ class HFAdapter(ModelAdapter):
     def max_seq_len(self, model):
         return int(model.config.get_text_config().max_position_embeddings)
 
+    max_seq_len_field = "max_position_embeddings"
+
     def blocks(self, model):
         return list(model.base_model.layers)
 

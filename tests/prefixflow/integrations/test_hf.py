@@ -207,6 +207,13 @@ def test_unsupported_models_are_refused_with_the_fix():
     phi.train()
     with pytest.raises(ValueError, match="config.resid_pdrop must be 0"):
         pf.train_group(phi, GROUP)
+    short = pf.apply_prefixflow(hf.build_hf_model("llama-tiny", overrides={"max_position_embeddings": 16}))
+    with pytest.raises(
+        ValueError, match=r"max_position_embeddings=16; .*overrides=\{'max_position_embeddings'"
+    ):
+        pf.train_group(short, GROUP)  # issue 26.6: HF's field, not TorchTitan's max_seq_len
+    with pytest.raises(ValueError, match="more than the model's max_position_embeddings=16"):
+        pf.train_group(short, GROUP.as_tree())
     with pytest.raises(ValueError, match="selective"):
         pf.apply_ac(hf.build_hf_model("llama-tiny"), "selective")
     with pytest.raises(ValueError, match="neither a built-in config"):
