@@ -66,6 +66,9 @@ class ModelAdapter:
     def max_seq_len(self, model: nn.Module) -> int:
         raise NotImplementedError
 
+    #: The config field that bounds the sequence length, named in the error for a too-long sequence.
+    max_seq_len_field = "max_seq_len"
+
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         raise NotImplementedError
 

@@ -246,8 +246,9 @@ class RolloutGroup:
                 "compute dtype; rescale it"
             )
 
-    def check_fits(self, vocab_size: int, max_seq_len: int) -> None:
-        """Raise ValueError if a token id is outside the vocabulary or a sequence exceeds ``max_seq_len``."""
+    def check_fits(self, vocab_size: int, max_seq_len: int, field: str = "max_seq_len") -> None:
+        """Raise ValueError if a token id is outside the vocabulary or a sequence exceeds ``max_seq_len`` (the
+        model's config ``field``: TorchTitan's ``max_seq_len``, HF's ``max_position_embeddings``)."""
         tokens = [self.prompt, *self.responses]
         bad = _first_failing(tokens, lambda t: t.max() < vocab_size)
         if bad is not None:
@@ -259,8 +260,8 @@ class RolloutGroup:
         if longest > max_seq_len:
             raise ValueError(
                 f"prompt ({self.prompt_len}) + longest response ({max(self.response_lens)}) = {longest} tokens "
-                f"exceeds the model's max_seq_len={max_seq_len}; shorten them or build the model with "
-                f"overrides={{'max_seq_len': {longest}}}"
+                f"exceeds the model's {field}={max_seq_len}; shorten them or build the model with "
+                f"overrides={{'{field}': {longest}}}"
             )
 
     def to(self, device) -> RolloutGroup:

@@ -23,6 +23,15 @@ so the numbers above are unchanged: ``clip_ratio_c`` (dual clip: for ``A < 0`` t
 ``batch_tokens`` replaces the group's token count in ``token-mean``, ``batch_size`` its response count ``N`` in
 the ``seq-mean-*`` modes (verl 0.9.x normalises over the whole mini-batch), and ``seq_len_eps`` is added to
 ``|S_i|`` in ``seq-mean-token-mean`` (verl's ``1e-8``).
+
+``policy`` picks the policy term (TRL 1.16's other loss types; default ``"clip"`` is the PPO-clip above):
+``"cispo"``: ``-sg(min(r, cispo_cap)) A log pi`` (MiniMax-M1; TRL's ``epsilon_high`` is the cap);
+``"sapo"``: ``-sigmoid(tau (r-1)) 4/tau A``, ``tau`` = ``sapo_tau_pos`` if ``A > 0`` else ``sapo_tau_neg``
+(``tau``, ``k`` and ``lam`` rounded to fp32 first, as TRL's ``torch.where`` over Python floats does);
+``"vespo"``: ``-sg(phi(w)) A log pi`` with ``w`` the response's ratio ``exp(sum_t clamp(log r_t, +-20))``
+clamped to ``[1e-8, e^20]`` and ``phi(w) = exp(lam + k log w - lam w)`` (``k, lam`` = ``vespo_k/lambda_pos`` if
+``A >= 0`` else ``_neg``; non-finite phi -> 0). ``off_policy_threshold`` (TRL's off-policy sequence mask) zeroes
+the policy term (not the KL) of a response with ``A < 0`` whose mean ``old - sg(log pi)`` exceeds it.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ __all__ = [
     "LOSSES",
     "AGGREGATIONS",
     "KL_ESTIMATORS",
+    "POLICIES",
     "LossConfig",
     "resolve_loss",
     "microbatch_loss",
@@ -54,6 +64,7 @@ AGGREGATIONS = (
     "token-sum",
 )
 IMPORTANCE_SAMPLING = ("token", "sequence")
+POLICIES = ("clip", "cispo", "sapo", "vespo")
 KL_ESTIMATORS = ("k3", "low_var_kl", "kl", "abs", "mse")
 
 
@@ -84,6 +95,15 @@ class LossConfig:
     batch_tokens: float | None = None
     batch_size: float | None = None
     seq_len_eps: float = 0.0
+    policy: str = "clip"
+    cispo_cap: float | None = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_threshold: float | None = None
 
 
 def resolve_loss(loss: str, loss_config: dict | LossConfig | None, group: RolloutGroup) -> LossConfig:
@@ -107,6 +127,7 @@ def resolve_loss(loss: str, loss_config: dict | LossConfig | None, group: Rollou
         raise ValueError(f"loss_config.aggregation {cfg.aggregation!r} unknown; valid: {AGGREGATIONS}")
     _check_trl_fields(cfg, loss, group)
     _check_verl_fields(cfg, loss)
+    _check_policy_fields(cfg, loss)
     if loss == "pg" and cfg.aggregation != "seq-mean-token-mean":
         raise ValueError(
             "loss='pg' is defined with aggregation 'seq-mean-token-mean'; use loss='grpo' otherwise"
@@ -194,6 +215,45 @@ def _check_verl_fields(cfg: LossConfig, loss: str) -> None:
         raise ValueError("loss_config.kl_ratio_correction is defined for kl_estimator 'k3' only")
 
 
+# the policy terms' parameters and their defaults (a changed value needs its policy)
+_POLICY_PARAMS = {
+    "cispo": {"cispo_cap": None},
+    "sapo": {"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05},
+    "vespo": {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0},
+}
+
+
+def _check_policy_fields(cfg: LossConfig, loss: str) -> None:
+    if cfg.policy not in POLICIES:
+        raise ValueError(f"loss_config.policy {cfg.policy!r} unknown; valid: {POLICIES}")
+    if loss == "pg" and (cfg.policy != "clip" or cfg.off_policy_threshold is not None):
+        raise ValueError("loss_config.policy and off_policy_threshold apply to loss='grpo' only")
+    for policy, params in _POLICY_PARAMS.items():
+        for name, default in params.items():
+            value = getattr(cfg, name)
+            if value != default and cfg.policy != policy:
+                raise ValueError(
+                    f"loss_config.{name} applies to policy={policy!r} only (policy={cfg.policy!r})"
+                )
+            if value is not None and not _number(value):
+                raise ValueError(f"loss_config.{name} must be a finite number, got {value!r}")
+    if cfg.policy == "cispo" and (cfg.cispo_cap is None or cfg.cispo_cap <= 0):
+        raise ValueError(f"loss_config.policy='cispo' needs cispo_cap, a number > 0, got {cfg.cispo_cap!r}")
+    if cfg.policy == "sapo" and min(cfg.sapo_tau_pos, cfg.sapo_tau_neg) <= 0:
+        raise ValueError("loss_config.sapo_tau_pos and sapo_tau_neg must be > 0")
+    if cfg.policy == "vespo" and cfg.importance_sampling != "token":
+        raise ValueError(
+            "loss_config.policy='vespo' forms its own sequence weight: use importance_sampling='token'"
+        )
+    if cfg.policy != "clip" and (cfg.ratio_cap is not None or cfg.clip_ratio_c is not None):
+        raise ValueError(
+            f"loss_config.ratio_cap and clip_ratio_c apply to policy='clip' only, not {cfg.policy!r}"
+        )
+    t = cfg.off_policy_threshold
+    if t is not None and not _number(t):
+        raise ValueError(f"loss_config.off_policy_threshold must be None or a finite number, got {t!r}")
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log pi(target) per row of ``logits[T, V] / temperature``, computed in fp32 or better."""
     if logits.dtype in (torch.float16, torch.bfloat16):
@@ -222,11 +282,27 @@ def _weights(group: RolloutGroup, mb: Microbatch, cfg: LossConfig, dtype) -> tor
     return weights * cfg.group_weight if cfg.group_weight != 1.0 else weights
 
 
+def _whole_responses(mb: Microbatch, option: str, fix: str = "") -> None:
+    if mb.sequence is not None:
+        raise ValueError(
+            f"loss_config.{option} needs each response's tokens on one rank; "
+            f"context parallelism spreads them over the CP group{fix}"
+        )
+
+
+def _response_sums(x: torch.Tensor, mb: Microbatch, group: RolloutGroup) -> torch.Tensor:
+    return torch.zeros(group.n, dtype=x.dtype, device=x.device).index_add(0, mb.response_ids, x)
+
+
 def _response_mean(x: torch.Tensor, mb: Microbatch, group: RolloutGroup) -> torch.Tensor:
     """Each token's value replaced by the mean over its response (every response lies in one microbatch)."""
     lens = torch.tensor(group.response_lens, dtype=x.dtype, device=x.device)
-    sums = torch.zeros(group.n, dtype=x.dtype, device=x.device).index_add(0, mb.response_ids, x)
-    return (sums / lens)[mb.response_ids]
+    return (_response_sums(x, mb, group) / lens)[mb.response_ids]
+
+
+def _response_sum(x: torch.Tensor, mb: Microbatch, group: RolloutGroup) -> torch.Tensor:
+    """Each token's value replaced by the sum over its response (every response lies in one microbatch)."""
+    return _response_sums(x, mb, group)[mb.response_ids]
 
 
 def _gather(per_response: list[torch.Tensor], mb: Microbatch, dtype) -> torch.Tensor:
@@ -248,23 +324,50 @@ def microbatch_loss(
         log_ratio = logp - old
         if cfg.log_ratio_clamp is not None:
             log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+        token_log_ratio = log_ratio
         if cfg.importance_sampling == "sequence":
-            if mb.sequence is not None:
-                raise ValueError(
-                    "loss_config.importance_sampling='sequence' needs each response's tokens on one rank; "
-                    "context parallelism spreads them over the CP group (use 'token')"
-                )
+            _whole_responses(mb, "importance_sampling='sequence'", " (use 'token')")
             log_ratio = _response_mean(log_ratio, mb, group)
         ratio = torch.exp(log_ratio)
-        clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
-        unclipped = ratio if cfg.ratio_cap is None else torch.clamp(ratio, max=cfg.ratio_cap)
-        token_loss = -torch.minimum(unclipped * adv, clipped * adv)
-        if cfg.clip_ratio_c is not None:  # dual clip: a negative advantage's loss is at most -A c
-            token_loss = torch.where(adv < 0, torch.minimum(token_loss, -adv * cfg.clip_ratio_c), token_loss)
+        token_loss = _policy_term(cfg, ratio, adv, logp, token_log_ratio, mb, group)
+        if cfg.off_policy_threshold is not None:
+            _whole_responses(mb, "off_policy_threshold")
+            drift = _response_mean(torch.nan_to_num(old - logp.detach(), nan=0.0), mb, group)
+            token_loss = token_loss * ((adv >= 0) | (drift <= cfg.off_policy_threshold)).to(logp.dtype)
         if cfg.kl_coef > 0:
             kl = _kl(_gather(group.ref_logprobs, mb, logp.dtype), logp, cfg.kl_estimator)
             token_loss = token_loss + cfg.kl_coef * (kl * ratio if cfg.kl_ratio_correction else kl)
     return (weights * token_loss).sum()
+
+
+def _policy_term(cfg, ratio, adv, logp, token_log_ratio, mb, group) -> torch.Tensor:
+    """The per-token policy loss of ``cfg.policy`` (module docstring)."""
+    if cfg.policy == "cispo":
+        return -torch.clamp(ratio, max=cfg.cispo_cap).detach() * adv * logp
+    if cfg.policy == "sapo":
+        # torch.where over Python floats gives fp32 (as in TRL; 1.05 is not an fp32 number), then our dtype
+        tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(ratio.dtype)
+        return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+    if cfg.policy == "vespo":
+        _whole_responses(mb, "policy='vespo'")
+        with torch.no_grad():
+            seq = _response_sum(torch.clamp(token_log_ratio.detach(), -20.0, 20.0), mb, group)
+            log_w = torch.clamp(seq, math.log(1e-8), 20.0)
+            nonneg = adv >= 0
+            k = torch.where(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg).to(logp.dtype)
+            lam = (
+                torch.where(nonneg, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg).to(logp.dtype).clamp(min=1e-4)
+            )
+            phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(
+                nan=0.0, posinf=0.0, neginf=0.0
+            )
+        return -phi * adv * logp
+    clipped = torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
+    unclipped = ratio if cfg.ratio_cap is None else torch.clamp(ratio, max=cfg.ratio_cap)
+    token_loss = -torch.minimum(unclipped * adv, clipped * adv)
+    if cfg.clip_ratio_c is not None:  # dual clip: a negative advantage's loss is at most -A c
+        token_loss = torch.where(adv < 0, torch.minimum(token_loss, -adv * cfg.clip_ratio_c), token_loss)
+    return token_loss
 
 
 def _kl(ref: torch.Tensor, logp: torch.Tensor, estimator: str) -> torch.Tensor:

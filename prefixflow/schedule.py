@@ -343,11 +343,17 @@ def group_run(
     if isinstance(group, RolloutTree):
         run.tree_plan, run.loss_data = TreePlan(group), group.path_losses()
     run.cfg = resolve_loss(loss, loss_config, run.loss_data)
-    if run.cfg.importance_sampling == "sequence" and run.hooks.shards_sequences:
-        raise ValueError(
-            "loss_config.importance_sampling='sequence' needs each response's tokens on one rank; "
-            "context parallelism spreads them over the CP group (use 'token')"
-        )
+    per_response = {
+        "importance_sampling='sequence'": run.cfg.importance_sampling == "sequence",
+        "policy='vespo'": run.cfg.policy == "vespo",
+        "off_policy_threshold": run.cfg.off_policy_threshold is not None,
+    }
+    for option, used in per_response.items():
+        if used and run.hooks.shards_sequences:
+            raise ValueError(
+                f"loss_config.{option} needs each response's tokens on one rank; "
+                "context parallelism spreads them over the CP group (use 'token')"
+            )
     paths = (share or GroupShare()).responses(group)
     if run.tree_plan is not None and system != "baseline":  # depth-first; the rest have no leaf row to run
         mine = set(paths)

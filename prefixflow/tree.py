@@ -258,8 +258,9 @@ class RolloutTree:
         counts = [int(m.sum()) for m in self.loss_masks]
         return PathLosses(self.advantages, counts, at_masks(self.old_logprobs), at_masks(self.ref_logprobs))
 
-    def check_fits(self, vocab_size: int, max_seq_len: int) -> None:
-        """Raise ValueError if a token id is outside the vocabulary or a path exceeds ``max_seq_len``."""
+    def check_fits(self, vocab_size: int, max_seq_len: int, field: str = "max_seq_len") -> None:
+        """Raise ValueError if a token id is outside the vocabulary or a path exceeds ``max_seq_len`` (the
+        model's config ``field``)."""
         for j, s in enumerate(self.segments):
             if int(s.max()) >= vocab_size:
                 raise ValueError(
@@ -269,7 +270,7 @@ class RolloutTree:
         longest = max(range(self.n), key=lambda i: lengths[i])
         if lengths[longest] > max_seq_len:
             raise ValueError(
-                f"path {longest} has {lengths[longest]} tokens, more than the model's max_seq_len={max_seq_len}"
+                f"path {longest} has {lengths[longest]} tokens, more than the model's {field}={max_seq_len}"
             )
 
     def check_representable(self, dtype: torch.dtype) -> None:

@@ -82,7 +82,7 @@ def validate_call(model: nn.Module, group: RolloutGroup, system: str, layout: st
     if isinstance(group, RolloutTree):
         return
     adapter = adapter_for(model)
-    group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
+    group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model), adapter.max_seq_len_field)
     group.check_representable(compute_dtype(model))
     adapter.check(model, group)
     if group.routing is not None and getattr(model, "_prefixflow_moe", None) is None:
@@ -125,6 +125,6 @@ def _check_tree_call(model: nn.Module, tree: RolloutTree) -> None:
                 "build_tree(..., min_shared_tokens=2)"
             )
     adapter = adapter_for(model)
-    tree.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model))
+    tree.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model), adapter.max_seq_len_field)
     tree.check_representable(compute_dtype(model))
     hooks_of(model).check(model, tree, "prefixflow")

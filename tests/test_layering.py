@@ -68,7 +68,7 @@ PREFIXFLOW_LAYERS = [
     ["prefixflow.parallel"],
     ["prefixflow.rl"],
     # hf, trl and verl (verl imports verl only here; its tests run in .venv-verl)
-    ["prefixflow.integrations", "prefixflow.integrations.verl"],
+    ["prefixflow.integrations", "prefixflow.integrations.trl", "prefixflow.integrations.verl"],
     ["prefixflow"],
 ]
 

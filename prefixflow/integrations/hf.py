@@ -11,10 +11,11 @@ mask construction, sdpa's mask function under the same name) and :class:`HFAdapt
   Phase A captures post-RoPE prefix K/V, Phase B attends to ``[cached prefix ; suffix]``. Positions reach
   RoPE as the model's ``position_ids``; no installed file is patched.
 
-Verified (fp64 and fp32 gradients against the same model on full sequences): ``llama``, ``mistral``,
-``qwen2``, ``qwen3`` (dense, GQA, tied or untied embeddings), and the hybrids ``qwen3_5_text`` (gated DeltaNet +
-attention), ``nemotron_h`` (Mamba-2 + attention + MLP blocks), ``granitemoehybrid`` (Granite-4 hybrid, dense:
-``num_local_experts=0``) and ``bamba`` (Mamba-2 + attention), whose recurrent layers cache their state
+Verified (fp64 and fp32 gradients against the same model on full sequences): :data:`VERIFIED_MODEL_TYPES`
+(Llama, Mistral, Qwen2/3, Gemma, Gemma-3, Phi, Phi-3, OLMo, OLMo-2, StableLM, StarCoder2, Helium; dense, GQA,
+tied or untied embeddings), and the hybrids ``qwen3_5_text`` (gated DeltaNet + attention), ``nemotron_h``
+(Mamba-2 + attention + MLP blocks), ``granitemoehybrid`` (Granite-4 hybrid, dense: ``num_local_experts=0``)
+and ``bamba`` (Mamba-2 + attention), whose recurrent layers cache their state
 (:mod:`prefixflow.integrations.hf_state`). Other model types raise at ``apply_prefixflow``.
 """
 
@@ -53,13 +54,22 @@ __all__ = [
 
 ATTENTION_NAME = "prefixflow"
 VERIFIED_MODEL_TYPES = (
-    "llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "nemotron_h", "granitemoehybrid", "bamba",
+    "llama", "mistral", "qwen2", "qwen3",
+    "gemma", "gemma3_text", "phi", "phi3", "olmo", "olmo2", "stablelm", "starcoder2", "helium",
+    "qwen3_5_text", "nemotron_h", "granitemoehybrid", "bamba",
 )  # fmt: skip
 _WRAPPER = (
     "_prefixflow_attention"  # per-layer attribute (plain attribute: not a submodule, not in state_dict)
 )
 # Config fields that change what the LM head or attention computes beyond what PrefixFlow reproduces.
-_UNSUPPORTED_CONFIG = ("attn_logit_softcapping", "final_logit_softcapping", "logit_scale", "logits_scaling")
+_UNSUPPORTED_CONFIG = (
+    "attn_logit_softcapping", "final_logit_softcapping", "logit_scale", "logits_scaling",
+)  # fmt: skip
+# Dropout fields (training with any of them non-zero would differ from the baseline).
+_DROPOUT_CONFIG = (
+    "attention_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout", "residual_dropout",
+    "embedding_dropout",
+)  # fmt: skip
 
 
 def _prefixflow_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -123,6 +133,8 @@ class HFAdapter(ModelAdapter):
     def max_seq_len(self, model):
         return int(model.config.get_text_config().max_position_embeddings)
 
+    max_seq_len_field = "max_position_embeddings"
+
     def blocks(self, model):
         return list(model.base_model.layers)
 
@@ -133,8 +145,10 @@ class HFAdapter(ModelAdapter):
         config = model.config
         if config.model_type not in VERIFIED_MODEL_TYPES:
             raise ValueError(
-                f"PrefixFlow's HF adapter is verified on model types {VERIFIED_MODEL_TYPES}; "
-                f"this model is {config.model_type!r}"
+                f"PrefixFlow's HF adapter is verified on model types {VERIFIED_MODEL_TYPES}; this model is "
+                f"{config.model_type!r}. A type needs decoder layers whose self_attn calls transformers' attention "
+                "interface after RoPE, no logit transform outside lm_head, and an fp64 equivalence test "
+                "(tests/prefixflow/integrations/test_hf.py) before it joins VERIFIED_MODEL_TYPES"
             )
         set_fields = [f for f in _UNSUPPORTED_CONFIG if getattr(config, f, None) not in (None, 1.0)]
         if set_fields:
@@ -173,10 +187,11 @@ class HFAdapter(ModelAdapter):
                     f"prompt + longest response = {longest} tokens exceeds the model's sliding_window={window}; "
                     "PrefixFlow attends to the whole cached prefix (shorten the group or disable the window)"
                 )
-        if model.training and float(getattr(model.config, "attention_dropout", 0.0) or 0.0) > 0:
-            raise ValueError(
-                "config.attention_dropout must be 0 while training with PrefixFlow (or call model.eval())"
-            )
+        for field in _DROPOUT_CONFIG:
+            if model.training and float(getattr(model.config, field, 0.0) or 0.0) > 0:
+                raise ValueError(
+                    f"config.{field} must be 0 while training with PrefixFlow (or call model.eval())"
+                )
         for layer in self.blocks(model):
             func = getattr(layer, "_gradient_checkpointing_func", None)
             if self.block_is_checkpointed(layer) and getattr(func, "keywords", {}).get(
@@ -219,6 +234,18 @@ HF_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-tiny": ("mistral", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16}),
     "qwen2-tiny": ("qwen2", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256}),
     "qwen3-tiny": ("qwen3", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16}),
+    "gemma-tiny": ("gemma", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16}),
+    "gemma3-tiny": (
+        "gemma3_text",
+        {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16, "sliding_window": 64},
+    ),
+    "phi-tiny": ("phi", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256}),
+    "phi3-tiny": ("phi3", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "pad_token_id": 0}),
+    "olmo-tiny": ("olmo", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "pad_token_id": 0}),
+    "olmo2-tiny": ("olmo2", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "pad_token_id": 0}),
+    "stablelm-tiny": ("stablelm", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256}),
+    "starcoder2-tiny": ("starcoder2", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256}),
+    "helium-tiny": ("helium", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16}),
     # Hybrids: Qwen3.5 (gated DeltaNet, GQA 2 key over 4 value heads; attention every 3rd layer) and Nemotron-H
     # (Mamba-2, attention, MLP blocks). Their recurrent layers cache their state (integrations/hf_state.py).
     "qwen3_5-tiny": (

@@ -20,6 +20,11 @@ import prefixflow as pf  # noqa: E402
 from prefixflow.integrations import hf  # noqa: E402
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Families beyond the first four (issue 24): Gemma (scaled embeddings, (1 + w) norms), Gemma-3 (qk-norm,
+# sliding/global layers, query_pre_attn_scalar), Phi (partial RoPE, LayerNorm, biased LM head), Phi-3 (fused
+# qkv / gate_up), OLMo (non-parametric LayerNorm), OLMo-2 (post-norm, full-width qk-norm), StableLM, StarCoder2,
+# Helium.
+MORE_FAMILIES = ("gemma", "gemma3", "phi", "phi3", "olmo", "olmo2", "stablelm", "starcoder2", "helium")
 VOCAB = 256
 
 
@@ -31,8 +36,9 @@ def make_model(family: str, dtype=torch.float64, seed: int = 0, tied: bool = Fal
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
-                proj.weight.mul_(6.0)
+            for name in ("q_proj", "k_proj", "qkv_proj"):  # Phi-3 fuses q/k/v (v scaled too: harmless)
+                if hasattr(layer.self_attn, name):
+                    getattr(layer.self_attn, name).weight.mul_(6.0)
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(1.0 + 0.3 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
@@ -78,11 +84,12 @@ def grads(model) -> list[torch.Tensor]:
 GROUP = pf.synthetic_group(VOCAB, 29, [7, 16, 3, 11], seed=3)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MORE_FAMILIES)
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_fp64_matches_full_sequences(family, tied):
     model = make_model(family, tied=tied)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert model.config.model_type in hf.VERIFIED_MODEL_TYPES
     want_loss, want = reference_pg(model, GROUP)
     pf.apply_prefixflow(model)
     for layout in ("padded", "packed"):
@@ -188,10 +195,25 @@ def test_unsupported_models_are_refused_with_the_fix():
     eager.set_attn_implementation("eager")
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         pf.apply_prefixflow(eager)
-    gemma = hf.build_hf_model("llama-tiny")
-    gemma.config.model_type = "gemma"
-    with pytest.raises(ValueError, match="verified on model types"):
-        pf.apply_prefixflow(gemma)
+    granite = hf.build_hf_model("llama-tiny")
+    granite.config.model_type = "granite"  # unverified: its forward divides the logits by logits_scaling
+    with pytest.raises(ValueError, match="verified on model types .* A type needs decoder layers"):
+        pf.apply_prefixflow(granite)
+    scaled = hf.build_hf_model("llama-tiny")
+    scaled.config.logits_scaling = 8.0
+    with pytest.raises(ValueError, match="logits_scaling"):
+        pf.apply_prefixflow(scaled)
+    phi = pf.apply_prefixflow(hf.build_hf_model("phi-tiny", overrides={"resid_pdrop": 0.1}))
+    phi.train()
+    with pytest.raises(ValueError, match="config.resid_pdrop must be 0"):
+        pf.train_group(phi, GROUP)
+    short = pf.apply_prefixflow(hf.build_hf_model("llama-tiny", overrides={"max_position_embeddings": 16}))
+    with pytest.raises(
+        ValueError, match=r"max_position_embeddings=16; .*overrides=\{'max_position_embeddings'"
+    ):
+        pf.train_group(short, GROUP)  # issue 26.6: HF's field, not TorchTitan's max_seq_len
+    with pytest.raises(ValueError, match="more than the model's max_position_embeddings=16"):
+        pf.train_group(short, GROUP.as_tree())
     with pytest.raises(ValueError, match="selective"):
         pf.apply_ac(hf.build_hf_model("llama-tiny"), "selective")
     with pytest.raises(ValueError, match="neither a built-in config"):

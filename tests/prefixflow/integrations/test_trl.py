@@ -149,24 +149,37 @@ def test_verify_first_step_passes_and_catches_a_wrong_update(tmp_path, monkeypat
         broken.train()
 
 
-def test_bf16_autocast_first_step_verifies(tmp_path):
-    """TRL's default mixed precision (bf16 autocast over fp32 weights), packed suffixes: within bf16 tolerance."""
+def test_bf16_autocast_first_step_verifies_in_fp32(tmp_path):
+    """TRL's default mixed precision (bf16 autocast over fp32 weights), packed suffixes: the check runs both paths
+    in fp32 (measured 6e-7 against its 1e-4 tolerance), then the update runs in bf16."""
     tr = trainer(tmp_path, bf16=True, loss_type="dapo", prefixflow_layout="packed")
     tr.verify_first_step = True
     tr.train()
     assert tr._prefixflow_verified
-    assert 0 < tr.state.log_history[0]["prefixflow/verify_max_rel_diff"] <= 5e-2
+    assert 0 < tr.state.log_history[0]["prefixflow/verify_max_rel_diff"] <= 1e-5
+
+
+def test_bf16_first_step_check_catches_gkv_scaled_by_0_99(tmp_path):
+    """Negative control: the prefix gradient (gK/gV) scaled by 0.99 fails the fp32 check under bf16 training."""
+    import prefixflow as pf
+    from prefixflow.faults import ScalePrefixGradient
+
+    tr = trainer(tmp_path, bf16=True, loss_type="dapo")
+    tr.verify_first_step = True
+    pf.add_hooks(tr.model, ScalePrefixGradient(0.99))
+    with pytest.raises(RuntimeError, match="differs from TRL's"):
+        tr.train()
 
 
 def test_unsupported_options_raise_at_construction(tmp_path):
     for options, text in (
-        (dict(loss_type="cispo"), "loss_type='cispo'"),
-        (dict(top_entropy_quantile=0.5), "entropy mask"),
-        (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
-        (dict(entropy_coef=0.01), "entropy bonus"),
+        (dict(top_entropy_quantile=0.5), "top_entropy_quantile < 1.0 .the entropy mask needs"),
+        (dict(entropy_coef=0.01), "entropy_coef / use_adaptive_entropy .the entropy bonus needs"),
     ):
         with pytest.raises(ValueError, match=text):
             trainer(tmp_path, **options)
+    with pytest.raises(ValueError, match="prefixflow_tree must be True, False or 'auto'"):
+        trainer(tmp_path, prefixflow_tree="yes")
 
 
 def test_plan_rejects_inputs_it_cannot_reproduce():
@@ -192,10 +205,44 @@ def test_plan_rejects_inputs_it_cannot_reproduce():
     (plan,) = plan_groups(inputs, **base)
     assert plan.rows == [0, 1] and plan.group.prompt.tolist() == [5, 6]
     assert plan.group.response_lens == [3, 2] and plan.loss_config.group_weight == 1.0
+    assert plan.loss_config.batch_size == 2  # TRL's B: grpo's mean over the micro-batch's completions
     gaps = {**inputs, "completion_mask": torch.tensor([[1, 0, 1], [1, 1, 0]])}
     with pytest.raises(ValueError, match="has gaps"):
         plan_groups(gaps, **base)
-    with pytest.raises(ValueError, match="tool_mask"):
-        plan_groups({**inputs, "tool_mask": torch.ones(2, 3)}, **base)
+    with pytest.raises(ValueError, match="importance_sampling_ratio"):
+        plan_groups({**inputs, "importance_sampling_ratio": torch.ones(2, 3)}, **base)
     with pytest.raises(ValueError, match="one value per completion"):
         plan_groups({**inputs, "advantages": torch.ones(2, 3)}, **base)
+
+
+def test_trl_metrics_are_logged_every_step(tmp_path):
+    """Issue 26.6: TRL's kl, entropy and clip_ratio/* are logged on every step, as GRPOTrainer logs them."""
+    logs = {}
+    path = F.saved_model(tmp_path / "model")  # beta > 0: TRL loads its reference model from the path
+    for cls in (PrefixFlowGRPOTrainer.__mro__[1], PrefixFlowGRPOTrainer):
+        tr = trainer(
+            tmp_path / cls.__name__, cls=cls, model=path, loss_type="grpo", beta=0.04, max_steps=3,
+            learning_rate=0.05,
+        )  # fmt: skip
+        tr.train()
+        logs[cls] = [h for h in tr.state.log_history if "loss" in h]
+    base, pf = logs.values()
+    keys = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+    assert len(pf) == 3
+    for step, (b, p) in enumerate(zip(base, pf, strict=True)):
+        for key in keys:
+            assert key in p, (step, key)
+            assert p[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), (step, key)
+    assert pf[2]["kl"] > 0
+
+
+def test_prompt_beyond_max_position_embeddings_names_the_hf_field(tmp_path):
+    """Issue 26.6: the hint names config.max_position_embeddings (not TorchTitan's max_seq_len)."""
+    model = F.model()
+    model.config.max_position_embeddings = 12
+    tr = trainer(tmp_path, model=model, loss_type="grpo")
+    with pytest.raises(
+        ValueError, match=r"exceeds the model's config.max_position_embeddings=12; lower"
+    ) as err:
+        tr.train()
+    assert "max_seq_len" not in str(err.value)

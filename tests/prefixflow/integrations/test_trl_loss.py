@@ -20,6 +20,10 @@ OPTIONS = {
         aggregation="seq-mean-token-sum-norm", norm_len=40, ratio_cap=1.05, group_weight=0.25
     ),
     "seq-sum": dict(aggregation="seq-mean-token-sum", clip_eps_high=0.28),
+    "cispo": dict(policy="cispo", cispo_cap=1.05, aggregation="token-sum", group_weight=0.1),
+    "sapo": dict(policy="sapo", sapo_tau_pos=0.7, sapo_tau_neg=1.4, kl_coef=0.1),
+    "vespo": dict(policy="vespo", aggregation="token-mean", batch_tokens=50.0),
+    "off-policy-mask": dict(off_policy_threshold=0.05, batch_size=6.0),
 }
 
 
@@ -71,6 +75,13 @@ def test_group_weight_scales_and_temperature_changes_the_objective():
         ({"group_weight": float("nan")}, "group_weight must be a finite number"),
         ({"ratio_cap": -1.0}, "ratio_cap must be None or a finite number > 0"),
         ({"kl_ratio_correction": 1}, "kl_ratio_correction must be a bool"),
+        ({"policy": "ppo"}, "policy 'ppo' unknown"),
+        ({"policy": "cispo"}, "needs cispo_cap"),
+        ({"sapo_tau_pos": 2.0}, "sapo_tau_pos applies to policy='sapo' only"),
+        ({"policy": "sapo", "sapo_tau_neg": 0.0}, "must be > 0"),
+        ({"policy": "vespo", "importance_sampling": "sequence"}, "use importance_sampling='token'"),
+        ({"policy": "cispo", "cispo_cap": 2.0, "ratio_cap": 1.5}, "apply to policy='clip' only"),
+        ({"off_policy_threshold": float("nan")}, "off_policy_threshold must be None or a finite number"),
     ],
 )
 def test_trl_options_are_validated_before_gradients_change(cfg, text):
@@ -81,3 +92,5 @@ def test_trl_options_are_validated_before_gradients_change(cfg, text):
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(ValueError, match="apply to loss='grpo' only"):
         pf.train_group(model, group, loss="pg", loss_config={"importance_sampling": "sequence"})
+    with pytest.raises(ValueError, match="apply to loss='grpo' only"):
+        pf.train_group(model, group, loss="pg", loss_config={"policy": "sapo"})

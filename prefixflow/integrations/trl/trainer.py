@@ -1,0 +1,334 @@
+"""``PrefixFlowGRPOTrainer``: TRL's ``GRPOTrainer`` whose actor update runs PrefixFlow's three phases.
+
+Swap the class; keep the constructor and the ``GRPOConfig``::
+
+    trainer = PrefixFlowGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...), train_dataset=ds)
+    trainer.train()
+
+Generation (tools and environments included), rewards, advantages, reference/old log-probs, shuffling and the
+split into micro-batches are TRL's own. Only ``training_step`` changes: TRL's ``compute_loss -> backward``
+becomes one ``prefixflow.train_group`` per prompt of the micro-batch (the prompt's K/V computed once), or one
+over the micro-batch's prefix tree (:mod:`.plan`: multi-turn tool rollouts, prompts sharing a system prompt).
+The gradient equals that of TRL's ``_compute_loss`` for the same micro-batch (definition in :mod:`.plan`); the
+only differences are floating point (TRL runs left-padded prompts at shifted positions, RoPE being relative,
+and its LM head may accumulate in fp32). ``verify_first_step=True`` checks the first update against TRL's own
+path, in fp32 when the weights are fp32 (TRL's bf16 is autocast over fp32 weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from torch import nn
+
+try:
+    from trl import GRPOTrainer
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("prefixflow.integrations.trl needs TRL: pip install 'prefixflow[hf]'") from exc
+
+from ... import PrefixFlowConfig, apply_prefixflow, train_group
+from ...schedule import check_group
+from .. import hf
+from .plan import SUPPORTED_LOSS_TYPES, GroupPlan, plan_groups
+
+__all__ = ["PrefixFlowGRPOTrainer", "VERIFY_TOLERANCE"]
+
+# Max relative gradient difference verify_first_step accepts, by the dtype the check computes in.
+VERIFY_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+class PrefixFlowGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` with PrefixFlow's actor update; same constructor and ``GRPOConfig``.
+
+    Extra keyword arguments: ``prefixflow_config`` (:class:`prefixflow.PrefixFlowConfig`), ``prefixflow_layout``
+    (``"padded"``/``"packed"``), ``prefixflow_microbatch`` (completions, or tree paths, per suffix microbatch;
+    None = all), ``prefixflow_tree`` (True / False / ``"auto"``, see :func:`.plan.plan_groups`),
+    ``prefixflow_metrics`` (log TRL's ``kl``, ``entropy`` and ``clip_ratio/*`` on every optimizer step that logs,
+    from one no-grad forward of TRL's own loss per micro-batch; False skips that forward), ``verify_first_step``
+    (compare the first micro-batch's gradients with TRL's own ``compute_loss -> backward``, in fp32 when the
+    weights are fp32, and raise beyond ``verify_tolerance``, default by dtype: ``VERIFY_TOLERANCE``).
+    ``peft_config`` (LoRA) works as in TRL. A TRL option PrefixFlow does not reproduce raises ``ValueError`` here.
+    """
+
+    def __init__(
+        self,
+        *args,
+        prefixflow_config: PrefixFlowConfig | None = None,
+        prefixflow_layout: str = "padded",
+        prefixflow_microbatch: int | None = None,
+        prefixflow_tree: bool | str = "auto",
+        prefixflow_metrics: bool = True,
+        verify_first_step: bool = False,
+        verify_tolerance: float | None = None,
+        **kwargs,
+    ):
+        super().__init__(*args, **kwargs)
+        self._refuse_unsupported()
+        if prefixflow_layout not in ("padded", "packed"):
+            raise ValueError(f"prefixflow_layout must be 'padded' or 'packed', got {prefixflow_layout!r}")
+        if prefixflow_tree not in (True, False, "auto"):
+            raise ValueError(f"prefixflow_tree must be True, False or 'auto', got {prefixflow_tree!r}")
+        self.prefixflow_layout = prefixflow_layout
+        self.prefixflow_microbatch = prefixflow_microbatch
+        self.prefixflow_tree = prefixflow_tree
+        self.prefixflow_metrics = bool(prefixflow_metrics)
+        self.verify_first_step = bool(verify_first_step)
+        self.verify_tolerance = verify_tolerance
+        self._prefixflow_verified = False
+        apply_prefixflow(self._prefixflow_model(self.model), prefixflow_config)
+
+    @staticmethod
+    def _prefixflow_model(model: nn.Module) -> nn.Module:
+        """The transformers model PrefixFlow trains: PEFT's base model (LoRA layers sit inside its projections)."""
+        get_base = getattr(model, "get_base_model", None)
+        return get_base() if callable(get_base) and not isinstance(model, hf.PreTrainedModel) else model
+
+    def _refuse_unsupported(self) -> None:
+        args = self.args
+        refusals = {
+            f"loss_type={self.loss_type!r} (supported: {SUPPORTED_LOSS_TYPES})": (
+                self.loss_type not in SUPPORTED_LOSS_TYPES
+            ),
+            "top_entropy_quantile < 1.0 (the entropy mask needs every completion token's entropy before any "
+            "loss is formed; PrefixFlow forms the loss per suffix microbatch; use top_entropy_quantile=1.0)": (
+                self.top_entropy_quantile < 1.0
+            ),
+            "entropy_coef / use_adaptive_entropy (the entropy bonus needs the full-vocabulary entropy at every "
+            "token; PrefixFlow's LM head gives log-probs of the sampled tokens only; set entropy_coef=0)": (
+                self._entropy_bonus_enabled
+            ),
+            "use_vllm with vllm_importance_sampling_correction (set it False)": (
+                self.use_vllm and self.vllm_importance_sampling_correction
+            ),
+            "vision-language models": self._is_vlm,
+            "MoE router aux loss (set output_router_logits=False)": self.aux_loss_enabled,
+            "FSDP or DeepSpeed through accelerate (DDP runs; for FSDP2 shard with prefixflow.parallel)": (
+                self.is_fsdp_enabled or self.is_deepspeed_enabled
+            ),
+            "fp16 with a gradient scaler (use bf16)": self.accelerator.scaler is not None,
+        }
+        bad = [name for name, refused in refusals.items() if refused]
+        if bad:
+            raise ValueError(f"PrefixFlowGRPOTrainer does not support: {'; '.join(bad)}")
+        inner = self._prefixflow_model(self.accelerator.unwrap_model(self.model))
+        if not isinstance(inner, hf.PreTrainedModel):
+            raise ValueError(
+                "PrefixFlowGRPOTrainer needs a transformers PreTrainedModel (or a PEFT model around one), "
+                f"got {type(inner).__name__}"
+            )
+        if args.gradient_accumulation_steps < 1:
+            raise ValueError("gradient_accumulation_steps must be >= 1")
+
+    # -- the actor update -----------------------------------------------------------------------------
+    def training_step(self, model: nn.Module, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """TRL's training step with ``compute_loss -> backward`` replaced by PrefixFlow's ``train_group``."""
+        time_before = time.perf_counter()
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+        if self.verify_first_step and not self._prefixflow_verified:
+            loss = self._verified_update(model, inputs)
+        else:
+            if self.prefixflow_metrics and self._logs_this_step():
+                with torch.no_grad(), self.compute_loss_context_manager():
+                    super()._compute_loss(model, inputs)  # TRL's own kl / entropy / clip_ratio metrics
+            loss = self._prefixflow_update(model, inputs)
+        self._step += 1
+        self._current_train_step_time += time.perf_counter() - time_before
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._metrics["train"]["step_time"].append(self._current_train_step_time)
+            self._current_train_step_time = 0.0
+        return loss
+
+    def _logs_this_step(self) -> bool:
+        """Whether the optimizer step this micro-batch belongs to is one the Trainer logs."""
+        args, step = self.args, self.state.global_step + 1
+        if args.logging_strategy != "steps":
+            return True
+        every = (
+            args.logging_steps
+            if args.logging_steps >= 1
+            else max(1, int(args.logging_steps * self.state.max_steps))
+        )
+        return step % every == 0 or (args.logging_first_step and step == 1)
+
+    def _plan(self, inputs) -> list[GroupPlan]:
+        args = self.args
+        policy_options = {}
+        if self.loss_type == "sapo":
+            policy_options.update(
+                sapo_tau_pos=args.sapo_temperature_pos, sapo_tau_neg=args.sapo_temperature_neg
+            )
+        if self.loss_type == "vespo":
+            policy_options.update(
+                vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos,
+                vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg,
+            )  # fmt: skip
+        if self.off_policy_mask_threshold is not None:
+            if inputs.get("sampling_per_token_logps") is not None:
+                raise ValueError(
+                    "off_policy_mask_threshold with vLLM sampling log-probs is not supported by "
+                    "PrefixFlowGRPOTrainer (use it without use_vllm)"
+                )
+            policy_options["off_policy_threshold"] = self.off_policy_mask_threshold
+        return plan_groups(
+            inputs,
+            loss_type=self.loss_type,
+            beta=self.beta,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            delta=args.delta,
+            importance_sampling_level=self.importance_sampling_level,
+            use_bias_correction_kl=args.use_bias_correction_kl,
+            temperature=self.temperature,
+            max_completion_length=self.max_completion_length,
+            gradient_accumulation_steps=self.current_gradient_accumulation_steps,
+            num_processes=self.accelerator.num_processes,
+            steps_per_generation=args.steps_per_generation,
+            policy_options=policy_options,
+            tree=self.prefixflow_tree,
+        )
+
+    def _prefixflow_update(self, model: nn.Module, inputs) -> torch.Tensor:
+        if self.accelerator.num_processes == 1:
+            return self._local_update(model, inputs)
+        # DDP: train_group runs on the unwrapped model, so DDP's reducer never sees it; this micro-batch's
+        # gradient is averaged over the processes here (one all-reduce), as DDP averages TRL's.
+        params = [p for p in model.parameters() if p.requires_grad]
+        saved = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        with _no_sync(model):
+            loss = self._local_update(model, inputs)
+        flat = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in params])
+        torch.distributed.all_reduce(flat)
+        flat /= self.accelerator.num_processes
+        offset = 0
+        for p, s in zip(params, saved, strict=True):
+            g = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            p.grad = g.clone() if s is None else s + g
+        return loss
+
+    def _local_update(self, model: nn.Module, inputs) -> torch.Tensor:
+        inner = self._prefixflow_model(self.accelerator.unwrap_model(model))
+        plans = self._plan(inputs)
+        options = {"layout": self.prefixflow_layout, "microbatch": self.prefixflow_microbatch, "loss": "grpo"}
+        for plan in plans:  # every group is valid before the first one changes a gradient
+            _check_positions(inner, plan)
+            check_group(inner, plan.group, loss_config=plan.loss_config, **options)
+        total = 0.0
+        with self.compute_loss_context_manager(), self.accelerator.autocast():
+            for plan in plans:
+                stats = train_group(inner, plan.group, loss_config=plan.loss_config, **options)
+                total += stats.loss
+        if not plans:  # every completion masked: TRL back-propagates a zero loss, i.e. zero gradients
+            for p in inner.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        else:
+            metrics = self._metrics["train"]
+            metrics["prefixflow/group_size"].append(sum(p.group.n for p in plans) / len(plans))
+            metrics["prefixflow/prefix_tokens_reused"].append(float(stats_reused(plans)))
+            metrics["prefixflow/trees"].append(float(sum(not hasattr(p.group, "prompt") for p in plans)))
+        return torch.tensor(total, dtype=torch.float64, device=self.accelerator.device)
+
+    def _verified_update(self, model: nn.Module, inputs) -> torch.Tensor:
+        """TRL's plain path and PrefixFlow's on the same micro-batch, in fp32 when the weights are fp32; raise if
+        their gradients differ beyond the tolerance, then run the real update (in the training precision)."""
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        saved = [p.grad for _, p in params]
+        dtype = params[0][1].dtype
+        with self._check_precision(model):
+            for _, p in params:
+                p.grad = None
+            # both sides this process's own micro-batch: DDP's reduction off for TRL's backward, none for ours
+            with self.compute_loss_context_manager(), _no_sync(model):
+                want_loss = self.compute_loss(model, inputs)
+                self.accelerator.backward(want_loss)
+            want_loss = float(want_loss.detach())
+            want = [p.grad for _, p in params]
+            for _, p in params:
+                p.grad = None
+            loss = self._local_update(model, inputs)
+            got = [p.grad for _, p in params]
+        worst, where = _worst_rel_diff(params, got, want)
+        loss_diff = abs(float(loss) - want_loss) / (abs(want_loss) or 1.0)
+        tolerance = self.verify_tolerance
+        if tolerance is None:
+            tolerance = VERIFY_TOLERANCE.get(dtype, 5e-2) if dtype in (torch.float64, torch.float32) else 5e-2
+        for _, p in params:
+            p.grad = None
+        loss = self._prefixflow_update(model, inputs)  # the update itself, in the training precision
+        for (_, p), s in zip(params, saved, strict=True):
+            p.grad = p.grad if s is None else (s if p.grad is None else s + p.grad)
+        if worst > tolerance:  # the update is the gradient; a loss near 0 (zero-mean advantages) has no scale
+            raise RuntimeError(
+                f"PrefixFlow's first update differs from TRL's: max relative gradient difference {worst:.3e} "
+                f"(at {where}), loss difference {loss_diff:.3e}; tolerance {tolerance:.1e} ({dtype})"
+            )
+        self._prefixflow_verified = True
+        self._metrics["train"]["prefixflow/verify_max_rel_diff"].append(worst)
+        return loss
+
+    @contextlib.contextmanager
+    def _check_precision(self, model: nn.Module):
+        """Both paths without autocast: accelerate's autocast forward wrapper and ``accelerator.autocast`` (which
+        TRL's log-prob forward and PrefixFlow's update enter) swapped out for the check."""
+        original = getattr(model, "_original_forward", None)
+        wrapped = model.__dict__.get("forward")
+        if original is not None and wrapped is not None:
+            model.forward = original
+        self.accelerator.autocast = lambda *args, **kwargs: contextlib.nullcontext()
+        try:
+            yield
+        finally:
+            del self.accelerator.autocast
+            if original is not None and wrapped is not None:
+                model.forward = wrapped
+
+
+def _no_sync(model: nn.Module):
+    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+
+
+def stats_reused(plans: list[GroupPlan]) -> int:
+    """Tokens not recomputed: a flat group's prompt once per completion beyond the first; a tree's path tokens
+    beyond its unique ones."""
+    return sum(
+        (p.group.n - 1) * (p.group.prompt_len - 1)
+        if hasattr(p.group, "prompt")
+        else sum(p.group.path_lens) - p.group.unique_tokens
+        for p in plans
+    )
+
+
+def _worst_rel_diff(params, got, want) -> tuple[float, str | None]:
+    worst, where = 0.0, None
+    for (name, _), g, w in zip(params, got, want, strict=True):
+        if w is None and g is None:
+            continue
+        if w is None or g is None:
+            return float("inf"), name
+        diff = float((g.float() - w.float()).abs().max()) / (float(w.abs().max()) or 1.0)
+        if diff > worst:
+            worst, where = diff, name
+    return worst, where
+
+
+def _check_positions(model: nn.Module, plan: GroupPlan) -> None:
+    """A prompt + completion longer than the model's ``max_position_embeddings``, named in HF's terms."""
+    group = plan.group
+    limit = int(model.config.get_text_config().max_position_embeddings)
+    longest = (
+        group.prompt_len + max(group.response_lens) if hasattr(group, "prompt") else max(group.path_lens)
+    )
+    if longest > limit:
+        raise ValueError(
+            f"a prompt + completion of {longest} tokens exceeds the model's config.max_position_embeddings="
+            f"{limit}; lower GRPOConfig.max_completion_length or the prompt length, or raise "
+            "config.max_position_embeddings"
+        )
