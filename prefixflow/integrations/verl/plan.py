@@ -165,8 +165,10 @@ def plan_micro_batch(
         size = global_batch_size if global_batch_size is not None else sum(1 for n in lens if n > 0)
         norm["batch_size"] = float(size)
     if base["aggregation"] == "seq-mean-token-sum-norm":
-        horizon = response_mask.shape[-1]  # verl's default: the padded response width
-        norm["norm_len"] = int(loss_scale_factor) if loss_scale_factor is not None else int(horizon)
+        horizon = int(response_mask.shape[-1])  # verl's default: the padded response width
+        norm["norm_len"] = horizon  # a bound on every response, as LossConfig requires
+        if loss_scale_factor is not None:  # verl's constant may be any scale: the loss is linear in 1/norm
+            norm["group_weight"] *= horizon / float(loss_scale_factor)
     if base["aggregation"] == "seq-mean-token-mean":
         norm["seq_len_eps"] = SEQ_LEN_EPS
     config = LossConfig(**norm)
