@@ -39,17 +39,7 @@ def qwen3_5_model(seed: int = 0):
 
 
 def trainer(tmp_path, cls=PrefixFlowGRPOTrainer, **config):
-    return cls(
-        model=qwen3_5_model(),
-        reward_funcs=F.reward_even_words,
-        args=F.config(tmp_path, **config),
-        train_dataset=F.dataset(),
-        processing_class=F.tokenizer(),
-    )
-
-
-def grads(model):
-    return [p.grad.detach().clone() for p in model.parameters()]
+    return F.trainer(tmp_path, cls=cls, model=qwen3_5_model(), **config)
 
 
 def test_micro_batch_gradients_equal_trl(tmp_path, monkeypatch):
@@ -59,19 +49,14 @@ def test_micro_batch_gradients_equal_trl(tmp_path, monkeypatch):
     torch.manual_seed(0)
     inputs = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
     model = tr.model
-    model.zero_grad(set_to_none=True)
-    want_loss = tr.compute_loss(model, inputs)
-    want_loss.backward()
-    want = grads(model)
-    model.zero_grad(set_to_none=True)
-    got_loss = tr._prefixflow_update(model, inputs)
-    assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-5, abs=1e-7)
-    assert max_rel_diff(grads(model), want) <= 1e-5
+    want_loss, want, got_loss, got = F.trl_and_prefixflow_grads(tr, inputs)
+    assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+    assert max_rel_diff(got, want) <= 1e-5
     # The check sees a fault: the recurrent states' gradients never reach the prefix.
     monkeypatch.setattr(StateCache, "roots", lambda self: ([], []))
     model.zero_grad(set_to_none=True)
     tr._prefixflow_update(model, inputs)
-    assert max_rel_diff(grads(model), want) > 1e-3
+    assert max_rel_diff(F.grads(model), want) > 1e-3
 
 
 def test_one_sgd_step_equals_grpo_trainer(tmp_path):

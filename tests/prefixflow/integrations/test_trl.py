@@ -13,47 +13,11 @@ pytest.importorskip("trl")
 
 import support.trl_fixtures as F  # noqa: E402
 from support.reference import max_rel_diff  # noqa: E402
+from support.trl_fixtures import micro_batch, trainer  # noqa: E402
 
 from prefixflow.integrations.trl import PrefixFlowGRPOTrainer, plan_groups  # noqa: E402
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-
-
-def trainer(tmp_path, cls=PrefixFlowGRPOTrainer, model=None, **config):
-    extra = {k: config.pop(k) for k in list(config) if k.startswith("prefixflow_")}
-    return cls(
-        model=model if model is not None else F.model(),
-        reward_funcs=F.reward_even_words,
-        args=F.config(tmp_path, **config),
-        train_dataset=F.dataset(),
-        processing_class=F.tokenizer(),
-        **extra,
-    )
-
-
-def micro_batch(tr, seed: int = 0) -> dict:
-    """One micro-batch exactly as TRL's training_step sees it, with off-policy old log-probs and reference
-    log-probs injected so clipping and the KL term are active."""
-    tr.model.train()
-    tr.current_gradient_accumulation_steps = tr.args.gradient_accumulation_steps  # set by train() otherwise
-    torch.manual_seed(seed)
-    inputs = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
-    gen = torch.Generator().manual_seed(seed)
-    shape = inputs["completion_ids"].shape
-    with torch.no_grad():
-        logps, _, _ = tr._get_per_token_logps_and_entropies(
-            tr.model,
-            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
-            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
-            shape[1],
-        )
-    inputs["old_per_token_logps"] = logps + 0.3 * torch.randn(shape, generator=gen)
-    inputs["ref_per_token_logps"] = logps + 0.3 * torch.randn(shape, generator=gen)
-    return inputs
-
-
-def grads(model):
-    return [p.grad.detach().clone() for p in model.parameters()]
 
 
 CASES = {
@@ -84,14 +48,9 @@ def test_loss_and_gradients_equal_trl_compute_loss(tmp_path, case):
     if case.startswith("bnpo"):
         inputs["completion_mask"][3] = 0  # a fully masked completion (mask_truncated_completions)
     model = tr.model
-    model.zero_grad(set_to_none=True)
-    want_loss = tr.compute_loss(model, inputs)
-    want_loss.backward()
-    want = grads(model)
-    model.zero_grad(set_to_none=True)
-    got_loss = tr._prefixflow_update(model, inputs)
-    assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-5, abs=1e-7)
-    assert max_rel_diff(grads(model), want) <= 1e-5
+    want_loss, want, got_loss, got = F.trl_and_prefixflow_grads(tr, inputs)
+    assert got_loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+    assert max_rel_diff(got, want) <= 1e-5
     plans = tr._plan(inputs)
     assert sorted(len(p.rows) for p in plans) != [1] * len(plans)  # prompts really share completions
     if case.startswith("bnpo"):  # every completion masked: both add zero gradients, no error
