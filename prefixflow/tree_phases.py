@@ -187,10 +187,7 @@ def waves(run):
     cached = set(plan.cached)
     top_down = {j: k for k, j in enumerate(plan.cached)}
     nodes_of = {i: [j for j in tree.path_nodes(i) if j in cached] for i in range(tree.n)}
-    readers = dict.fromkeys(plan.cached, 0)
-    for i in range(tree.n):
-        for j in nodes_of[i]:
-            readers[j] += 1
+    readers = {j: plan.paths_through[j] for j in plan.cached}  # paths not run yet, per cached node
     position = {i: k for k, i in enumerate(plan.dfs_paths)}
     leafless = list(plan.leafless)  # depth-first order
     live: set[int] = set()

@@ -142,8 +142,9 @@ def train_step(
     state = parallel_state(model)
     n_ranks = state.dims.batch if state is not None else 1
     me = state.coordinate("batch") if state is not None and n_ranks > 1 else 0
-    trees = {g for g, group in enumerate(groups) if isinstance(run_input(group), RolloutTree)}
-    costs = [group_costs(model, run_input(g), system) for g in groups]
+    groups = [run_input(g) for g in groups]  # a group with loss_masks as its tree, built once
+    trees = {g for g, group in enumerate(groups) if isinstance(group, RolloutTree)}
+    costs = [group_costs(model, g, system) for g in groups]
     ep = state is not None and state.dims.ep > 1
     # Under EP groups stay whole: a split group's owner alone runs Phase A and C, out of the EP lockstep.
     # Prefix trees stay whole too (each node's cache lives on the rank that trains the tree).
