@@ -315,8 +315,10 @@ def run_group(
             offload.release()
     value = run.stage.report_loss(value)
     if run.tree_plan is not None and cache is not None:
-        return _stats(run, share, value, clock.times, cache.offload_stats())
-    return _stats(run, share, value, clock.times, offload)
+        offloaded = cache.offload_stats()  # a tree: one pool per node, summed
+    else:
+        offloaded = offload.stats if offload is not None else None
+    return _stats(run, share, value, clock.times, offloaded)
 
 
 def group_run(
@@ -362,7 +364,7 @@ def group_run(
     return run
 
 
-def _stats(run: GroupRun, share: GroupShare, value: float, times, offload) -> GroupStats:
+def _stats(run: GroupRun, share: GroupShare, value: float, times, offload: OffloadStats | None) -> GroupStats:
     group, chunks = run.group, run.plan.chunks
     n_microbatches, tree = len(chunks), None
     if run.tree_plan is not None:
@@ -377,7 +379,7 @@ def _stats(run: GroupRun, share: GroupShare, value: float, times, offload) -> Gr
         trunk = prefix + _trunk_tokens(group, chunks, run.layout, 1)
     return GroupStats(
         run.system, run.layout, value, n_microbatches, prefix, suffix_tokens, trunk, times,
-        offload.stats if isinstance(offload, PrefixOffload) else offload,
+        offload,
         hooks={**run.hooks.stats(), **run.stage.stats()}, plan=run.plan.stats, tree=tree,
     )  # fmt: skip
 
