@@ -18,9 +18,11 @@ class RLPreset(StrEnum):
     cpu = "cpu"
     cpu_tp2 = "cpu-tp2"
     paper = "paper"
+    multiturn = "multiturn"
+    multiturn_smoke = "multiturn-smoke"
 
 
-SMOKE_PRESETS = ("smoke", "ranks")  # too short to meet the claims' targets; they check the pipeline
+SMOKE_PRESETS = ("smoke", "ranks", "multiturn-smoke")  # too short to meet the claims' targets; they check the pipeline
 
 
 class RLExecutor(StrEnum):
@@ -31,6 +33,7 @@ class RLExecutor(StrEnum):
 class ReplaySystem(StrEnum):
     baseline = "baseline"
     prefixflow = "prefixflow"
+    prefixflow_tree = "prefixflow_tree"
 
 
 def register(app: typer.Typer) -> None:
@@ -45,7 +48,9 @@ def register(app: typer.Typer) -> None:
         out: Annotated[Path, typer.Option(help="results folder; records go to OUT/<spec>/<preset>/")],
         preset: Annotated[
             RLPreset | None,
-            typer.Option(help="smoke | ranks | cpu | cpu-tp2 | paper (default: the top level)"),
+            typer.Option(
+                help="smoke | ranks | cpu | cpu-tp2 | paper | multiturn | multiturn-smoke (default: the top level)"
+            ),
         ] = None,
         executor: Annotated[
             RLExecutor,

@@ -39,7 +39,9 @@ from harness.rl.io import (
 )
 from harness.rl.ranks import Ranks
 from harness.rl.spec import RLSpec
+from harness.rl.multiturn import MultiTurnTask
 from harness.rl.task import EOS, RetrievalTask
+from harness.rl.trainers import trainer_inputs
 from prefixflow.dtypes import DTYPES
 from prefixflow.parallel import parallel_state
 from prefixflow.rl import (
@@ -64,8 +66,12 @@ def mix_seed(*parts: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def task_of(spec: RLSpec) -> RetrievalTask:
+def task_of(spec: RLSpec) -> RetrievalTask | MultiTurnTask:
+    """The spec's task: ``retrieval`` (``harness.rl.task``) or ``multiturn`` (``harness.rl.multiturn``)."""
     t = spec.task
+    if t.kind == "multiturn":
+        given = {f: getattr(t, f) for f in ("system_len", "note_len", "fields", "calls") if getattr(t, f) is not None}
+        return MultiTurnTask(value_len=t.value_len, n_keys=t.n_keys or 16, choices=t.choices, **given)
     return RetrievalTask.for_prefix_ratio(t.prefix_ratio, t.value_len, t.n_keys, t.choices)
 
 
@@ -110,6 +116,24 @@ class RunPlan:
     trace_name: str | None = None  # the trace folder this run exports to (with trace_steps)
 
 
+def _tree_fields(trainer: str, groups: list, inputs: list, rollouts: list) -> dict[str, Any]:
+    """Tokens over all paths, tokens the trainer's forward computes (the baseline: every path whole; the
+    PrefixFlow trainers: each shared run once), the shared fraction ``1 - computed / path tokens``; for a
+    multi-turn task also the share of turn-1 calls that named the asked key and field."""
+    paths = sum(g.prompt_len * g.n + sum(g.response_lens) for g in groups)
+    computed = paths
+    if trainer != "baseline":
+        computed = sum(
+            x.unique_tokens if isinstance(x, pf.RolloutTree) else x.prompt_len + sum(x.response_lens)
+            for x in inputs
+        )
+    out = {"path_tokens": paths, "computed_tokens": computed, "shared_fraction": 1 - computed / paths}
+    calls = [ok for ro in rollouts for ok in getattr(ro, "call_ok", [])]
+    if calls:
+        out["call_ok_frac"] = sum(calls) / len(calls)
+    return out
+
+
 class _Clock:
     def __init__(self, device: torch.device) -> None:
         self.device, self.times = device, {}
@@ -142,7 +166,7 @@ class ClosedLoop:
     def __init__(
         self,
         spec: RLSpec,
-        task: RetrievalTask,
+        task: RetrievalTask | MultiTurnTask,
         plan: RunPlan,
         init: dict[str, torch.Tensor],
         device,
@@ -184,9 +208,18 @@ class ClosedLoop:
         return state_tensors(self.actor)
 
     # ---- one step -------------------------------------------------------------------------------------
-    def prompts(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def prompts(self, step: int) -> list[tuple[torch.Tensor, Any]]:
+        """(prompt, what its reward checks: the answer, or a multi-turn episode) of each of the step's prompts."""
         g = self.spec.loop.prompts_per_step
-        return [self.task.example(self.spec.data_seed, (step - 1) * g + i) for i in range(g)]
+        examples = [self.task.example(self.spec.data_seed, (step - 1) * g + i) for i in range(g)]
+        if isinstance(self.task, MultiTurnTask):
+            return [(ep.prompt, ep) for ep in examples]
+        return examples
+
+    def _rewards(self, rollout, answer) -> torch.Tensor:
+        if isinstance(self.task, MultiTurnTask):
+            return torch.tensor([self.task.reward(a, answer) for a in rollout.answers], dtype=torch.float64)
+        return torch.tensor([self.task.reward(r.cpu(), answer) for r in rollout.responses], dtype=torch.float64)
 
     def step(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Run the next step; returns (record fields, trainer inputs of the step for a trace)."""
@@ -194,12 +227,10 @@ class ClosedLoop:
         clock = _Clock(self.device)
         prompts = self.prompts(step)
         with clock("generation"):
-            rollouts = self.ranks.share(lambda i: self._sample(step, i, prompts[i][0]), len(prompts))
+            episodes = [p[1] if isinstance(self.task, MultiTurnTask) else None for p in prompts]
+            rollouts = self.ranks.share(lambda i: self._sample(step, i, prompts[i][0], episodes[i]), len(prompts))
         with clock("reward"):
-            rewards = [
-                torch.tensor([self.task.reward(r.cpu(), answer) for r in ro.responses], dtype=torch.float64)
-                for ro, (_, answer) in zip(rollouts, prompts, strict=True)
-            ]
+            rewards = [self._rewards(ro, answer) for ro, (_, answer) in zip(rollouts, prompts, strict=True)]
             advantages = [group_advantages(r) for r in rewards]
         with clock("evaluation"):
             old, ref = [], []
@@ -213,16 +244,20 @@ class ClosedLoop:
                             response_logprobs(self.ref, prompt, ro.responses, microbatch=loop.microbatch)
                         )
         groups = [
-            pf.RolloutGroup(prompt, ro.responses, adv, old[i], ref[i] if self.ref is not None else None)
+            pf.RolloutGroup(
+                prompt, ro.responses, adv, old[i], ref[i] if self.ref is not None else None,
+                loss_masks=getattr(ro, "loss_masks", None),
+            )
             for i, ((prompt, _), ro, adv) in enumerate(zip(prompts, rollouts, advantages, strict=True))
-        ]
+        ]  # fmt: skip
         lr = loop.lr_at(step, self.plan.lr)
         with clock("update"):
+            system, inputs = trainer_inputs(self.plan.system, groups)  # the tree trainers build their trees here
             stats = actor_update(
                 self.actor,
-                groups,
+                inputs,
                 self.optimizer,
-                system=self.plan.system,
+                system=system,
                 lr=lr,
                 layout=loop.layout,
                 microbatch=loop.microbatch,
@@ -257,6 +292,7 @@ class ClosedLoop:
             "padded_suffix_len_mean": sum(max(g.response_lens) for g in groups) / len(groups),
             "truncated_frac": sum(t for ro in rollouts for t in ro.truncated) / len(lens),
             "trunk_tokens": stats.trunk_tokens,
+            **_tree_fields(self.plan.system, groups, inputs, rollouts),
             "sync_bytes": synced,
             "actor_layout": self.actor_layout,
             "drift_rms": _rms([p.detach() - self.init[k] for k, p in named_parameters(self.actor).items()]),
@@ -265,10 +301,16 @@ class ClosedLoop:
         trace = {"lr": lr, "groups": groups}
         return record, trace
 
-    def _sample(self, step: int, i: int, prompt: torch.Tensor):
-        """Prompt ``i``'s N responses, noise seeded by (run seed, step, prompt): the same on any rank."""
+    def _sample(self, step: int, i: int, prompt: torch.Tensor, episode=None):
+        """Prompt ``i``'s N responses (a multi-turn ``episode``: its ``calls x N / calls`` paths), noise seeded
+        by (run seed, step, prompt): the same on any rank."""
         loop = self.spec.loop
         gen = torch.Generator(self.device).manual_seed(mix_seed(self.plan.seed, step, i))
+        if episode is not None:
+            return self.task.rollout(
+                self.rollout, episode, loop.n // self.task.calls, max_new_tokens=loop.max_new_tokens,
+                temperature=loop.temperature, generator=gen,
+            )  # fmt: skip
         return sample_responses(
             self.rollout,
             prompt,

@@ -31,11 +31,19 @@ def rl_need(spec: RLSpec, shape: MetaShape, runs: int) -> int:
     compute = DTYPES[loop.dtype].itemsize
     replicas = 1 + (loop.kl_coef > 0)
     per_run = shape.n_params * (_ACTOR_BYTES + replicas * compute)
-    prompt = task_of(spec).prompt_len
-    tokens = prompt + loop.n * loop.max_new_tokens  # one group, its prompt once
+    task = task_of(spec)
+    prompt, response = task.prompt_len, _max_response(spec)
+    tokens = prompt + loop.n * response  # one group, its prompt once
     activations = tokens * shape.n_layers * shape.hidden * compute * _ACTIVATIONS_PER_TOKEN_LAYER
-    logits = loop.n * loop.max_new_tokens * shape.vocab * 4
+    logits = loop.n * response * shape.vocab * 4
     return runs * per_run + activations + logits
+
+
+def _max_response(spec: RLSpec) -> int:
+    """The longest response a step can sample: ``max_new_tokens``, or a multi-turn task's two turns and reply."""
+    task = task_of(spec)
+    longest = getattr(task, "max_response_len", None)
+    return longest(spec.loop.max_new_tokens) if longest is not None else spec.loop.max_new_tokens
 
 
 def check_rl_spec(spec: RLSpec, runs: int, device: torch.device | None, budget: int | None = None) -> None:
@@ -43,20 +51,17 @@ def check_rl_spec(spec: RLSpec, runs: int, device: torch.device | None, budget: 
     :class:`MemoryRefusal` when its floor exceeds what this process may take (``device`` None: the ranks run
     elsewhere, only the sequences are checked)."""
     shape = meta_shape(spec.model.name, model_overrides(spec, task_of(spec)))
-    prompt = task_of(spec).prompt_len
+    prompt, response = task_of(spec).prompt_len, _max_response(spec)
+    what = "loop.max_new_tokens" if response == spec.loop.max_new_tokens else "the longest multi-turn response"
     if prompt >= shape.max_seq_len:
         raise ValueError(
             f"model.overrides.max_seq_len={shape.max_seq_len}: the task's prompt alone is {prompt} tokens; "
-            f"set max_seq_len >= {prompt + spec.loop.max_new_tokens} (prompt + loop.max_new_tokens)"
+            f"set max_seq_len >= {prompt + response} (prompt + {what})"
         )
     try:
-        check_sequence(
-            shape, prompt + spec.loop.max_new_tokens, f"the prompt ({prompt}) + loop.max_new_tokens"
-        )
+        check_sequence(shape, prompt + response, f"the prompt ({prompt}) + {what} ({response})")
     except ValueError as e:
-        raise ValueError(
-            f"{e} (or lower loop.max_new_tokens to {shape.max_seq_len - prompt} or less)"
-        ) from None
+        raise ValueError(f"{e} (or lower loop.max_new_tokens)") from None
     if device is None:
         return
     need = rl_need(spec, shape, runs)

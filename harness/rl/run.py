@@ -151,6 +151,7 @@ def _base(spec: RLSpec, preset: str | None, device: torch.device) -> dict[str, A
         "prefix_len": task.prompt_len,
         "suffix_len": task.response_len,
         "prefix_ratio": task.prefix_ratio,
+        "task_kind": spec.task.kind,
         "n": loop.n,
         "prompts_per_step": loop.prompts_per_step,
         "layout": loop.layout,

@@ -20,8 +20,13 @@ from harness.spec.schema import ExecutorSettings
 
 __all__ = ["RLSpec", "RL_PRESETS", "load_rl_spec", "parse_rl_spec"]
 
-RL_PRESETS = ("smoke", "ranks", "cpu", "cpu-tp2", "paper")
+RL_PRESETS = ("smoke", "ranks", "cpu", "cpu-tp2", "paper", "multiturn", "multiturn-smoke")
 TRAINERS = ("baseline", "prefixflow")
+#: every trainer: ``baseline`` (each path a full sequence), ``prefixflow`` (flat: the group's longest common
+#: prefix shared), ``prefixflow_tree`` (the group's prefix tree: every shared turn once; harness.rl.trainers)
+ALL_TRAINERS = ("baseline", "prefixflow", "prefixflow_tree")
+Trainer = Literal["baseline", "prefixflow", "prefixflow_tree"]
+MULTITURN_FIELDS = ("system_len", "note_len", "fields", "calls")
 
 
 class _Strict(BaseModel):
@@ -29,12 +34,29 @@ class _Strict(BaseModel):
 
 
 class TaskSpec(_Strict):
-    """The retrieval task (``harness.rl.task.RetrievalTask``): the prefix ratio sets the passage count."""
+    """``kind: retrieval`` (``harness.rl.task.RetrievalTask``: the prefix ratio sets the passage count) or
+    ``kind: multiturn`` (``harness.rl.multiturn.MultiTurnTask``: a tool call, the tool's reply, an answer;
+    ``prefix_ratio`` then unused, the ``MULTITURN_FIELDS`` shape it)."""
 
-    prefix_ratio: float = Field(0.95, ge=0.5, lt=1.0)
+    kind: Literal["retrieval", "multiturn"] = "retrieval"
+    prefix_ratio: float = Field(0.95, ge=0.5, lt=1.0, description="retrieval only")
     value_len: int = Field(4, ge=1, le=4096)
     n_keys: int | None = Field(None, ge=2, le=100_000, description="key symbols (default: the passage count)")
     choices: int = Field(4, ge=2, le=1024, description="tokens each answer position can take (its type)")
+    system_len: int | None = Field(None, ge=1, le=65_536, description="multiturn: system-prompt tokens")
+    note_len: int | None = Field(None, ge=0, le=4096, description="multiturn: free note tokens before a call")
+    fields: int | None = Field(None, ge=1, le=1024, description="multiturn: fields per key in the tool's table")
+    calls: int | None = Field(
+        None, ge=1, le=1024, description="multiturn: turn-1 samples per prompt (loop.n / calls answers each)"
+    )
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> TaskSpec:
+        if self.kind == "retrieval":
+            given = [f for f in MULTITURN_FIELDS if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"task.{given[0]} is a multiturn field; set task.kind: multiturn or drop it")
+        return self
 
 
 class WarmStartSpec(_Strict):
@@ -130,9 +152,7 @@ class TraceSpec(_Strict):
 
     steps: int = Field(20, ge=1, le=10_000)
     runs: list[TraceRun] = Field(default_factory=lambda: [TraceRun(dtype="fp32")], min_length=1)
-    systems: list[Literal["baseline", "prefixflow"]] = Field(
-        default_factory=lambda: ["prefixflow"], min_length=1
-    )
+    systems: list[Trainer] = Field(default_factory=lambda: ["prefixflow"], min_length=1)
 
     @field_validator("runs")
     @classmethod
@@ -157,7 +177,7 @@ class RLSpec(_Strict):
     task: TaskSpec = Field(default_factory=TaskSpec)
     warm_start: WarmStartSpec = Field(default_factory=WarmStartSpec)
     loop: LoopSpec = Field(default_factory=LoopSpec)
-    trainers: list[Literal["baseline", "prefixflow"]] = Field(default_factory=lambda: list(TRAINERS))
+    trainers: list[Trainer] = Field(default_factory=lambda: list(TRAINERS))
     seed: int = Field(0, ge=0, description="sampling seed of the compared runs (also the model init)")
     reference_seed: int | None = Field(
         1,
@@ -178,9 +198,9 @@ class RLSpec(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     parallel: Parallel = Field(default_factory=Parallel)
     executor: ExecutorSettings = Field(default_factory=ExecutorSettings)
-    presets: dict[Literal["smoke", "ranks", "cpu", "cpu-tp2", "paper"], dict[str, Any]] = Field(
-        default_factory=dict
-    )
+    presets: dict[
+        Literal["smoke", "ranks", "cpu", "cpu-tp2", "paper", "multiturn", "multiturn-smoke"], dict[str, Any]
+    ] = Field(default_factory=dict)
 
     @field_validator("model")
     @classmethod
@@ -203,6 +223,28 @@ class RLSpec(_Strict):
     def _consistent(self) -> RLSpec:
         if self.reference_seed is not None and self.reference_seed == self.seed:
             raise ValueError(f"reference_seed must differ from seed ({self.seed}): it is a seed change")
+        if self.task.kind == "multiturn":
+            calls = self.task.calls or 1
+            if self.loop.n % calls:
+                raise ValueError(
+                    f"loop.n ({self.loop.n}) must be a multiple of task.calls ({calls}): n / calls answers per call"
+                )
+            if self.claim3_reference.enabled:
+                raise ValueError(
+                    "claim3_reference.enabled must be false for task.kind multiturn (the reference times flat "
+                    "groups of one prompt and N answers, not trees)"
+                )
+            if self.parallel.world_size > 1:
+                raise ValueError(
+                    f"task.kind multiturn runs on one process (parallel {self.parallel.label}); drop parallel"
+                )
+        elif "prefixflow_tree" in self.trainers or (
+            self.trace is not None and "prefixflow_tree" in self.trace.systems
+        ):
+            raise ValueError(
+                "trainer prefixflow_tree needs task.kind: multiturn (a retrieval group is one level: its tree is "
+                "the flat group)"
+            )
         if self.loop.steps < self.checkpoint_every:
             raise ValueError(
                 f"checkpoint_every ({self.checkpoint_every}) exceeds loop.steps ({self.loop.steps})"

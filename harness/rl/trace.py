@@ -6,11 +6,15 @@ A trace is a folder holding the trainer inputs of K consecutive steps of one run
                             the file of its inputs and the file of the weights after it, each with SHA-256
     initial.safetensors     actor weights (``w.<name>``) and AdamW state (``opt.<key>.<name>``) before step 1
     step_NNNNN.safetensors  per group g: ``g<g>.prompt``, ``.responses`` (concatenated), ``.response_lens``,
-                            ``.advantages``, ``.old_logprobs``, ``.ref_logprobs`` (when the KL term is on)
+                            ``.advantages``, ``.old_logprobs``, ``.ref_logprobs`` (when the KL term is on),
+                            ``.loss_masks`` (a multi-turn group: bool, concatenated, False on tool replies)
     after_NNNNN.safetensors the source run's weights after the step
 
 Replaying feeds the same groups, advantages, old/reference log-probs and learning rates to
-``actor_update`` with another (or the same) ``system`` and compares the weights after every step.
+``actor_update`` with another (or the same) trainer (``harness.rl.trainers``) and compares the weights after
+every step. A multi-turn trace is a tree trace: its groups carry loss masks, and its tree is not stored but
+rebuilt from the paths by ``prefixflow.build_tree`` (so a trace cannot hold a tree that disagrees with its
+tokens); its masks are validated like every other tensor (dtype, length, one trained token per path).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from harness.rl.io import (
     write_json,
     writes_here,
 )
+from harness.rl.trainers import TRAINERS, trainer_inputs
 from prefixflow.rl import actor_update, named_parameters
 
 __all__ = ["TraceWriter", "Trace", "load_trace", "replay_trace", "TAU_ABS", "TAU_REL", "FORMAT", "nan_max"]
@@ -121,6 +126,8 @@ class TraceWriter:
             tensors[f"g{g}.old_logprobs"] = torch.cat(group.old_logprobs)
             if group.ref_logprobs is not None:
                 tensors[f"g{g}.ref_logprobs"] = torch.cat(group.ref_logprobs)
+            if group.loss_masks is not None:
+                tensors[f"g{g}.loss_masks"] = torch.cat(group.loss_masks)
         meta = {"lr": repr(trace["lr"]), "n_groups": str(len(trace["groups"])), "loss": repr(loss)}
         save_tensors(self.folder / f"step_{step:05d}.safetensors", tensors, meta, self.root)
         weights = {f"w.{k}": v for k, v in trace["weights"].items()}
@@ -176,7 +183,7 @@ class Trace:
     def groups(self, step: StepRef) -> list[pf.RolloutGroup]:
         path = self.folder / step.inputs.file
         t = self.tensors(step.inputs)
-        expected = {f"g{g}.{k}" for g in range(step.n_groups) for k in GROUP_TENSORS}
+        expected = {f"g{g}.{k}" for g in range(step.n_groups) for k in (*GROUP_TENSORS, *OPTIONAL_TENSORS)}
         extra = set(t) - expected
         if extra:
             raise TraceError(f"{path}: unexpected tensors {sorted(extra)[:3]}")
@@ -184,6 +191,7 @@ class Trace:
 
 
 GROUP_TENSORS = ("prompt", "responses", "response_lens", "advantages", "old_logprobs", "ref_logprobs")
+OPTIONAL_TENSORS = ("loss_masks",)
 
 
 def _split(t: dict[str, torch.Tensor], key: str, sizes: list[int], path: Path) -> list[torch.Tensor] | None:
@@ -207,8 +215,12 @@ def _group(t: dict[str, torch.Tensor], g: int, path: Path) -> pf.RolloutGroup:
     responses = _split(t, f"g{g}.responses", sizes, path)
     old = _split(t, f"g{g}.old_logprobs", sizes, path)
     ref = _split(t, f"g{g}.ref_logprobs", sizes, path)
+    masks = t.get(f"g{g}.loss_masks")
+    if masks is not None and masks.dtype != torch.bool:
+        raise TraceError(f"{path}: g{g}.loss_masks must be a bool tensor (True where a token is trained)")
+    masks = _split(t, f"g{g}.loss_masks", sizes, path)
     try:
-        return pf.RolloutGroup(t[f"g{g}.prompt"], responses, t[f"g{g}.advantages"], old, ref)
+        return pf.RolloutGroup(t[f"g{g}.prompt"], responses, t[f"g{g}.advantages"], old, ref, loss_masks=masks)
     except (ValueError, TypeError) as e:
         raise TraceError(f"{path}: group {g} is invalid: {e}") from None
 
@@ -293,7 +305,8 @@ def replay_trace(
     fp64: bool = False,
     ranks=None,
 ) -> list[dict[str, Any]]:
-    """Replay every step of ``trace`` with ``system``; one dict per step with the weight differences to the
+    """Replay every step of ``trace`` with ``system`` (a trainer: ``harness.rl.trainers.TRAINERS``); one dict
+    per step with the weight differences to the
     source run after that step (max / RMSE / mean absolute, relative max, the bf16 tau rule).
 
     ``fp64``: replay in float64 (weights, AdamW state, compute) an fp32 trace: the difference is then the
@@ -303,8 +316,8 @@ def replay_trace(
     from prefixflow.dtypes import DTYPES
 
     m = trace.manifest
-    if system not in pf.SYSTEMS:
-        raise ValueError(f"system {system!r} unknown; valid: {pf.SYSTEMS}")
+    if system not in TRAINERS:
+        raise ValueError(f"system {system!r} unknown; valid: {', '.join(TRAINERS)}")
     if fp64 and m.dtype != "fp32":
         raise ValueError(f"an fp64 replay measures an fp32 trace's rounding; {trace.name} is {m.dtype}")
     weights_dtype = torch.float64 if fp64 else torch.float32
@@ -339,12 +352,12 @@ def replay_trace(
     compute = DTYPES[m.dtype]
     rows = []
     for step in m.steps:
-        groups = trace.groups(step)
+        train_system, inputs = trainer_inputs(system, trace.groups(step))
         stats = actor_update(
             model,
-            groups,
+            inputs,
             opt,
-            system=system,
+            system=train_system,
             lr=step.lr,
             layout=m.layout,
             microbatch=m.microbatch,

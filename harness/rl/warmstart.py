@@ -13,6 +13,7 @@ from harness.rl.io import load_tensors, save_tensors, state_tensors
 from harness.rl.loop import build_model_for, task_of
 from harness.rl.ranks import Ranks
 from harness.rl.spec import RLSpec
+from harness.rl import multiturn
 from harness.rl.task import mean_reward, warm_start
 from prefixflow.dtypes import DTYPES
 from prefixflow.rl import sync_weights
@@ -46,25 +47,30 @@ def warm_start_state(
     ws, loop = spec.warm_start, spec.loop
     if tensors is None:
         model = ranks.parallelize(build_model_for(spec, task, torch.float32, device))
-        log(
-            f"warm start: {ws.steps} steps x {ws.batch} prompts of {ws.passages} passages (the RL prompts "
-            f"have {task.n_passages}: P={task.prompt_len}, S={task.response_len}, r={task.prefix_ratio:.3f})"
-        )
-        losses = warm_start(
-            model,
-            task,
-            steps=ws.steps,
-            batch=ws.batch,
-            lr=ws.lr,
-            seed=spec.data_seed + 1,
-            passages=ws.passages,
-            label_smoothing=ws.label_smoothing,
-        )
+        turns = spec.task.kind == "multiturn"
+        if turns:
+            log(
+                f"warm start: {ws.steps} steps x {ws.batch} multi-turn episodes (P={task.prompt_len}, a "
+                f"well-formed response {task.response_len} tokens: call {task.turn1_len}, reply {task.reply_len})"
+            )
+            losses = multiturn.warm_start(
+                model, task, steps=ws.steps, batch=ws.batch, lr=ws.lr, seed=spec.data_seed + 1,
+                label_smoothing=ws.label_smoothing,
+            )  # fmt: skip
+        else:
+            log(
+                f"warm start: {ws.steps} steps x {ws.batch} prompts of {ws.passages} passages (the RL prompts "
+                f"have {task.n_passages}: P={task.prompt_len}, S={task.response_len}, r={task.prefix_ratio:.3f})"
+            )
+            losses = warm_start(
+                model, task, steps=ws.steps, batch=ws.batch, lr=ws.lr, seed=spec.data_seed + 1,
+                passages=ws.passages, label_smoothing=ws.label_smoothing,
+            )  # fmt: skip
         tensors = state_tensors(model, "w.")
         rollout = build_model_for(spec, task, DTYPES[loop.dtype], device)
         sync_weights(model, rollout)
         del model
-        reward, exact = mean_reward(
+        reward, exact = (multiturn.mean_reward if spec.task.kind == "multiturn" else mean_reward)(
             rollout,
             task,
             prompts=ws.eval_prompts,
@@ -93,7 +99,7 @@ def warm_start_state(
         "exact_match": float(meta["exact_match"]),
         "loss": float(meta["final_loss"]),
         "warm_start_steps": ws.steps,
-        "warm_start_passages": ws.passages,
+        "warm_start_passages": ws.passages if spec.task.kind == "retrieval" else None,
         "timestamp": datetime.now(UTC).isoformat(timespec="milliseconds"),
     }
     log(
