@@ -70,21 +70,30 @@ def time_split(steps: pd.DataFrame, how: str = "median") -> pd.DataFrame:
     return warm.groupby("system")[cols].agg(how)
 
 
+def update_ratio(df: pd.DataFrame, fast: str, slow: str) -> float:
+    """``slow``'s median actor-update time over ``fast``'s (warm steps), e.g. the tree trainer over flat."""
+    split = time_split(step_table(df))
+    if not {fast, slow} <= set(split.index):
+        return math.nan
+    return float(split.loc[slow, "update_s"] / split.loc[fast, "update_s"])
+
+
 def amdahl(share: float, speedup: float) -> float:
     """Amdahl's law: the step speedup when a fraction ``share`` of the step gets ``speedup`` times faster
     (``speedup`` = inf: the cap ``1 / (1 - share)``)."""
     return 1.0 / ((1.0 - share) + share / speedup)
 
 
-def speedups(df: pd.DataFrame) -> dict[str, float]:
+def speedups(df: pd.DataFrame, system: str = "prefixflow") -> dict[str, float]:
     """End-to-end and actor-update speedups (medians over warm steps; ``*_mean``: from means), the cap
     ``amdahl_bound`` = 1/(1-f), Amdahl's law at the measured update speedup ``amdahl_at_update_speedup``, the
-    update's time outside ``train_group``'s phases, and the Claim-3 reference speedup."""
+    update's time outside ``train_group``'s phases, and the Claim-3 reference speedup; of ``system`` (e.g.
+    ``prefixflow_tree``) over the baseline. Keys naming a system end in ``_baseline`` and ``_<system>``."""
     steps = step_table(df)
     split = time_split(steps)
-    if not {"baseline", "prefixflow"} <= set(split.index):
+    if not {"baseline", system} <= set(split.index):
         return {}
-    b, p = split.loc["baseline"], split.loc["prefixflow"]
+    b, p = split.loc["baseline"], split.loc[system]
     share = b["update_s"] / b["step_s"]
     out = {
         "update_share": share,
@@ -96,8 +105,8 @@ def speedups(df: pd.DataFrame) -> dict[str, float]:
     out["e2e_over_bound"] = out["e2e_speedup"] / out["amdahl_bound"]
     out["e2e_over_amdahl"] = out["e2e_speedup"] / out["amdahl_at_update_speedup"]
     mean = time_split(steps, "mean")
-    out["e2e_speedup_mean"] = mean.loc["baseline", "step_s"] / mean.loc["prefixflow", "step_s"]
-    out["update_speedup_mean"] = mean.loc["baseline", "update_s"] / mean.loc["prefixflow", "update_s"]
+    out["e2e_speedup_mean"] = mean.loc["baseline", "step_s"] / mean.loc[system, "step_s"]
+    out["update_speedup_mean"] = mean.loc["baseline", "update_s"] / mean.loc[system, "update_s"]
     if (
         "update_train_s" in steps.columns
     ):  # the update's phases alone, and what the update spends outside them
@@ -105,14 +114,14 @@ def speedups(df: pd.DataFrame) -> dict[str, float]:
         med = warm.assign(outside=warm["update_s"] - warm["update_train_s"]).groupby("system")
         med = med[["update_train_s", "outside"]].median()
         out["train_phases_speedup"] = (
-            med.loc["baseline", "update_train_s"] / med.loc["prefixflow", "update_train_s"]
+            med.loc["baseline", "update_train_s"] / med.loc[system, "update_train_s"]
         )
         out["update_outside_phases_s_baseline"] = med.loc["baseline", "outside"]
-        out["update_outside_phases_s_prefixflow"] = med.loc["prefixflow", "outside"]
+        out[f"update_outside_phases_s_{system}"] = med.loc[system, "outside"]
     if "update_optimizer_s" in steps.columns:  # of which: gradient averaging, clipping and AdamW
         opt = steps[steps["step"] > WARMUP_STEPS].groupby("system")["update_optimizer_s"].median()
         out["update_optimizer_s_baseline"] = opt.get("baseline", math.nan)
-        out["update_optimizer_s_prefixflow"] = opt.get("prefixflow", math.nan)
+        out[f"update_optimizer_s_{system}"] = opt.get(system, math.nan)
     ref = claim2_rows(df, "rl_claim3_ref")
     if not ref.empty and "step" in ref.columns:
         t = ref.pivot_table(index="step", columns="system", values="step_time_s", aggfunc="median")
