@@ -15,7 +15,7 @@ from harness.rl.io import TraceError
 from harness.rl.multiturn import CALL, ERROR, MultiTurnTask
 from harness.rl.run import run_claim2
 from harness.rl.spec import load_rl_spec, parse_rl_spec
-from harness.rl.trace import _group
+from harness.rl.trace import _group, load_trace
 from harness.rl.trainers import group_tree, trainer_inputs
 from harness.spec.load import SpecError
 from prefixflow.rl import group_advantages, response_logprobs
@@ -132,6 +132,9 @@ def test_multiturn_smoke_pipeline(tmp_path):
     assert len({(r["reward_mean"], r["path_tokens"]) for r in first.values()}) == 1
     computed = {s: r["computed_tokens"] for s, r in first.items()}
     assert computed["prefixflow_tree"] < computed["prefixflow"] < computed["baseline"]
+    trace = load_trace(folder / "_state" / "traces" / "baseline-bf16-s0")  # a tree trace: its masks came back
+    groups = trace.groups(trace.manifest.steps[0])
+    assert all(g.loss_masks is not None and not all(bool(m.all()) for m in g.loss_masks) for g in groups)
     for system in ("prefixflow_tree", "prefixflow"):
         rep = read_records(folder / f"replay-baseline-bf16-s0-{system}.parquet")
         assert len(rep) == spec.trace.steps and rep["max_abs"].map(math.isfinite).all()
