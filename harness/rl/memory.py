@@ -61,7 +61,10 @@ def check_rl_spec(spec: RLSpec, runs: int, device: torch.device | None, budget: 
     try:
         check_sequence(shape, prompt + response, f"the prompt ({prompt}) + {what} ({response})")
     except ValueError as e:
-        raise ValueError(f"{e} (or lower loop.max_new_tokens)") from None
+        room = shape.max_seq_len - prompt
+        if response != spec.loop.max_new_tokens:  # two policy turns around the tool's reply
+            room = (room - task_of(spec).reply_len) // 2
+        raise ValueError(f"{e} (or lower loop.max_new_tokens to {room} or less)") from None
     if device is None:
         return
     need = rl_need(spec, shape, runs)
