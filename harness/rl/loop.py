@@ -70,7 +70,7 @@ def task_of(spec: RLSpec) -> RetrievalTask | MultiTurnTask:
     """The spec's task: ``retrieval`` (``harness.rl.task``) or ``multiturn`` (``harness.rl.multiturn``)."""
     t = spec.task
     if t.kind == "multiturn":
-        given = {f: getattr(t, f) for f in ("system_len", "note_len", "fields", "calls") if getattr(t, f) is not None}
+        given = {f: getattr(t, f) for f in ("system_len", "note_len", "fields", "calls", "reply_text") if getattr(t, f) is not None}
         return MultiTurnTask(value_len=t.value_len, n_keys=t.n_keys or 16, choices=t.choices, **given)
     return RetrievalTask.for_prefix_ratio(t.prefix_ratio, t.value_len, t.n_keys, t.choices)
 

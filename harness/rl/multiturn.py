@@ -4,11 +4,12 @@ One episode, as the policy sees it (prompt and tool reply are context, the two p
 
     prompt   BOS  s_1 .. s_S  QUERY k_q F_j        system prompt (the tool's schema), the question
     turn 1   n_1 .. n_R  k F  CALL                 a free-form note, then the call: a key and a field
-    reply    RESULT k F v_1 .. v_L END             the tool's answer: that field of that key (loss-masked)
+    reply    RESULT k F t_1 .. t_D v_1 .. v_L END  the tool's answer: its text, then the value (loss-masked)
     turn 2   a_1 .. a_L  EOS                       the answer
 
-The question asks field ``F_j`` of key ``k_q``. The tool holds a table of ``n_keys x fields`` values of
-``value_len`` tokens, drawn per question, so only the tool knows them: the task needs the call. Values are
+The question asks field ``F_j`` of key ``k_q``. The tool holds a table of ``n_keys x fields`` entries, each
+``reply_text`` tokens of text (what a search tool returns around its answer) and a value of ``value_len``
+tokens, drawn per question, so only the tool knows them: the task needs the call. Values are
 *typed* as in :mod:`harness.rl.task`: the i-th token of field f of key k is one of ``choices`` tokens that
 belong to (k, f, i) alone, so a policy that calls the right key and field but never reads the reply scores
 ``1 / choices``, one that reads it scores 1, and a wrong call returns another value's type (0). A call that
@@ -51,6 +52,7 @@ class Episode:
 
     prompt: torch.Tensor
     values: torch.Tensor  # [n_keys, fields, value_len] token ids
+    texts: torch.Tensor  # [n_keys, fields, reply_text] token ids
     key: int
     field: int
     answer: torch.Tensor
@@ -78,13 +80,15 @@ class MultiTurnTask:
     n_keys: int = 16
     choices: int = 4
     calls: int = 4
+    reply_text: int = 0
     kind: ClassVar[str] = "multiturn"
 
     def __post_init__(self) -> None:
-        for name in ("system_len", "note_len", "fields", "value_len", "n_keys", "choices", "calls"):
+        for name in ("system_len", "note_len", "fields", "value_len", "n_keys", "choices", "calls", "reply_text"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "note_len" else 1):
-                raise ValueError(f"task.{name} must be an int >= {0 if name == 'note_len' else 1}, got {value!r}")
+            least = 0 if name in ("note_len", "reply_text") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"task.{name} must be an int >= {least}, got {value!r}")
 
     # ---- vocabulary ---------------------------------------------------------------------------------
     @property
@@ -118,7 +122,7 @@ class MultiTurnTask:
 
     @property
     def reply_len(self) -> int:
-        return self.value_len + 4
+        return self.reply_text + self.value_len + 4
 
     @property
     def turn1_len(self) -> int:
@@ -153,12 +157,13 @@ class MultiTurnTask:
             + torch.arange(length).view(1, 1, -1)
         )
         values = self._value0 + slots * self.choices + picks
+        texts = self._note0 + torch.randint(0, self.n_notes, (self.n_keys, f_all, self.reply_text), generator=gen)
         key = int(torch.randint(0, self.n_keys, (1,), generator=gen))
         field = int(torch.randint(0, f_all, (1,), generator=gen))
         prompt = torch.cat(
             [torch.tensor([BOS]), self.system_prompt(), torch.tensor([QUERY, self._key0 + key, self._field0 + field])]
         )
-        return Episode(prompt, values, key, field, values[key, field].clone())
+        return Episode(prompt, values, texts, key, field, values[key, field].clone())
 
     def parse_call(self, turn1: torch.Tensor) -> tuple[int, int] | None:
         """(key, field) of a turn 1 ending ``k F CALL``, else None."""
@@ -175,7 +180,7 @@ class MultiTurnTask:
             return torch.tensor([RESULT, ERROR, END])
         key, field = call
         head = torch.tensor([RESULT, self._key0 + key, self._field0 + field])
-        return torch.cat([head, episode.values[key, field], torch.tensor([END])])
+        return torch.cat([head, episode.texts[key, field], episode.values[key, field], torch.tensor([END])])
 
     def call_of(self, episode: Episode) -> torch.Tensor:
         """The right call (without the note)."""

@@ -26,7 +26,7 @@ TRAINERS = ("baseline", "prefixflow")
 #: prefix shared), ``prefixflow_tree`` (the group's prefix tree: every shared turn once; harness.rl.trainers)
 ALL_TRAINERS = ("baseline", "prefixflow", "prefixflow_tree")
 Trainer = Literal["baseline", "prefixflow", "prefixflow_tree"]
-MULTITURN_FIELDS = ("system_len", "note_len", "fields", "calls")
+MULTITURN_FIELDS = ("system_len", "note_len", "fields", "calls", "reply_text")
 
 
 class _Strict(BaseModel):
@@ -49,6 +49,7 @@ class TaskSpec(_Strict):
     calls: int | None = Field(
         None, ge=1, le=1024, description="multiturn: turn-1 samples per prompt (loop.n / calls answers each)"
     )
+    reply_text: int | None = Field(None, ge=0, le=65_536, description="multiturn: text tokens in a tool reply")
 
     @model_validator(mode="after")
     def _kind_fields(self) -> TaskSpec:

@@ -21,7 +21,7 @@ from harness.spec.load import SpecError
 from prefixflow.rl import group_advantages, response_logprobs
 
 SPEC = Path(__file__).resolve().parents[3] / "experiments" / "claim2.yaml"
-TASK = MultiTurnTask(system_len=6, note_len=3, fields=2, value_len=2, n_keys=4, choices=3, calls=2)
+TASK = MultiTurnTask(system_len=6, note_len=3, fields=2, value_len=2, n_keys=4, choices=3, calls=2, reply_text=3)
 
 
 def _model(seed=0):
@@ -109,7 +109,7 @@ def test_spec_task_kind_errors_name_the_field():
     base = load_rl_spec(SPEC, "multiturn").model_dump(mode="json", exclude={"presets"})
     cases = {
         "is a multiturn field": {"task": {"kind": "retrieval", "calls": 2}},
-        "multiple of task.calls": {"loop": {**base["loop"], "n": 6}},
+        "multiple of task.calls": {"loop": {**base["loop"], "n": 7}},
         "needs task.kind: multiturn": {"task": {"kind": "retrieval"}},
         "claim3_reference.enabled": {"claim3_reference": {"enabled": True}},
         "task.kind": {"task": {**base["task"], "kind": "chat"}},
