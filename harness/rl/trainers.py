@@ -7,8 +7,11 @@ All three train the same objective (the same paths, loss masks, advantages and l
 - ``prefixflow`` (flat): today's PrefixFlow, the group's longest common prefix computed once and every
   path's remainder a suffix (for a group without loss masks: the group as it is, its prompt the prefix;
   with masks: ``harness.peers.tree_flat.flatten_tree`` of its tree, the ``prefixflow_flat`` peer);
-- ``prefixflow_tree``: the group's prefix tree (``prefixflow.build_tree`` over its paths): every shared run,
-  e.g. a turn-1 call and its tool reply under several answers, computed once.
+- ``prefixflow_tree``: the group's prefix tree (``prefixflow.build_tree`` over its paths,
+  ``min_shared_tokens="auto"``): every shared run that pays its node cost, e.g. a turn-1 call and its tool
+  reply under several answers, computed once. The ``auto`` rule matters in a loop: sampled answers share
+  short prefixes (a first token, an identical answer), and with ``min_shared_tokens=1`` each becomes a node
+  of its own whose fixed cost exceeds the tokens it saves (``docs/trees-practice.md``, the multi-turn loop).
 
 Building the tree is part of the tree trainers' work: the loop calls :func:`trainer_inputs` inside the timed
 update.
@@ -24,6 +27,7 @@ from harness.peers.tree_flat import flatten_tree
 __all__ = ["TRAINERS", "system_of", "group_tree", "trainer_inputs"]
 
 TRAINERS = {"baseline": "baseline", "prefixflow": "prefixflow", "prefixflow_tree": "prefixflow"}
+TREE_MIN_SHARED = "auto"  # the tree trainer's build_tree rule (prefixflow.tree_build.AUTO_NODE_COST_TOKENS)
 
 
 def system_of(trainer: str) -> str:
@@ -34,9 +38,10 @@ def system_of(trainer: str) -> str:
         raise ValueError(f"trainer {trainer!r} unknown; valid: {', '.join(TRAINERS)}") from None
 
 
-def group_tree(group: pf.RolloutGroup) -> pf.RolloutTree:
-    """The prefix tree of ``group``'s paths ``[prompt || response_i]``: the prompt and untrained (masked)
-    response tokens carry no loss, log-probs are zero-padded over the prompt."""
+def group_tree(group: pf.RolloutGroup, min_shared_tokens: int | str = 1) -> pf.RolloutTree:
+    """The prefix tree of ``group``'s paths ``[prompt || response_i]`` (``build_tree``'s
+    ``min_shared_tokens``): the prompt and untrained (masked) response tokens carry no loss, log-probs are
+    zero-padded over the prompt."""
     p = group.prompt_len
     prompt = group.prompt
     masks = group.loss_masks or [torch.ones(n, dtype=torch.bool) for n in group.response_lens]
@@ -51,6 +56,7 @@ def group_tree(group: pf.RolloutGroup) -> pf.RolloutTree:
         [torch.cat([zeros, m.to(prompt.device)]) for m in masks],
         old_logprobs=whole(group.old_logprobs),
         ref_logprobs=whole(group.ref_logprobs),
+        min_shared_tokens=min_shared_tokens,
     )
 
 
@@ -61,4 +67,4 @@ def trainer_inputs(trainer: str, groups: list[pf.RolloutGroup]) -> tuple[str, li
         return system, groups
     if trainer == "prefixflow":
         return system, [g if g.loss_masks is None else flatten_tree(group_tree(g)) for g in groups]
-    return system, [group_tree(g) for g in groups]
+    return system, [group_tree(g, TREE_MIN_SHARED) for g in groups]

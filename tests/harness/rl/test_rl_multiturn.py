@@ -21,7 +21,7 @@ from harness.spec.load import SpecError
 from prefixflow.rl import group_advantages, response_logprobs
 
 SPEC = Path(__file__).resolve().parents[3] / "experiments" / "claim2.yaml"
-TASK = MultiTurnTask(system_len=6, note_len=3, fields=2, value_len=2, n_keys=4, choices=3, calls=2, reply_text=3)
+TASK = MultiTurnTask(system_len=6, note_len=3, fields=2, value_len=2, n_keys=4, choices=3, calls=2, reply_text=20)
 
 
 def _model(seed=0):
@@ -40,6 +40,23 @@ def _group_of(model, seed=0):
     adv = group_advantages(rewards + torch.linspace(0, 1, len(rewards), dtype=torch.float64))
     old = [lp + 0.05 for lp in response_logprobs(model, ep.prompt, ro.responses)]
     return pf.RolloutGroup(ep.prompt, ro.responses, adv, old, None, loss_masks=ro.loss_masks), ro
+
+
+def _well_formed_group(model, seed=0):
+    """2 well-formed calls (distinct notes) x 3 answers of different lengths: the tree a trained policy samples."""
+    ep = TASK.example(7, seed)
+    gen = torch.Generator().manual_seed(seed)
+    p, tail = ep.prompt.numel(), TASK.value_len + 1
+    responses, masks = [], []
+    for _ in range(TASK.calls):
+        seq, mask = TASK.episode_tokens(ep, gen)
+        for a in range(3):
+            answer = torch.randint(TASK._value0, TASK.vocab_size, (1 + a,), generator=gen)
+            responses.append(torch.cat([seq[p:-tail], answer, torch.tensor([2])]))
+            masks.append(torch.cat([mask[p:-tail], torch.ones(2 + a, dtype=torch.bool)]))
+    adv = group_advantages(torch.randn(len(responses), generator=gen, dtype=torch.float64))
+    old = [lp + 0.05 for lp in response_logprobs(model, ep.prompt, responses)]
+    return pf.RolloutGroup(ep.prompt, responses, adv, old, None, loss_masks=masks)
 
 
 def test_tool_reward_and_rollout_shape():
@@ -61,9 +78,11 @@ def test_tool_reward_and_rollout_shape():
 
 def test_three_trainers_same_loss_and_gradients_fp64():
     model = _model()
-    group, _ = _group_of(model)
+    group = _well_formed_group(model)
     tree = group_tree(group)
-    assert tree.n_nodes == 1 + TASK.calls + group.n  # prompt -> one node per call -> answers: a real tree
+    assert tree.n_nodes >= 1 + TASK.calls + group.n  # prompt -> one node per call -> answers: a real tree
+    auto = trainer_inputs("prefixflow_tree", [group])[1][0]
+    assert auto.n_nodes > 1 + group.n  # the call nodes pay their cost: the auto rule keeps them split
     results = {}
     for trainer in ("baseline", "prefixflow", "prefixflow_tree"):
         system, inputs = trainer_inputs(trainer, [group])
