@@ -146,11 +146,12 @@ def test_multiturn_smoke_pipeline(tmp_path):
     for df in runs.values():
         assert df["reward_mean"].between(0, 1).all() and len(df) == spec.loop.steps
         assert (df["task_kind"] == "multiturn").all()
-    # the same rollouts (shared seeds; step 1 precedes any update) and the tree computes the fewest tokens
+    # the same rollouts (shared seeds; step 1 precedes any update); both PrefixFlow trainers share work (the
+    # tree's "auto" rule may merge these tiny nodes and compute more than flat: it weighs time, not tokens)
     first = {s: df.iloc[0] for s, df in runs.items()}
     assert len({(r["reward_mean"], r["path_tokens"]) for r in first.values()}) == 1
     computed = {s: r["computed_tokens"] for s, r in first.items()}
-    assert computed["prefixflow_tree"] < computed["prefixflow"] < computed["baseline"]
+    assert max(computed["prefixflow_tree"], computed["prefixflow"]) < computed["baseline"] == first["baseline"]["path_tokens"]
     trace = load_trace(folder / "_state" / "traces" / "baseline-bf16-s0")  # a tree trace: its masks came back
     groups = trace.groups(trace.manifest.steps[0])
     assert all(g.loss_masks is not None and not all(bool(m.all()) for m in g.loss_masks) for g in groups)
