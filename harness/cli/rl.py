@@ -22,7 +22,8 @@ class RLPreset(StrEnum):
     multiturn_smoke = "multiturn-smoke"
 
 
-SMOKE_PRESETS = ("smoke", "ranks", "multiturn-smoke")  # too short to meet the claims' targets; they check the pipeline
+# too short to meet the claims' targets; they check the pipeline
+SMOKE_PRESETS = ("smoke", "ranks", "multiturn-smoke")
 
 
 class RLExecutor(StrEnum):

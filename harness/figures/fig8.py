@@ -332,7 +332,12 @@ def claim2_summary(df: pd.DataFrame) -> pd.DataFrame:
         _speedup_checks(df, system, "" if systems == ["prefixflow"] else f" [{system}]", add)
     if {"prefixflow", "prefixflow_tree"} <= present:
         ratio = update_ratio(df, "prefixflow_tree", "prefixflow")
-        add("actor-update speedup of the tree trainer over flat PrefixFlow (medians)", ratio, "> 1", bool(ratio > 1))
+        add(
+            "actor-update speedup of the tree trainer over flat PrefixFlow (medians)",
+            ratio,
+            "> 1",
+            bool(ratio > 1),
+        )
     _divergence_checks(divergence_ratios(df), add)
     rep = replay_rows(claim2_rows(df, "rl_replay"))
     floors = {  # per fp32 trace: the source's own rounding, its last step replayed in fp64

@@ -37,9 +37,9 @@ from harness.rl.io import (
     save_tensors,
     state_tensors,
 )
-from harness.rl.ranks import Ranks
-from harness.rl.spec import RLSpec
 from harness.rl.multiturn import MultiTurnTask
+from harness.rl.ranks import Ranks
+from harness.rl.spec import MULTITURN_FIELDS, RLSpec
 from harness.rl.task import EOS, RetrievalTask
 from harness.rl.trainers import trainer_inputs
 from prefixflow.dtypes import DTYPES
@@ -70,7 +70,7 @@ def task_of(spec: RLSpec) -> RetrievalTask | MultiTurnTask:
     """The spec's task: ``retrieval`` (``harness.rl.task``) or ``multiturn`` (``harness.rl.multiturn``)."""
     t = spec.task
     if t.kind == "multiturn":
-        given = {f: getattr(t, f) for f in ("system_len", "note_len", "fields", "calls", "reply_text") if getattr(t, f) is not None}
+        given = {f: getattr(t, f) for f in MULTITURN_FIELDS if getattr(t, f) is not None}
         return MultiTurnTask(value_len=t.value_len, n_keys=t.n_keys or 16, choices=t.choices, **given)
     return RetrievalTask.for_prefix_ratio(t.prefix_ratio, t.value_len, t.n_keys, t.choices)
 
@@ -219,7 +219,9 @@ class ClosedLoop:
     def _rewards(self, rollout, answer) -> torch.Tensor:
         if isinstance(self.task, MultiTurnTask):
             return torch.tensor([self.task.reward(a, answer) for a in rollout.answers], dtype=torch.float64)
-        return torch.tensor([self.task.reward(r.cpu(), answer) for r in rollout.responses], dtype=torch.float64)
+        return torch.tensor(
+            [self.task.reward(r.cpu(), answer) for r in rollout.responses], dtype=torch.float64
+        )
 
     def step(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """Run the next step; returns (record fields, trainer inputs of the step for a trace)."""
@@ -228,7 +230,9 @@ class ClosedLoop:
         prompts = self.prompts(step)
         with clock("generation"):
             episodes = [p[1] if isinstance(self.task, MultiTurnTask) else None for p in prompts]
-            rollouts = self.ranks.share(lambda i: self._sample(step, i, prompts[i][0], episodes[i]), len(prompts))
+            rollouts = self.ranks.share(
+                lambda i: self._sample(step, i, prompts[i][0], episodes[i]), len(prompts)
+            )
         with clock("reward"):
             rewards = [self._rewards(ro, answer) for ro, (_, answer) in zip(rollouts, prompts, strict=True)]
             advantages = [group_advantages(r) for r in rewards]
@@ -252,7 +256,8 @@ class ClosedLoop:
         ]  # fmt: skip
         lr = loop.lr_at(step, self.plan.lr)
         with clock("update"):
-            system, inputs = trainer_inputs(self.plan.system, groups)  # the tree trainers build their trees here
+            # the tree trainers build their trees here, inside the timed update
+            system, inputs = trainer_inputs(self.plan.system, groups)
             stats = actor_update(
                 self.actor,
                 inputs,

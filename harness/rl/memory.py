@@ -52,7 +52,9 @@ def check_rl_spec(spec: RLSpec, runs: int, device: torch.device | None, budget: 
     elsewhere, only the sequences are checked)."""
     shape = meta_shape(spec.model.name, model_overrides(spec, task_of(spec)))
     prompt, response = task_of(spec).prompt_len, _max_response(spec)
-    what = "loop.max_new_tokens" if response == spec.loop.max_new_tokens else "the longest multi-turn response"
+    what = (
+        "loop.max_new_tokens" if response == spec.loop.max_new_tokens else "the longest multi-turn response"
+    )
     if prompt >= shape.max_seq_len:
         raise ValueError(
             f"model.overrides.max_seq_len={shape.max_seq_len}: the task's prompt alone is {prompt} tokens; "

@@ -43,12 +43,13 @@ __all__ = ["MultiTurnTask", "Episode", "MultiTurnRollout", "CALL", "RESULT", "EN
 CALL, RESULT, END, ERROR = N_SPECIAL, N_SPECIAL + 1, N_SPECIAL + 2, N_SPECIAL + 3
 _OWN_SPECIAL = 4
 _SYSTEM_SEED = 20_251_201  # the fixed system prompt (one for the whole task)
+_SHAPE = ("system_len", "note_len", "fields", "value_len", "n_keys", "choices", "calls", "reply_text")
 
 
 @dataclass(frozen=True)
 class Episode:
-    """One question: its prompt, the tool's table (``values[key, field]``: value tokens), the asked key
-    index and field, and the right answer (without EOS)."""
+    """One question: its prompt, the tool's table (``values[key, field]``: value tokens; ``texts[key,
+    field]``: the reply's text before it), the asked key index and field, and the right answer (no EOS)."""
 
     prompt: torch.Tensor
     values: torch.Tensor  # [n_keys, fields, value_len] token ids
@@ -62,7 +63,7 @@ class Episode:
 class MultiTurnRollout:
     """A prompt's ``calls * answers`` paths (path ``c * answers + a``: answer a after call c): each response
     is turn 1 + tool reply + turn 2, with the loss mask (False on the reply); ``call_ok``: the call named the
-    asked key; ``truncated``: a turn hit ``max_new_tokens`` without its terminator."""
+    asked key and field; ``truncated``: a turn hit ``max_new_tokens`` without its terminator."""
 
     responses: list[torch.Tensor]
     loss_masks: list[torch.Tensor]
@@ -73,6 +74,10 @@ class MultiTurnRollout:
 
 @dataclass(frozen=True)
 class MultiTurnTask:
+    """The task's shape (module doc): token layout, vocabulary, the tool, the reward and the branching
+    rollout. Token ids: the specials of ``harness.rl.task``, CALL/RESULT/END/ERROR, one per field, 16 note
+    symbols (system prompt, notes, reply text), one per key, then the typed value tokens."""
+
     system_len: int = 32
     note_len: int = 8
     fields: int = 4
@@ -84,7 +89,7 @@ class MultiTurnTask:
     kind: ClassVar[str] = "multiturn"
 
     def __post_init__(self) -> None:
-        for name in ("system_len", "note_len", "fields", "value_len", "n_keys", "choices", "calls", "reply_text"):
+        for name in _SHAPE:
             value = getattr(self, name)
             least = 0 if name in ("note_len", "reply_text") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -157,11 +162,17 @@ class MultiTurnTask:
             + torch.arange(length).view(1, 1, -1)
         )
         values = self._value0 + slots * self.choices + picks
-        texts = self._note0 + torch.randint(0, self.n_notes, (self.n_keys, f_all, self.reply_text), generator=gen)
+        texts = self._note0 + torch.randint(
+            0, self.n_notes, (self.n_keys, f_all, self.reply_text), generator=gen
+        )
         key = int(torch.randint(0, self.n_keys, (1,), generator=gen))
         field = int(torch.randint(0, f_all, (1,), generator=gen))
         prompt = torch.cat(
-            [torch.tensor([BOS]), self.system_prompt(), torch.tensor([QUERY, self._key0 + key, self._field0 + field])]
+            [
+                torch.tensor([BOS]),
+                self.system_prompt(),
+                torch.tensor([QUERY, self._key0 + key, self._field0 + field]),
+            ]
         )
         return Episode(prompt, values, texts, key, field, values[key, field].clone())
 
@@ -286,9 +297,7 @@ def warm_start(
         opt.zero_grad(set_to_none=True)
         with autocast_for(device, compute_dtype):
             logits = model(seqs[:, :-1])
-            loss = F.cross_entropy(
-                logits[mask].float(), seqs[:, 1:][mask], label_smoothing=label_smoothing
-            )
+            loss = F.cross_entropy(logits[mask].float(), seqs[:, 1:][mask], label_smoothing=label_smoothing)
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))

@@ -45,11 +45,15 @@ class TaskSpec(_Strict):
     choices: int = Field(4, ge=2, le=1024, description="tokens each answer position can take (its type)")
     system_len: int | None = Field(None, ge=1, le=65_536, description="multiturn: system-prompt tokens")
     note_len: int | None = Field(None, ge=0, le=4096, description="multiturn: free note tokens before a call")
-    fields: int | None = Field(None, ge=1, le=1024, description="multiturn: fields per key in the tool's table")
+    fields: int | None = Field(
+        None, ge=1, le=1024, description="multiturn: fields per key in the tool's table"
+    )
     calls: int | None = Field(
         None, ge=1, le=1024, description="multiturn: turn-1 samples per prompt (loop.n / calls answers each)"
     )
-    reply_text: int | None = Field(None, ge=0, le=65_536, description="multiturn: text tokens in a tool reply")
+    reply_text: int | None = Field(
+        None, ge=0, le=65_536, description="multiturn: text tokens in a tool reply"
+    )
 
     @model_validator(mode="after")
     def _kind_fields(self) -> TaskSpec:

@@ -220,7 +220,9 @@ def _group(t: dict[str, torch.Tensor], g: int, path: Path) -> pf.RolloutGroup:
         raise TraceError(f"{path}: g{g}.loss_masks must be a bool tensor (True where a token is trained)")
     masks = _split(t, f"g{g}.loss_masks", sizes, path)
     try:
-        return pf.RolloutGroup(t[f"g{g}.prompt"], responses, t[f"g{g}.advantages"], old, ref, loss_masks=masks)
+        return pf.RolloutGroup(
+            t[f"g{g}.prompt"], responses, t[f"g{g}.advantages"], old, ref, loss_masks=masks
+        )
     except (ValueError, TypeError) as e:
         raise TraceError(f"{path}: group {g} is invalid: {e}") from None
 

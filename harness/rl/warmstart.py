@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
+from harness.rl import multiturn
 from harness.rl.io import load_tensors, save_tensors, state_tensors
 from harness.rl.loop import build_model_for, task_of
 from harness.rl.ranks import Ranks
 from harness.rl.spec import RLSpec
-from harness.rl import multiturn
 from harness.rl.task import mean_reward, warm_start
 from prefixflow.dtypes import DTYPES
 from prefixflow.rl import sync_weights

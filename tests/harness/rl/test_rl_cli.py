@@ -26,7 +26,9 @@ def invoke(*args):
 def test_claim2_presets_are_valid(preset):
     spec = load_rl_spec(CLAIM2, preset)
     if preset.startswith("multiturn"):  # issue 22: the tree trainer beside them, on one seed
-        assert spec.trainers == ["baseline", "prefixflow", "prefixflow_tree"] and spec.task.kind == "multiturn"
+        assert (
+            spec.trainers == ["baseline", "prefixflow", "prefixflow_tree"] and spec.task.kind == "multiturn"
+        )
         return
     assert spec.trainers == ["baseline", "prefixflow"] and spec.reference_seed is not None
 

@@ -21,7 +21,9 @@ from harness.spec.load import SpecError
 from prefixflow.rl import group_advantages, response_logprobs
 
 SPEC = Path(__file__).resolve().parents[3] / "experiments" / "claim2.yaml"
-TASK = MultiTurnTask(system_len=6, note_len=3, fields=2, value_len=2, n_keys=4, choices=3, calls=2, reply_text=20)
+TASK = MultiTurnTask(
+    system_len=6, note_len=3, fields=2, value_len=2, n_keys=4, choices=3, calls=2, reply_text=20
+)
 
 
 def _model(seed=0):
@@ -151,7 +153,11 @@ def test_multiturn_smoke_pipeline(tmp_path):
     first = {s: df.iloc[0] for s, df in runs.items()}
     assert len({(r["reward_mean"], r["path_tokens"]) for r in first.values()}) == 1
     computed = {s: r["computed_tokens"] for s, r in first.items()}
-    assert max(computed["prefixflow_tree"], computed["prefixflow"]) < computed["baseline"] == first["baseline"]["path_tokens"]
+    assert (
+        max(computed["prefixflow_tree"], computed["prefixflow"])
+        < computed["baseline"]
+        == first["baseline"]["path_tokens"]
+    )
     trace = load_trace(folder / "_state" / "traces" / "baseline-bf16-s0")  # a tree trace: its masks came back
     groups = trace.groups(trace.manifest.steps[0])
     assert all(g.loss_masks is not None and not all(bool(m.all()) for m in g.loss_masks) for g in groups)
