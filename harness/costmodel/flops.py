@@ -41,15 +41,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from harness.costmodel.counting import AttentionCounter, count_flops, count_ops
-from harness.costmodel.hybrid import HYBRID_MODEL_TYPES, HybridShape, executed_hybrid_flops, hybrid_shape
-from harness.costmodel.hybrid import hybrid_paper_terms, least_hybrid_flops
+from harness.costmodel.hybrid import (
+    HYBRID_MODEL_TYPES,
+    HybridShape,
+    executed_hybrid_flops,
+    hybrid_paper_terms,
+    hybrid_shape,
+    least_hybrid_flops,
+)
 from harness.costmodel.moe import moe_shape
 from harness.costmodel.shape import ModelShape
-from harness.costmodel.work import Flops
+from harness.costmodel.work import Flops, suffix_pairs
 from harness.costmodel.work import causal_pairs as _causal
 from harness.costmodel.work import microbatches as _chunks
 from harness.costmodel.work import response_lengths as _lens
-from harness.costmodel.work import suffix_pairs
 
 __all__ = [
     "Flops",
@@ -80,7 +85,7 @@ def _llama3_hidden(dim: int, multiple_of: int, ffn_dim_multiplier: float | None)
 def as_shape(args) -> ModelShape:
     """A :class:`ModelShape` from itself, a TorchTitan llama3 ``TransformerModelArgs`` or ``Qwen3ModelArgs``, or
     a Hugging Face dense decoder config (``hidden_size``, ``num_hidden_layers``, ``intermediate_size``, ...)."""
-    if isinstance(args, ModelShape):
+    if isinstance(args, (ModelShape, HybridShape)):
         return args
     if hasattr(args, "hidden_size") and hasattr(args, "num_hidden_layers"):
         return _hf_shape(args)

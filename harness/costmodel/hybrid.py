@@ -109,7 +109,11 @@ class GatedDeltaNet:
             bwd += 2 * nc * mm_q + (2 * nc - first) * mm_s + 2 * nc * mm_a  # q·kᵀ, q·S, attn·v_new
         bwd += nc * 2 * C * C * (dk + dv)  # the solves' backward matmuls
         solve = nc * C * (C - 1) * (dk + dv)
-        return {"bmm": rows * h * (fwd + bwd), "solve": 2 * rows * h * solve, **self._conv(rows, length, initial)}
+        return {
+            "bmm": rows * h * (fwd + bwd),
+            "solve": 2 * rows * h * solve,
+            **self._conv(rows, length, initial),
+        }
 
     def _conv(self, rows: int, length: int, initial: bool) -> dict[str, int]:
         out = length + (self.kernel - 1 if initial else 0) + self.kernel - 1
@@ -162,7 +166,7 @@ class HybridShape:
         return len(self.layers)
 
     def _first_attention(self) -> Attention | None:
-        return next((l.mixer for l in self.layers if isinstance(l.mixer, Attention)), None)
+        return next((layer.mixer for layer in self.layers if isinstance(layer.mixer, Attention)), None)
 
     @property
     def n_heads(self) -> int | None:
@@ -181,7 +185,7 @@ class HybridShape:
 
     @property
     def last_boundary(self) -> int:
-        return max(i for i, l in enumerate(self.layers) if l.mixer is not None)
+        return max(i for i, layer in enumerate(self.layers) if layer.mixer is not None)
 
 
 def hybrid_shape(config) -> HybridShape:
@@ -195,7 +199,11 @@ def hybrid_shape(config) -> HybridShape:
             f"the hybrid cost model covers {list(HYBRID_MODEL_TYPES)} with attention, linear_attention and mlp "
             f"layers; got model_type {kind!r} with layer types {sorted(set(types))}"
         )
-    heads, kv_heads, hd = int(config.num_attention_heads), int(config.num_key_value_heads), int(config.head_dim)
+    heads, kv_heads, hd = (
+        int(config.num_attention_heads),
+        int(config.num_key_value_heads),
+        int(config.head_dim),
+    )
     qwen = kind == "qwen3_5_text"
     attention = Attention(heads * hd * (2 if qwen else 1), kv_heads * hd, heads * hd, heads, kv_heads, hd)
     mlp = (6 if qwen else 4) * dim * int(config.intermediate_size)
@@ -211,9 +219,7 @@ def hybrid_shape(config) -> HybridShape:
             int(config.mamba_head_dim), int(config.conv_kernel), int(config.chunk_size),
         )  # fmt: skip
     mixers = {"full_attention": attention, "linear_attention": recurrent, "mlp": None}
-    layers = tuple(
-        HybridLayer(mixers[t], mlp if qwen or t == "mlp" else 0) for t in types
-    )
+    layers = tuple(HybridLayer(mixers[t], mlp if qwen or t == "mlp" else 0) for t in types)
     return HybridShape(dim, int(config.vocab_size), int(config.intermediate_size), layers)
 
 
@@ -274,7 +280,9 @@ def _check(P: int, layout: str, attention: str) -> None:
     if P < 1:
         raise ValueError(f"need P >= 1, got P={P}")
     if layout not in ("padded", "packed") or attention not in ("split", "concat"):
-        raise ValueError(f"layout must be padded|packed and attention split|concat, got {layout}, {attention}")
+        raise ValueError(
+            f"layout must be padded|packed and attention split|concat, got {layout}, {attention}"
+        )
 
 
 def hybrid_ops(
@@ -313,7 +321,9 @@ def _flops(ops: dict[str, int]) -> Flops:
     return Flops(ops["mm"], ops["sdpa"], ops["bmm"] + ops["conv"] + ops["solve"])
 
 
-def executed_hybrid_flops(system: str, shape: HybridShape, P: int, S, N: int | None = None, **kwargs) -> Flops:
+def executed_hybrid_flops(
+    system: str, shape: HybridShape, P: int, S, N: int | None = None, **kwargs
+) -> Flops:
     """Training FLOPs of one group on a hybrid as ``system`` (``baseline`` or ``prefixflow``) executes it;
     the arguments are :func:`~harness.costmodel.flops.executed_flops`'."""
     return _flops(hybrid_ops(system, shape, P, S, N, **kwargs))
