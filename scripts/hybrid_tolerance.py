@@ -12,6 +12,9 @@ max|d|/max|ref| over the parameters (and, for PrefixFlow, over padded/packed x m
 - HF's own stock cached path: per response, the prefix with a ``DynamicCache``, then the suffix from it (the
   cache's in-place state write is replaced by an assignment, so autograd can go back through it);
 - PrefixFlow, stock; and PrefixFlow against the stock reference (what the test compared before).
+
+``--fp64-leaves``: PrefixFlow's state leaves (and so the accumulated state gradients) kept in fp64 instead of
+the fp32 of HF's kernel output, to see whether the state cache's own rounding contributes.
 """
 
 from __future__ import annotations
@@ -71,7 +74,19 @@ def worst(model, got, want) -> tuple[float, str]:
     return out
 
 
+def _fp64_leaves(patch: Patch) -> None:
+    from prefixflow.state_cache import LayerState, StateCache
+
+    def capture(self, layer, live):
+        leaves = {n: t.detach().to(torch.float64).requires_grad_(True) for n, t in live.items()}
+        self.layers[layer] = LayerState(dict(live), leaves)
+
+    patch.setattr(StateCache, "capture", capture)
+
+
 def main() -> None:
+    if "--fp64-leaves" in sys.argv:
+        _fp64_leaves(Patch())
     print("| model | HF full, stock | HF cached, stock | PrefixFlow, stock | PrefixFlow vs HF full (stock) |")
     print("| --- | --- | --- | --- | --- |")
     for label, (family, types) in MODELS.items():
