@@ -18,10 +18,13 @@ path, in fp32 when the weights are fp32 (TRL's bf16 is autocast over fp32 weight
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 try:
     from trl import GRPOTrainer
@@ -29,6 +32,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("prefixflow.integrations.trl needs TRL: pip install 'prefixflow[hf]'") from exc
 
 from ... import PrefixFlowConfig, apply_prefixflow, train_group
+from ...parallel import ParallelDims, parallel_state, parallelize
+from ...parallel import fsdp as pf_fsdp
+from ...grad_guard import keep_grads_on_failure
 from ...schedule import check_group
 from .. import hf
 from .plan import SUPPORTED_LOSS_TYPES, GroupPlan, plan_groups
@@ -50,6 +56,11 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
     (compare the first micro-batch's gradients with TRL's own ``compute_loss -> backward``, in fp32 when the
     weights are fp32, and raise beyond ``verify_tolerance``, default by dtype: ``VERIFY_TOLERANCE``).
     ``peft_config`` (LoRA) works as in TRL. A TRL option PrefixFlow does not reproduce raises ``ValueError`` here.
+
+    FSDP2: ``prefixflow_parallel={"dp_shard": N}`` (N = the number of processes) shards the model with
+    :func:`prefixflow.parallel.parallelize` once TRL has set it up; a model the caller already sharded that way
+    is taken as it is. accelerate then neither moves it nor wraps it in DDP; each micro-batch's gradients are
+    reduce-scattered once, averaged over the processes as DDP averages TRL's.
     """
 
     def __init__(
@@ -60,12 +71,16 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         prefixflow_microbatch: int | None = None,
         prefixflow_tree: bool | str = "auto",
         prefixflow_metrics: bool = True,
+        prefixflow_parallel: ParallelDims | dict | None = None,
         verify_first_step: bool = False,
         verify_tolerance: float | None = None,
         **kwargs,
     ):
+        peft_config = kwargs.get("peft_config")
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
+        dims = None if prefixflow_parallel is None else ParallelDims.of(prefixflow_parallel)
+        self._prefixflow_sharded = self._check_sharding(dims, peft_config, bool(verify_first_step))
         if prefixflow_layout not in ("padded", "packed"):
             raise ValueError(f"prefixflow_layout must be 'padded' or 'packed', got {prefixflow_layout!r}")
         if prefixflow_tree not in (True, False, "auto"):
@@ -77,13 +92,62 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         self.verify_first_step = bool(verify_first_step)
         self.verify_tolerance = verify_tolerance
         self._prefixflow_verified = False
-        apply_prefixflow(self._prefixflow_model(self.model), prefixflow_config)
+        inner = self._prefixflow_model(self.model)
+        if prefixflow_config is not None or getattr(inner, "_prefixflow", None) is None:
+            apply_prefixflow(inner, prefixflow_config)
+        if dims is not None:
+            parallelize(inner, dims)
+        if self._prefixflow_sharded:
+            self._keep_sharded(inner)
 
     @staticmethod
     def _prefixflow_model(model: nn.Module) -> nn.Module:
         """The transformers model PrefixFlow trains: PEFT's base model (LoRA layers sit inside its projections)."""
         get_base = getattr(model, "get_base_model", None)
         return get_base() if callable(get_base) and not isinstance(model, hf.PreTrainedModel) else model
+
+    def _check_sharding(self, dims: ParallelDims | None, peft_config, verify: bool) -> bool:
+        """Whether the model is (or ``dims`` will make it) sharded with PrefixFlow's FSDP2; raises, before anything
+        is sharded, for a layout or option the trainer cannot run that way."""
+        inner = self._prefixflow_model(self.accelerator.unwrap_model(self.model))
+        state = parallel_state(inner)
+        if dims is None and state is None:
+            if isinstance(inner, FSDPModule) or self.is_distributed_loading_by_transformers:
+                raise ValueError(
+                    "the model is sharded with FSDP2 outside PrefixFlow; shard it with "
+                    "prefixflow_parallel={'dp_shard': N} (or prefixflow.parallel.parallelize) instead"
+                )
+            return False
+        if dims is not None and state is not None:
+            raise ValueError("prefixflow_parallel: the model is already parallelized; drop the argument")
+        dims = dims if dims is not None else state.dims
+        world = self.accelerator.num_processes
+        if dims.dp_shard < 2 or dims.world_size != world:
+            raise ValueError(
+                f"prefixflow_parallel={dims.as_dict()}: PrefixFlowGRPOTrainer shards over every process, "
+                f"dp_shard (x dp_replicate) = {world}; without sharding DDP through accelerate is the default"
+            )
+        refusals = {
+            "peft_config / a PEFT model (LoRA layers added around FSDP2's sharded weights are not sharded; "
+            "train LoRA with DDP)": peft_config is not None or hasattr(self.model, "peft_config"),
+            "verify_first_step (it compares one process's own step; run it under DDP)": verify,
+        }
+        bad = [name for name, refused in refusals.items() if refused]
+        if bad:
+            raise ValueError(f"PrefixFlowGRPOTrainer with FSDP2 does not support: {'; '.join(bad)}")
+        return True
+
+    def _keep_sharded(self, inner: nn.Module) -> None:
+        """accelerate prepares the sharded model for autocast only: FSDP2 owns placement and gradient reduction,
+        and accelerate's DDP over DTensor parameters would fail (and reduce a second time)."""
+        prepare = self.accelerator.prepare_model
+
+        def prepare_model(model, device_placement=None, evaluation_mode=False):
+            if model is inner:
+                return prepare(model, device_placement=False, evaluation_mode=True)
+            return prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+        self.accelerator.prepare_model = prepare_model
 
     def _refuse_unsupported(self) -> None:
         args = self.args
@@ -104,7 +168,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             ),
             "vision-language models": self._is_vlm,
             "MoE router aux loss (set output_router_logits=False)": self.aux_loss_enabled,
-            "FSDP or DeepSpeed through accelerate (DDP runs; for FSDP2 shard with prefixflow.parallel)": (
+            "FSDP or DeepSpeed through accelerate (DDP runs; for FSDP2 pass prefixflow_parallel={'dp_shard': N})": (
                 self.is_fsdp_enabled or self.is_deepspeed_enabled
             ),
             "fp16 with a gradient scaler (use bf16)": self.accelerator.scaler is not None,
@@ -193,7 +257,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         )
 
     def _prefixflow_update(self, model: nn.Module, inputs) -> torch.Tensor:
-        if self.accelerator.num_processes == 1:
+        if self.accelerator.num_processes == 1 or self._prefixflow_sharded:
             return self._local_update(model, inputs)
         # DDP: train_group runs on the unwrapped model, so DDP's reducer never sees it; this micro-batch's
         # gradient is averaged over the processes here (one all-reduce), as DDP averages TRL's.
@@ -214,17 +278,28 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         return loss
 
     def _local_update(self, model: nn.Module, inputs) -> torch.Tensor:
+        """This process's groups into ``param.grad``. Sharded (FSDP2): every unit is gathered once for the
+        micro-batch (ranks may train different numbers of groups) and reduce-scattered once at its end; the
+        objective is divided by the number of processes, because FSDP sums where DDP averages TRL's."""
         inner = self._prefixflow_model(self.accelerator.unwrap_model(model))
         plans = self._plan(inputs)
+        shards = self.accelerator.num_processes if self._prefixflow_sharded else 1
+        if shards > 1:
+            plans = [
+                dataclasses.replace(
+                    p, loss_config=dataclasses.replace(p.loss_config, group_weight=p.loss_config.group_weight / shards)
+                )
+                for p in plans
+            ]
         options = {"layout": self.prefixflow_layout, "microbatch": self.prefixflow_microbatch, "loss": "grpo"}
         for plan in plans:  # every group is valid before the first one changes a gradient
             _check_positions(inner, plan)
             check_group(inner, plan.group, loss_config=plan.loss_config, **options)
         total = 0.0
-        with self.compute_loss_context_manager(), self.accelerator.autocast():
+        with self.compute_loss_context_manager(), self.accelerator.autocast(), self._gathered(inner):
             for plan in plans:
                 stats = train_group(inner, plan.group, loss_config=plan.loss_config, **options)
-                total += stats.loss
+                total += stats.loss * shards
         if not plans:  # every completion masked: TRL back-propagates a zero loss, i.e. zero gradients
             for p in inner.parameters():
                 if p.requires_grad and p.grad is None:
@@ -235,6 +310,19 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             metrics["prefixflow/prefix_tokens_reused"].append(float(stats_reused(plans)))
             metrics["prefixflow/trees"].append(float(sum(not hasattr(p.group, "prompt") for p in plans)))
         return torch.tensor(total, dtype=torch.float64, device=self.accelerator.device)
+
+    @contextlib.contextmanager
+    def _gathered(self, inner: nn.Module):
+        """Sharded: one non-finite verdict for the micro-batch (ranks may train different numbers of groups, and
+        each group's own verdict is a collective) around every unit gathered for it."""
+        if not self._prefixflow_sharded:
+            yield
+            return
+        for module in inner.modules():  # TRL's forwards leave the LM head's unit gathered: reshard it, so the
+            if isinstance(module, FSDPModule):  # registered parameters are the sharded ones again
+                module.reshard()
+        with keep_grads_on_failure(inner), pf_fsdp.gathered_for_step(inner):
+            yield
 
     def _verified_update(self, model: nn.Module, inputs) -> torch.Tensor:
         """TRL's plain path and PrefixFlow's on the same micro-batch, in fp32 when the weights are fp32; raise if

@@ -1,0 +1,140 @@
+"""Runs on each of 2 ranks (``harness.local_ranks`` or torchrun): for every case, one SGD step of TRL's own
+``GRPOTrainer`` under DDP (accelerate's MULTI_CPU state, gloo) and of ``PrefixFlowGRPOTrainer`` with the model
+sharded by PrefixFlow's FSDP2 (``prefixflow_parallel={"dp_shard": 2}``, or sharded by the caller with
+``parallelize`` first), same launch and seed. Rank 0 writes, per case, the max relative difference (per tensor,
+max|d| / max|ref|) of the full (gathered) weights after the step and of the gradients the first optimizer step
+applies, with what shows the sharding is real: no DDP wrapper, sharded parameters, one reduce-scatter per unit
+per micro-batch.
+
+``python -m harness.local_ranks --nproc-per-node=2 tests/support/trl_fsdp_worker.py OUT.json``
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from transformers import TrainerCallback
+
+CASES = {
+    "dapo": dict(loss_type="dapo", rerun_trl=True),
+    "grpo-ga2": dict(loss_type="grpo", gradient_accumulation_steps=2, steps_per_generation=2, prompts=8),
+    "tools-tree": dict(loss_type="grpo", tools=True),
+    "presharded-clip": dict(loss_type="dr_grpo", max_grad_norm=0.05, presharded=True),
+    "dapo-fp64": dict(loss_type="dapo", fp64=True),
+}
+
+
+def _rel(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    return max(float((got[n] - w).abs().max()) / (float(w.abs().max()) or 1.0) for n, w in want.items())
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _step(cls, folder: Path, options: dict, sharded: bool):
+    import support.trl_fixtures as F
+
+    import prefixflow as pf
+    from prefixflow.parallel import fsdp as pf_fsdp
+    from prefixflow.parallel import parallelize
+
+    options = dict(options)
+    options.pop("rerun_trl", None)
+    options["dataset"] = F.dataset(options.pop("prompts", 4))
+    if options.pop("tools", False):
+        options["rollout_func"] = F.multi_turn_rollout
+    fp64 = options.pop("fp64", False)
+    model = F.model(dtype=torch.float64 if fp64 else torch.float32)
+    if fp64:
+        F.fp64_norms(model)
+    presharded = options.pop("presharded", False)
+    if sharded and presharded:  # the caller shards; the trainer takes the model as it is
+        parallelize(pf.apply_prefixflow(model), {"dp_shard": 2})
+    elif sharded:
+        options["prefixflow_parallel"] = {"dp_shard": 2}
+    tr = F.trainer(folder, cls=cls, model=model, **options)
+    named = [(n, p) for n, p in tr.model.named_parameters() if p.requires_grad]
+    grads: dict = {}
+
+    class FirstGradients(TrainerCallback):  # the reduced gradients the first optimizer step applies
+        def on_pre_optimizer_step(self, *args, **kwargs):
+            if not grads:
+                grads.update((n, _full(p.grad)) for n, p in named)
+
+    tr.add_callback(FirstGradients())
+    if sharded:
+        pf_fsdp.reset_collective_counts(tr.model)
+    tr.train()
+    out = {
+        "after": {n: _full(p) for n, p in named},
+        "grads": grads,
+        "world": tr.accelerator.num_processes,
+        "logged": tr.state.log_history[0],
+        "wrapper": type(tr.model_wrapped).__name__,
+    }
+    if sharded:
+        out["sharded"] = sum(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for _, p in named)
+        out["n_params"] = len(named)
+        out["counts"] = pf_fsdp.collective_counts(tr.model)["reduce_scatter"]
+        out["units"] = pf_fsdp.n_units(tr.model)
+        out["residue"] = pf_fsdp.fsdp_residue(tr.model)
+    return out
+
+
+def main(out: str) -> None:
+    import trl.trainer.utils
+    from trl import GRPOTrainer
+
+    import support.trl_fixtures as F
+    from prefixflow.integrations.trl import PrefixFlowGRPOTrainer
+    from prefixflow.parallel import init_distributed
+
+    init_distributed("cpu")  # accelerate then joins this process group
+    results = {}
+    tmp = Path(tempfile.mkdtemp())
+    chunked = trl.trainer.utils._ChunkedLogProbFunction
+    for name, options in CASES.items():
+        # fp64: TRL's LM head in fp64 too (its chunked kernel accumulates in fp32)
+        trl.trainer.utils._ChunkedLogProbFunction = F.PlainLogProbs if options.get("fp64") else chunked
+        try:
+            base = _step(GRPOTrainer, tmp / f"{name}-trl", options, sharded=False)
+            again = _step(GRPOTrainer, tmp / f"{name}-trl2", options, False) if options.get("rerun_trl") else None
+            pf = _step(PrefixFlowGRPOTrainer, tmp / f"{name}-pf", options, sharded=True)
+            results[name] = {
+                "world": pf["world"],
+                "trl_deterministic": None if again is None else _rel(again["after"], base["after"]),
+                "params": _rel(pf["after"], base["after"]),
+                "grads": _rel(pf["grads"], base["grads"]),
+                "grad_size": max(float(g.abs().max()) for g in base["grads"].values()),
+                "trl_wrapper": base["wrapper"],
+                "pf_wrapper": pf["wrapper"],
+                "sharded": pf["sharded"],
+                "n_params": pf["n_params"],
+                "units": pf["units"],
+                "reduce_scatters": pf["counts"],
+                "residue": pf["residue"],
+                "micro_batches": options.get("gradient_accumulation_steps", 1),
+                "loss_rel": abs(pf["logged"]["loss"] - base["logged"]["loss"]) / (abs(base["logged"]["loss"]) or 1.0),
+                "logged": sorted(k for k in pf["logged"] if k in base["logged"]),
+                "trees": pf["logged"].get("prefixflow/trees"),
+            }
+        except Exception:  # noqa: BLE001 - reported to the test
+            results[name] = {"error": traceback.format_exc()[-3000:]}
+    trl.trainer.utils._ChunkedLogProbFunction = chunked
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.barrier()  # no rank leaves while another is still in a collective
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
