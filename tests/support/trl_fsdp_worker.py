@@ -123,7 +123,9 @@ def main(out: str) -> None:
                 "reduce_scatters": pf["counts"],
                 "residue": pf["residue"],
                 "micro_batches": options.get("gradient_accumulation_steps", 1),
-                "loss_rel": abs(pf["logged"]["loss"] - base["logged"]["loss"]) / (abs(base["logged"]["loss"]) or 1.0),
+                "loss_diff": abs(pf["logged"]["loss"] - base["logged"]["loss"]),
+                "grad_norm": pf["logged"]["grad_norm"],  # before clipping, over the gathered gradient
+                "trl_grad_norm": base["logged"]["grad_norm"],
                 "logged": sorted(k for k in pf["logged"] if k in base["logged"]),
                 "trees": pf["logged"].get("prefixflow/trees"),
             }

@@ -120,13 +120,6 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             return False
         if dims is not None and state is not None:
             raise ValueError("prefixflow_parallel: the model is already parallelized; drop the argument")
-        dims = dims if dims is not None else state.dims
-        world = self.accelerator.num_processes
-        if dims.dp_shard < 2 or dims.world_size != world:
-            raise ValueError(
-                f"prefixflow_parallel={dims.as_dict()}: PrefixFlowGRPOTrainer shards over every process, "
-                f"dp_shard (x dp_replicate) = {world}; without sharding DDP through accelerate is the default"
-            )
         refusals = {
             "peft_config / a PEFT model (LoRA layers added around FSDP2's sharded weights are not sharded; "
             "train LoRA with DDP)": peft_config is not None or hasattr(self.model, "peft_config"),
@@ -135,6 +128,13 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         bad = [name for name, refused in refusals.items() if refused]
         if bad:
             raise ValueError(f"PrefixFlowGRPOTrainer with FSDP2 does not support: {'; '.join(bad)}")
+        dims = dims if dims is not None else state.dims
+        world = self.accelerator.num_processes
+        if dims.dp_shard < 2 or dims.world_size != world:
+            raise ValueError(
+                f"prefixflow_parallel={ {k: v for k, v in dims.as_dict().items() if v > 1} }: PrefixFlowGRPOTrainer shards over every process, "
+                f"dp_shard (x dp_replicate) = {world}; without sharding DDP through accelerate is the default"
+            )
         return True
 
     def _keep_sharded(self, inner: nn.Module) -> None:

@@ -1,0 +1,96 @@
+"""PrefixFlowGRPOTrainer with the model sharded by PrefixFlow's FSDP2 on 2 CPU processes, against TRL's own
+GRPOTrainer under DDP (accelerate's MULTI_CPU state ignores accelerate's FSDP plugin), same launch and seed: one
+SGD step. Started twice: with the project's loopback launcher (``python -m harness.local_ranks``) and with
+torchrun (rendezvous on 127.0.0.1, gloo on ``lo``).
+
+Cases: dapo (also: TRL's rerun is bitwise equal); grpo with gradient accumulation 2 (ranks train different
+numbers of groups per micro-batch); multi-turn tool rollouts through a prefix tree; a model the caller shards
+with ``parallelize`` before the trainer, with gradient clipping active; dapo in fp64 (HF's norms and RoPE and
+TRL's LM head in fp64). The worker is ``tests/support/trl_fsdp_worker.py``. The refusals (PEFT, a layout that
+is not every process, a model sharded outside PrefixFlow) run in one process here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+
+from harness.execute.local import local_env, run_local_ranks  # noqa: E402
+
+TESTS = Path(__file__).resolve().parents[2]
+WORKER = TESTS / "support" / "trl_fsdp_worker.py"
+
+
+def _check(results: dict) -> None:
+    assert set(results) == {"dapo", "grpo-ga2", "tools-tree", "presharded-clip", "dapo-fp64"}
+    for name, r in results.items():
+        assert "error" not in r, (name, r.get("error"))
+        assert r["world"] == 2, name
+        assert (r["trl_wrapper"], r["pf_wrapper"]) == ("DistributedDataParallel", "FSDPQwen3ForCausalLM"), name
+        assert r["sharded"] == r["n_params"] > 0, name  # every parameter holds half of itself
+        # one reduce-scatter per unit per micro-batch: the gradients are reduced once, never all-reduced again
+        assert r["reduce_scatters"] == {u: r["micro_batches"] for u in r["reduce_scatters"]}, name
+        assert len(r["reduce_scatters"]) == r["units"] == 4, name
+        assert r["residue"] == [], name
+        assert r["grad_size"] > 1e-3, name
+        tolerance = 1e-9 if name.endswith("fp64") else 1e-5
+        assert r["params"] <= tolerance, (name, r)
+        assert r["grads"] <= tolerance, (name, r)  # the full gradients the optimizer step applies, per tensor
+        assert r["loss_diff"] <= 1e-6, (name, r)  # TRL's logging runs; the loss it logs is this rank's
+        assert abs(r["grad_norm"] - r["trl_grad_norm"]) <= 1e-5 * r["trl_grad_norm"], (name, r)
+        assert {"reward", "entropy", "completions/mean_length"} <= set(r["logged"]), name
+    assert results["dapo"]["trl_deterministic"] == 0.0
+    assert results["tools-tree"]["trees"] == 1
+    assert results["presharded-clip"]["grad_norm"] > 0.05  # max_grad_norm: the clip is active
+
+
+def _fail(proc):
+    return f"ranks exited {proc.returncode}:\n{proc.stderr.decode(errors='replace')[-6000:]}"
+
+
+def test_fsdp_two_processes_local_ranks(tmp_path):
+    out = tmp_path / "fsdp.json"
+    proc = run_local_ranks(
+        2, str(WORKER), [str(out)], module=False, timeout_s=900, extra_path=[TESTS], cwd=TESTS.parent
+    )
+    assert proc.returncode == 0 and out.exists(), _fail(proc)
+    _check(json.loads(out.read_text()))
+
+
+def test_fsdp_two_processes_torchrun(tmp_path):
+    out = tmp_path / "fsdp.json"
+    with socket.socket() as s:  # a free loopback port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = local_env(threads=1)  # gloo pinned to lo, one thread per rank
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env["PYTHONPATH"]])
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--local-addr=127.0.0.1",
+        str(WORKER), str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(argv, env=env, cwd=TESTS.parent, capture_output=True, timeout=900, check=False)
+    assert proc.returncode == 0 and out.exists(), _fail(proc)
+    _check(json.loads(out.read_text()))
+
+
+def test_fsdp_refusals(tmp_path):
+    """One line each, raised at construction, before anything is sharded."""
+    import support.trl_fixtures as F
+
+    with pytest.raises(ValueError, match=r"shards over every process, dp_shard \(x dp_replicate\) = 1"):
+        F.trainer(tmp_path, prefixflow_parallel={"dp_shard": 2})
+    with pytest.raises(ValueError, match="with FSDP2 does not support: verify_first_step"):
+        F.trainer(tmp_path, prefixflow_parallel={"dp_shard": 2}, verify_first_step=True)
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    with pytest.raises(ValueError, match="with FSDP2 does not support: peft_config / a PEFT model"):
+        F.trainer(tmp_path, prefixflow_parallel={"dp_shard": 2}, peft_config=lora)
