@@ -90,6 +90,46 @@ def _step(cls, folder: Path, options: dict, sharded: bool):
     return out
 
 
+def _train_groups(tied: bool, ac: bool) -> dict:
+    """No trainer: the HF model sharded by ``parallelize`` (units from the HF adapter, each block resharded after
+    its forward), each rank training its own groups with ``train_group``, against one process training all of
+    them (fp64). Every rank runs the same sequence of forwards (2 groups each), so nothing is held gathered:
+    Phase A's interrupted last block and the gather before each prefix backward are exercised."""
+    import copy
+
+    import prefixflow as pf
+    from prefixflow.integrations import hf
+    from prefixflow.parallel import fsdp as pf_fsdp
+    from prefixflow.parallel import parallelize
+
+    model = hf.build_hf_model("qwen3-tiny", dtype=torch.float64, seed=1, overrides={"tie_word_embeddings": tied})
+    pf.apply_prefixflow(model)
+    if ac:
+        pf.apply_ac(model, "full")  # HF's own non-reentrant gradient checkpointing, per decoder layer
+    ref = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(2)
+    groups = [
+        pf.RolloutGroup(
+            prompt=torch.randint(0, 256, (12 + 5 * i,), generator=gen),
+            responses=[torch.randint(0, 256, (n,), generator=gen) for n in (5, 9, 3)],
+            advantages=torch.randn(3, generator=gen, dtype=torch.float64),
+        )
+        for i in range(4)
+    ]
+    for group in groups:
+        pf.train_group(ref, group, layout="packed", microbatch=1)
+    parallelize(model, {"dp_shard": 2})
+    for group in groups[dist.get_rank() :: 2]:
+        pf.train_group(model, group, layout="padded", microbatch=2)
+    got = {n: _full(p.grad) for n, p in model.named_parameters()}
+    return {
+        "grads": _rel(got, {n: p.grad for n, p in ref.named_parameters()}),
+        "units": [n for n, _ in pf_fsdp._units(model)],
+        "residue": pf_fsdp.fsdp_residue(model),
+        "reduce_scatters": pf_fsdp.collective_counts(model)["reduce_scatter"],
+    }
+
+
 def main(out: str) -> None:
     import trl.trainer.utils
     from trl import GRPOTrainer
@@ -132,6 +172,11 @@ def main(out: str) -> None:
         except Exception:  # noqa: BLE001 - reported to the test
             results[name] = {"error": traceback.format_exc()[-3000:]}
     trl.trainer.utils._ChunkedLogProbFunction = chunked
+    for name, tied, ac in (("units-untied-ac", False, True), ("units-tied", True, False)):
+        try:
+            results[name] = _train_groups(tied, ac)
+        except Exception:  # noqa: BLE001 - reported to the test
+            results[name] = {"error": traceback.format_exc()[-3000:]}
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()  # no rank leaves while another is still in a collective

@@ -6,7 +6,8 @@ torchrun (rendezvous on 127.0.0.1, gloo on ``lo``).
 Cases: dapo (also: TRL's rerun is bitwise equal); grpo with gradient accumulation 2 (ranks train different
 numbers of groups per micro-batch); multi-turn tool rollouts through a prefix tree; a model the caller shards
 with ``parallelize`` before the trainer, with gradient clipping active; dapo in fp64 (HF's norms and RoPE and
-TRL's LM head in fp64). The worker is ``tests/support/trl_fsdp_worker.py``. The refusals (PEFT, a layout that
+TRL's LM head in fp64). Without the trainer, ``train_group`` on the sharded HF model (tied and untied, with HF's
+gradient checkpointing) against one process (fp64). The worker is ``tests/support/trl_fsdp_worker.py``. The refusals (PEFT, a layout that
 is not every process, a model sharded outside PrefixFlow) run in one process here.
 """
 
@@ -30,8 +31,21 @@ WORKER = TESTS / "support" / "trl_fsdp_worker.py"
 
 
 def _check(results: dict) -> None:
-    assert set(results) == {"dapo", "grpo-ga2", "tools-tree", "presharded-clip", "dapo-fp64"}
+    units = {"units-untied-ac", "units-tied"}
+    assert set(results) == {"dapo", "grpo-ga2", "tools-tree", "presharded-clip", "dapo-fp64", *units}
+    for name in units:  # train_group on the sharded HF model, no trainer, fp64
+        r = results[name]
+        assert "error" not in r, (name, r.get("error"))
+        assert r["grads"] <= 1e-12, (name, r)
+        assert r["residue"] == [], name
+        assert r["reduce_scatters"] == {u: 2 for u in r["units"]}, name  # once per group
+    assert results["units-untied-ac"]["units"] == [
+        "model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm+lm_head"
+    ]  # fmt: skip
+    assert results["units-tied"]["units"] == ["model.layers.0", "model.layers.1", "model.embed_tokens+model.norm+lm_head"]
     for name, r in results.items():
+        if name in units:
+            continue
         assert "error" not in r, (name, r.get("error"))
         assert r["world"] == 2, name
         assert (r["trl_wrapper"], r["pf_wrapper"]) == ("DistributedDataParallel", "FSDPQwen3ForCausalLM"), name
