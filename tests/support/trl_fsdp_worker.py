@@ -130,6 +130,29 @@ def _train_groups(tied: bool, ac: bool) -> dict:
     }
 
 
+def _nonfinite(folder: Path) -> dict:
+    """A non-finite loss on rank 0 only (old log-probs 1e4 below the current ones: ratio inf): both ranks refuse
+    the micro-batch (NonFiniteError) and every gradient, the LM head's included, is as before (None)."""
+    import support.trl_fixtures as F
+
+    from prefixflow import NonFiniteError
+    from prefixflow.parallel import fsdp as pf_fsdp
+
+    tr = F.trainer(folder, prefixflow_parallel={"dp_shard": 2})
+    inputs = F.micro_batch(tr)  # TRL's generation and log-prob forwards leave the LM head's unit gathered
+    if dist.get_rank() == 0:
+        inputs["old_per_token_logps"] = inputs["old_per_token_logps"] - 1e4
+    try:
+        tr._prefixflow_update(tr.model, inputs)
+        raised = 0
+    except NonFiniteError:
+        raised = 1
+    flag = torch.tensor([raised])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    left = [n for n, p in tr.model.named_parameters() if p.grad is not None]
+    return {"raised_everywhere": bool(flag.item()), "grads_left": left, "residue": pf_fsdp.fsdp_residue(tr.model)}
+
+
 def main(out: str) -> None:
     import trl.trainer.utils
     from trl import GRPOTrainer
@@ -177,6 +200,10 @@ def main(out: str) -> None:
             results[name] = _train_groups(tied, ac)
         except Exception:  # noqa: BLE001 - reported to the test
             results[name] = {"error": traceback.format_exc()[-3000:]}
+    try:
+        results["nonfinite"] = _nonfinite(tmp / "nonfinite")
+    except Exception:  # noqa: BLE001 - reported to the test
+        results["nonfinite"] = {"error": traceback.format_exc()[-3000:]}
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()  # no rank leaves while another is still in a collective

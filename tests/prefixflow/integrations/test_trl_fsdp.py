@@ -7,7 +7,8 @@ Cases: dapo (also: TRL's rerun is bitwise equal); grpo with gradient accumulatio
 numbers of groups per micro-batch); multi-turn tool rollouts through a prefix tree; a model the caller shards
 with ``parallelize`` before the trainer, with gradient clipping active; dapo in fp64 (HF's norms and RoPE and
 TRL's LM head in fp64). Without the trainer, ``train_group`` on the sharded HF model (tied and untied, with HF's
-gradient checkpointing) against one process (fp64). The worker is ``tests/support/trl_fsdp_worker.py``. The refusals (PEFT, a layout that
+gradient checkpointing) against one process (fp64). A non-finite loss on one rank: NonFiniteError on both,
+every gradient restored (the LM head's too, whose unit TRL's forwards leave gathered). The worker is ``tests/support/trl_fsdp_worker.py``. The refusals (PEFT, a layout that
 is not every process, a model sharded outside PrefixFlow) run in one process here.
 """
 
@@ -32,7 +33,9 @@ WORKER = TESTS / "support" / "trl_fsdp_worker.py"
 
 def _check(results: dict) -> None:
     units = {"units-untied-ac", "units-tied"}
-    assert set(results) == {"dapo", "grpo-ga2", "tools-tree", "presharded-clip", "dapo-fp64", *units}
+    assert set(results) == {"dapo", "grpo-ga2", "tools-tree", "presharded-clip", "dapo-fp64", "nonfinite", *units}
+    r = results.pop("nonfinite")  # one rank's non-finite loss: both refuse, every gradient as before
+    assert r == {"raised_everywhere": True, "grads_left": [], "residue": []}, r
     for name in units:  # train_group on the sharded HF model, no trainer, fp64
         r = results[name]
         assert "error" not in r, (name, r.get("error"))
