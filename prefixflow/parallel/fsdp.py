@@ -350,6 +350,7 @@ def gathered_for_step(model: nn.Module) -> Iterator[None]:
     reduce-scatter per unit on exit, and no collective in between. Ranks may then train different numbers
     of groups, of microbatches, or parts of a split group (DP placement)."""
     saved = [(g, g.post_forward_mesh_info, g.reshard_after_backward) for g in _groups(model)]
+    _set_sync(model, False)  # any backward inside (not only train_group's) accumulates until the exit
     for group, _, _ in saved:
         group.post_forward_mesh_info = None  # no reshard after forward
         group.reshard_after_backward = False

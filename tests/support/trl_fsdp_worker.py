@@ -24,10 +24,13 @@ from transformers import TrainerCallback
 
 CASES = {
     "dapo": dict(loss_type="dapo", rerun_trl=True),
-    "grpo-ga2": dict(loss_type="grpo", gradient_accumulation_steps=2, steps_per_generation=2, prompts=8),
     "tools-tree": dict(loss_type="grpo", tools=True),
     "presharded-clip": dict(loss_type="dr_grpo", max_grad_norm=0.05, presharded=True),
     "dapo-fp64": dict(loss_type="dapo", fp64=True),
+    # gradient accumulation: the ranks train different numbers of groups per micro-batch
+    "verify-ga2": dict(
+        loss_type="grpo", gradient_accumulation_steps=2, steps_per_generation=2, prompts=8, verify_first_step=True
+    ),
 }
 
 
@@ -191,6 +194,7 @@ def main(out: str) -> None:
                 "trl_grad_norm": base["logged"]["grad_norm"],
                 "logged": sorted(k for k in pf["logged"] if k in base["logged"]),
                 "trees": pf["logged"].get("prefixflow/trees"),
+                "verified": pf["logged"].get("prefixflow/verify_max_rel_diff"),
             }
         except Exception:  # noqa: BLE001 - reported to the test
             results[name] = {"error": traceback.format_exc()[-3000:]}

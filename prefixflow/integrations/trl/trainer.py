@@ -80,7 +80,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         dims = None if prefixflow_parallel is None else ParallelDims.of(prefixflow_parallel)
-        self._prefixflow_sharded = self._check_sharding(dims, peft_config, bool(verify_first_step))
+        self._prefixflow_sharded = self._check_sharding(dims, peft_config)
         if prefixflow_layout not in ("padded", "packed"):
             raise ValueError(f"prefixflow_layout must be 'padded' or 'packed', got {prefixflow_layout!r}")
         if prefixflow_tree not in (True, False, "auto"):
@@ -106,7 +106,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         get_base = getattr(model, "get_base_model", None)
         return get_base() if callable(get_base) and not isinstance(model, hf.PreTrainedModel) else model
 
-    def _check_sharding(self, dims: ParallelDims | None, peft_config, verify: bool) -> bool:
+    def _check_sharding(self, dims: ParallelDims | None, peft_config) -> bool:
         """Whether the model is (or ``dims`` will make it) sharded with PrefixFlow's FSDP2; raises, before anything
         is sharded, for a layout or option the trainer cannot run that way."""
         inner = self._prefixflow_model(self.accelerator.unwrap_model(self.model))
@@ -123,7 +123,6 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         refusals = {
             "peft_config / a PEFT model (LoRA layers added around FSDP2's sharded weights are not sharded; "
             "train LoRA with DDP)": peft_config is not None or hasattr(self.model, "peft_config"),
-            "verify_first_step (it compares one process's own step; run it under DDP)": verify,
         }
         bad = [name for name, refused in refusals.items() if refused]
         if bad:
@@ -318,32 +317,36 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if not self._prefixflow_sharded:
             yield
             return
-        for module in inner.modules():  # TRL's forwards leave the LM head's unit gathered: reshard it, so the
-            if isinstance(module, FSDPModule):  # registered parameters are the sharded ones again
-                module.reshard()
+        _reshard(inner)  # the guard must see the sharded parameters
         with keep_grads_on_failure(inner), pf_fsdp.gathered_for_step(inner):
             yield
 
     def _verified_update(self, model: nn.Module, inputs) -> torch.Tensor:
         """TRL's plain path and PrefixFlow's on the same micro-batch, in fp32 when the weights are fp32; raise if
         their gradients differ beyond the tolerance, then run the real update (in the training precision)."""
+        sharded = self._prefixflow_sharded
+        if sharded:
+            _reshard(self._prefixflow_model(model))
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         saved = [p.grad for _, p in params]
         dtype = params[0][1].dtype
         with self._check_precision(model):
             for _, p in params:
                 p.grad = None
-            # both sides this process's own micro-batch: DDP's reduction off for TRL's backward, none for ours
-            with self.compute_loss_context_manager(), _no_sync(model):
+            if sharded:  # both sides reduced alike: averaged over the processes, reduce-scattered once
+                trl_side, scale = self._gathered(self._prefixflow_model(model)), 1.0 / self.accelerator.num_processes
+            else:  # both sides this process's own micro-batch: DDP's reduction off for TRL's backward, none for ours
+                trl_side, scale = _no_sync(model), 1.0
+            with self.compute_loss_context_manager(), trl_side:
                 want_loss = self.compute_loss(model, inputs)
-                self.accelerator.backward(want_loss)
+                self.accelerator.backward(want_loss * scale)
             want_loss = float(want_loss.detach())
             want = [p.grad for _, p in params]
             for _, p in params:
                 p.grad = None
             loss = self._local_update(model, inputs)
             got = [p.grad for _, p in params]
-        worst, where = _worst_rel_diff(params, got, want)
+        worst, where = _worst_rel_diff(params, got, want, collective=sharded)
         loss_diff = abs(float(loss) - want_loss) / (abs(want_loss) or 1.0)
         tolerance = self.verify_tolerance
         if tolerance is None:
@@ -394,17 +397,37 @@ def stats_reused(plans: list[GroupPlan]) -> int:
     )
 
 
-def _worst_rel_diff(params, got, want) -> tuple[float, str | None]:
-    worst, where = 0.0, None
+def _worst_rel_diff(params, got, want, *, collective: bool = False) -> tuple[float, str | None]:
+    """Max over tensors of max|got - want| / max|want|. ``collective``: the gradients are sharded (FSDP2): each
+    rank's shard is compared and the maxima all-reduced, so every rank reaches the same verdict."""
+    names, rows = [], []
     for (name, _), g, w in zip(params, got, want, strict=True):
         if w is None and g is None:
             continue
         if w is None or g is None:
             return float("inf"), name
-        diff = float((g.float() - w.float()).abs().max()) / (float(w.abs().max()) or 1.0)
-        if diff > worst:
-            worst, where = diff, name
-    return worst, where
+        g, w = (t.to_local() if hasattr(t, "to_local") else t for t in (g, w))
+        if w.numel() == 0:
+            rows.append(torch.zeros(2, dtype=torch.float64, device=w.device))
+        else:
+            rows.append(torch.stack([(g.double() - w.double()).abs().max(), w.double().abs().max()]))
+        names.append(name)
+    if not rows:
+        return 0.0, None
+    table = torch.stack(rows)
+    if collective:
+        dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    diffs = table[:, 0] / torch.where(table[:, 1] > 0, table[:, 1], torch.ones_like(table[:, 1]))
+    i = int(diffs.argmax())
+    return float(diffs[i]), names[i]
+
+
+def _reshard(inner: nn.Module) -> None:
+    """Reshard every FSDP2 unit: TRL's forwards leave the LM head's unit gathered, with its unsharded tensors
+    registered as the module's parameters; afterwards ``named_parameters`` are the sharded ones again."""
+    for module in inner.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _check_positions(model: nn.Module, plan: GroupPlan) -> None:

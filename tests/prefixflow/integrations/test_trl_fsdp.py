@@ -3,10 +3,11 @@ GRPOTrainer under DDP (accelerate's MULTI_CPU state ignores accelerate's FSDP pl
 SGD step. Started twice: with the project's loopback launcher (``python -m harness.local_ranks``) and with
 torchrun (rendezvous on 127.0.0.1, gloo on ``lo``).
 
-Cases: dapo (also: TRL's rerun is bitwise equal); grpo with gradient accumulation 2 (ranks train different
-numbers of groups per micro-batch); multi-turn tool rollouts through a prefix tree; a model the caller shards
-with ``parallelize`` before the trainer, with gradient clipping active; dapo in fp64 (HF's norms and RoPE and
-TRL's LM head in fp64). Without the trainer, ``train_group`` on the sharded HF model (tied and untied, with HF's
+Cases: dapo (also: TRL's rerun is bitwise equal); multi-turn tool rollouts through a prefix tree; a model the
+caller shards with ``parallelize`` before the trainer, with gradient clipping active; dapo in fp64 (HF's norms
+and RoPE and TRL's LM head in fp64); grpo with gradient accumulation 2 (the ranks train different numbers of
+groups per micro-batch) and ``verify_first_step`` (TRL's ``compute_loss -> backward`` on the sharded model
+against PrefixFlow's, both reduce-scattered). Without the trainer, ``train_group`` on the sharded HF model (tied and untied, with HF's
 gradient checkpointing) against one process (fp64). A non-finite loss on one rank: NonFiniteError on both,
 every gradient restored (the LM head's too, whose unit TRL's forwards leave gathered). The worker is ``tests/support/trl_fsdp_worker.py``. The refusals (PEFT, a layout that
 is not every process, a model sharded outside PrefixFlow) run in one process here.
@@ -33,7 +34,8 @@ WORKER = TESTS / "support" / "trl_fsdp_worker.py"
 
 def _check(results: dict) -> None:
     units = {"units-untied-ac", "units-tied"}
-    assert set(results) == {"dapo", "grpo-ga2", "tools-tree", "presharded-clip", "dapo-fp64", "nonfinite", *units}
+    cases = {"dapo", "tools-tree", "presharded-clip", "dapo-fp64", "verify-ga2"}
+    assert set(results) == {*cases, "nonfinite", *units}
     r = results.pop("nonfinite")  # one rank's non-finite loss: both refuse, every gradient as before
     assert r == {"raised_everywhere": True, "grads_left": [], "residue": []}, r
     for name in units:  # train_group on the sharded HF model, no trainer, fp64
@@ -54,7 +56,9 @@ def _check(results: dict) -> None:
         assert (r["trl_wrapper"], r["pf_wrapper"]) == ("DistributedDataParallel", "FSDPQwen3ForCausalLM"), name
         assert r["sharded"] == r["n_params"] > 0, name  # every parameter holds half of itself
         # one reduce-scatter per unit per micro-batch: the gradients are reduced once, never all-reduced again
-        assert r["reduce_scatters"] == {u: r["micro_batches"] for u in r["reduce_scatters"]}, name
+        # (verify_first_step's check adds two to its first micro-batch: TRL's backward and PrefixFlow's)
+        expected = r["micro_batches"] + (2 if name.startswith("verify") else 0)
+        assert r["reduce_scatters"] == {u: expected for u in r["reduce_scatters"]}, name
         assert len(r["reduce_scatters"]) == r["units"] == 4, name
         assert r["residue"] == [], name
         assert r["grad_size"] > 1e-3, name
@@ -67,6 +71,7 @@ def _check(results: dict) -> None:
     assert results["dapo"]["trl_deterministic"] == 0.0
     assert results["tools-tree"]["trees"] == 1
     assert results["presharded-clip"]["grad_norm"] > 0.05  # max_grad_norm: the clip is active
+    assert 0 < results["verify-ga2"]["verified"] <= 1e-5  # TRL's and PrefixFlow's reduced first-step gradients
 
 
 def _fail(proc):
@@ -105,8 +110,6 @@ def test_fsdp_refusals(tmp_path):
 
     with pytest.raises(ValueError, match=r"shards over every process, dp_shard \(x dp_replicate\) = 1"):
         F.trainer(tmp_path, prefixflow_parallel={"dp_shard": 2})
-    with pytest.raises(ValueError, match="with FSDP2 does not support: verify_first_step"):
-        F.trainer(tmp_path, prefixflow_parallel={"dp_shard": 2}, verify_first_step=True)
     peft = pytest.importorskip("peft")
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     with pytest.raises(ValueError, match="with FSDP2 does not support: peft_config / a PEFT model"):
