@@ -27,11 +27,24 @@ CASES = {
     "tools-tree": dict(loss_type="grpo", tools=True),
     "presharded-clip": dict(loss_type="dr_grpo", max_grad_norm=0.05, presharded=True),
     "dapo-fp64": dict(loss_type="dapo", fp64=True),
+    "grpo-beta": dict(loss_type="grpo", beta=0.04, reference=True),  # an unsharded reference model
     # gradient accumulation: the ranks train different numbers of groups per micro-batch
     "verify-ga2": dict(
         loss_type="grpo", gradient_accumulation_steps=2, steps_per_generation=2, prompts=8, verify_first_step=True
     ),
 }
+
+
+_SHARED: list[Path] = []
+
+
+def _shared() -> Path:
+    """A folder rank 0 creates and every rank reads (the ranks share a file system here)."""
+    if not _SHARED:
+        name = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(name, src=0)
+        _SHARED.append(Path(name[0]))
+    return _SHARED[0]
 
 
 def _rel(got: dict, want: dict) -> float:
@@ -59,6 +72,12 @@ def _step(cls, folder: Path, options: dict, sharded: bool):
     model = F.model(dtype=torch.float64 if fp64 else torch.float32)
     if fp64:
         F.fp64_norms(model)
+    if options.pop("reference", False):  # beta > 0: TRL loads its reference model from the policy's path
+        path = _shared() / folder.name  # transformers saves on rank 0 only: a folder both ranks read
+        if dist.get_rank() == 0:
+            model.save_pretrained(str(path))
+        dist.barrier()
+        model = str(path)
     presharded = options.pop("presharded", False)
     if sharded and presharded:  # the caller shards; the trainer takes the model as it is
         parallelize(pf.apply_prefixflow(model), {"dp_shard": 2})
@@ -156,6 +175,24 @@ def _nonfinite(folder: Path) -> dict:
     return {"raised_everywhere": bool(flag.item()), "grads_left": left, "residue": pf_fsdp.fsdp_residue(tr.model)}
 
 
+def _foreign(folder: Path) -> str:
+    """A model sharded with torch's own ``fully_shard`` (not PrefixFlow's units and hooks) is refused."""
+    import support.trl_fixtures as F
+    from torch.distributed.fsdp import fully_shard
+
+    import prefixflow as pf
+
+    model = pf.apply_prefixflow(F.model())
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    try:
+        F.trainer(folder, model=model)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
 def main(out: str) -> None:
     import trl.trainer.utils
     from trl import GRPOTrainer
@@ -208,6 +245,10 @@ def main(out: str) -> None:
         results["nonfinite"] = _nonfinite(tmp / "nonfinite")
     except Exception:  # noqa: BLE001 - reported to the test
         results["nonfinite"] = {"error": traceback.format_exc()[-3000:]}
+    try:
+        results["foreign"] = {"message": _foreign(tmp / "foreign")}
+    except Exception:  # noqa: BLE001 - reported to the test
+        results["foreign"] = {"error": traceback.format_exc()[-3000:]}
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()  # no rank leaves while another is still in a collective

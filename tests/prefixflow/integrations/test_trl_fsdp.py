@@ -34,8 +34,9 @@ WORKER = TESTS / "support" / "trl_fsdp_worker.py"
 
 def _check(results: dict) -> None:
     units = {"units-untied-ac", "units-tied"}
-    cases = {"dapo", "tools-tree", "presharded-clip", "dapo-fp64", "verify-ga2"}
-    assert set(results) == {*cases, "nonfinite", *units}
+    cases = {"dapo", "tools-tree", "presharded-clip", "dapo-fp64", "grpo-beta", "verify-ga2"}
+    assert set(results) == {*cases, "nonfinite", "foreign", *units}
+    assert "sharded with FSDP2 outside PrefixFlow" in results.pop("foreign").get("message", ""), results["foreign"]
     r = results.pop("nonfinite")  # one rank's non-finite loss: both refuse, every gradient as before
     assert r == {"raised_everywhere": True, "grads_left": [], "residue": []}, r
     for name in units:  # train_group on the sharded HF model, no trainer, fp64
