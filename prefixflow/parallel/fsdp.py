@@ -107,7 +107,10 @@ def _units(model: nn.Module) -> list[tuple[str, nn.Module | list[nn.Module]]]:
     be gathered."""
     units = adapter_for(model).fsdp_units(model)
     covered = {
-        id(p) for _, unit in units for m in (unit if isinstance(unit, list) else [unit]) for p in m.parameters()
+        id(p)
+        for _, unit in units
+        for m in (unit if isinstance(unit, list) else [unit])
+        for p in m.parameters()
     }
     left = [name for name, p in model.named_parameters() if id(p) not in covered]
     if left:

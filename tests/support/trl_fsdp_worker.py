@@ -30,7 +30,11 @@ CASES = {
     "grpo-beta": dict(loss_type="grpo", beta=0.04, reference=True),  # an unsharded reference model
     # gradient accumulation: the ranks train different numbers of groups per micro-batch
     "verify-ga2": dict(
-        loss_type="grpo", gradient_accumulation_steps=2, steps_per_generation=2, prompts=8, verify_first_step=True
+        loss_type="grpo",
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,
+        prompts=8,
+        verify_first_step=True,
     ),
 }
 
@@ -57,9 +61,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _step(cls, folder: Path, options: dict, sharded: bool):
-    import support.trl_fixtures as F
-
     import prefixflow as pf
+    import support.trl_fixtures as F
     from prefixflow.parallel import fsdp as pf_fsdp
     from prefixflow.parallel import parallelize
 
@@ -124,7 +127,9 @@ def _train_groups(tied: bool, ac: bool) -> dict:
     from prefixflow.parallel import fsdp as pf_fsdp
     from prefixflow.parallel import parallelize
 
-    model = hf.build_hf_model("qwen3-tiny", dtype=torch.float64, seed=1, overrides={"tie_word_embeddings": tied})
+    model = hf.build_hf_model(
+        "qwen3-tiny", dtype=torch.float64, seed=1, overrides={"tie_word_embeddings": tied}
+    )
     pf.apply_prefixflow(model)
     if ac:
         pf.apply_ac(model, "full")  # HF's own non-reentrant gradient checkpointing, per decoder layer
@@ -156,7 +161,6 @@ def _nonfinite(folder: Path) -> dict:
     """A non-finite loss on rank 0 only (old log-probs 1e4 below the current ones: ratio inf): both ranks refuse
     the micro-batch (NonFiniteError) and every gradient, the LM head's included, is as before (None)."""
     import support.trl_fixtures as F
-
     from prefixflow import NonFiniteError
     from prefixflow.parallel import fsdp as pf_fsdp
 
@@ -172,15 +176,19 @@ def _nonfinite(folder: Path) -> dict:
     flag = torch.tensor([raised])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     left = [n for n, p in tr.model.named_parameters() if p.grad is not None]
-    return {"raised_everywhere": bool(flag.item()), "grads_left": left, "residue": pf_fsdp.fsdp_residue(tr.model)}
+    return {
+        "raised_everywhere": bool(flag.item()),
+        "grads_left": left,
+        "residue": pf_fsdp.fsdp_residue(tr.model),
+    }
 
 
 def _foreign(folder: Path) -> str:
     """A model sharded with torch's own ``fully_shard`` (not PrefixFlow's units and hooks) is refused."""
-    import support.trl_fixtures as F
     from torch.distributed.fsdp import fully_shard
 
     import prefixflow as pf
+    import support.trl_fixtures as F
 
     model = pf.apply_prefixflow(F.model())
     for layer in model.model.layers:
@@ -210,7 +218,9 @@ def main(out: str) -> None:
         trl.trainer.utils._ChunkedLogProbFunction = F.PlainLogProbs if options.get("fp64") else chunked
         try:
             base = _step(GRPOTrainer, tmp / f"{name}-trl", options, sharded=False)
-            again = _step(GRPOTrainer, tmp / f"{name}-trl2", options, False) if options.get("rerun_trl") else None
+            again = (
+                _step(GRPOTrainer, tmp / f"{name}-trl2", options, False) if options.get("rerun_trl") else None
+            )
             pf = _step(PrefixFlowGRPOTrainer, tmp / f"{name}-pf", options, sharded=True)
             results[name] = {
                 "world": pf["world"],

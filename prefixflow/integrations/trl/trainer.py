@@ -32,9 +32,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("prefixflow.integrations.trl needs TRL: pip install 'prefixflow[hf]'") from exc
 
 from ... import PrefixFlowConfig, apply_prefixflow, train_group
+from ...grad_guard import keep_grads_on_failure
 from ...parallel import ParallelDims, parallel_state, parallelize
 from ...parallel import fsdp as pf_fsdp
-from ...grad_guard import keep_grads_on_failure
 from ...schedule import check_group
 from .. import hf
 from .plan import SUPPORTED_LOSS_TYPES, GroupPlan, plan_groups
@@ -286,7 +286,10 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if shards > 1:
             plans = [
                 dataclasses.replace(
-                    p, loss_config=dataclasses.replace(p.loss_config, group_weight=p.loss_config.group_weight / shards)
+                    p,
+                    loss_config=dataclasses.replace(
+                        p.loss_config, group_weight=p.loss_config.group_weight / shards
+                    ),
                 )
                 for p in plans
             ]
@@ -334,7 +337,10 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             for _, p in params:
                 p.grad = None
             if sharded:  # both sides reduced alike: averaged over the processes, reduce-scattered once
-                trl_side, scale = self._gathered(self._prefixflow_model(model)), 1.0 / self.accelerator.num_processes
+                trl_side, scale = (
+                    self._gathered(self._prefixflow_model(model)),
+                    1.0 / self.accelerator.num_processes,
+                )
             else:  # both sides this process's own micro-batch: DDP's reduction off for TRL's backward, none for ours
                 trl_side, scale = _no_sync(model), 1.0
             with self.compute_loss_context_manager(), trl_side:

@@ -5,12 +5,13 @@ torchrun (rendezvous on 127.0.0.1, gloo on ``lo``).
 
 Cases: dapo (also: TRL's rerun is bitwise equal); multi-turn tool rollouts through a prefix tree; a model the
 caller shards with ``parallelize`` before the trainer, with gradient clipping active; dapo in fp64 (HF's norms
-and RoPE and TRL's LM head in fp64); grpo with gradient accumulation 2 (the ranks train different numbers of
-groups per micro-batch) and ``verify_first_step`` (TRL's ``compute_loss -> backward`` on the sharded model
-against PrefixFlow's, both reduce-scattered). Without the trainer, ``train_group`` on the sharded HF model (tied and untied, with HF's
-gradient checkpointing) against one process (fp64). A non-finite loss on one rank: NonFiniteError on both,
-every gradient restored (the LM head's too, whose unit TRL's forwards leave gathered). The worker is ``tests/support/trl_fsdp_worker.py``. The refusals (PEFT, a layout that
-is not every process, a model sharded outside PrefixFlow) run in one process here.
+and RoPE and TRL's LM head in fp64); beta > 0 (TRL's reference model, unsharded); grpo with gradient
+accumulation 2 (the ranks train different numbers of groups per micro-batch) and ``verify_first_step`` (TRL's
+``compute_loss -> backward`` on the sharded model against PrefixFlow's, both reduce-scattered). A non-finite
+loss on one rank: NonFiniteError on both, every gradient restored (the LM head's too, whose unit TRL's forwards
+leave gathered). A model sharded with torch's own ``fully_shard`` is refused. Without the trainer,
+``train_group`` on the sharded HF model (tied and untied, with HF's gradient checkpointing) against one process
+(fp64). The worker is ``tests/support/trl_fsdp_worker.py``; the refusals that need no second process run here.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def _check(results: dict) -> None:
     units = {"units-untied-ac", "units-tied"}
     cases = {"dapo", "tools-tree", "presharded-clip", "dapo-fp64", "grpo-beta", "verify-ga2"}
     assert set(results) == {*cases, "nonfinite", "foreign", *units}
-    assert "sharded with FSDP2 outside PrefixFlow" in results.pop("foreign").get("message", ""), results["foreign"]
+    foreign = results.pop("foreign")  # torch's own fully_shard, not PrefixFlow's units and hooks: refused
+    assert "sharded with FSDP2 outside PrefixFlow" in foreign.get("message", ""), foreign
     r = results.pop("nonfinite")  # one rank's non-finite loss: both refuse, every gradient as before
     assert r == {"raised_everywhere": True, "grads_left": [], "residue": []}, r
     for name in units:  # train_group on the sharded HF model, no trainer, fp64
@@ -48,13 +50,18 @@ def _check(results: dict) -> None:
     assert results["units-untied-ac"]["units"] == [
         "model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm+lm_head"
     ]  # fmt: skip
-    assert results["units-tied"]["units"] == ["model.layers.0", "model.layers.1", "model.embed_tokens+model.norm+lm_head"]
+    assert results["units-tied"]["units"] == [
+        "model.layers.0",
+        "model.layers.1",
+        "model.embed_tokens+model.norm+lm_head",
+    ]
     for name, r in results.items():
         if name in units:
             continue
         assert "error" not in r, (name, r.get("error"))
         assert r["world"] == 2, name
-        assert (r["trl_wrapper"], r["pf_wrapper"]) == ("DistributedDataParallel", "FSDPQwen3ForCausalLM"), name
+        wrappers = (r["trl_wrapper"], r["pf_wrapper"])  # accelerate wrapped TRL's model in DDP, not ours
+        assert wrappers == ("DistributedDataParallel", "FSDPQwen3ForCausalLM"), name
         assert r["sharded"] == r["n_params"] > 0, name  # every parameter holds half of itself
         # one reduce-scatter per unit per micro-batch: the gradients are reduced once, never all-reduced again
         # (verify_first_step's check adds two to its first micro-batch: TRL's backward and PrefixFlow's)
@@ -72,7 +79,8 @@ def _check(results: dict) -> None:
     assert results["dapo"]["trl_deterministic"] == 0.0
     assert results["tools-tree"]["trees"] == 1
     assert results["presharded-clip"]["grad_norm"] > 0.05  # max_grad_norm: the clip is active
-    assert 0 < results["verify-ga2"]["verified"] <= 1e-5  # TRL's and PrefixFlow's reduced first-step gradients
+    # verify_first_step: TRL's and PrefixFlow's reduce-scattered first-step gradients
+    assert 0 < results["verify-ga2"]["verified"] <= 1e-5
 
 
 def _fail(proc):
