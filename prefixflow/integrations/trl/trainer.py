@@ -12,7 +12,8 @@ over the micro-batch's prefix tree (:mod:`.plan`: multi-turn tool rollouts, prom
 The gradient equals that of TRL's ``_compute_loss`` for the same micro-batch (definition in :mod:`.plan`); the
 only differences are floating point (TRL runs left-padded prompts at shifted positions, RoPE being relative,
 and its LM head may accumulate in fp32). ``verify_first_step=True`` checks the first update against TRL's own
-path, in fp32 when the weights are fp32 (TRL's bf16 is autocast over fp32 weights).
+path, in fp32 when the weights are fp32 (TRL's bf16 is autocast over fp32 weights). FSDP2 (PrefixFlow's own
+``fully_shard``, ``prefixflow_parallel``): :mod:`.sharding`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ import dataclasses
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 try:
     from trl import GRPOTrainer
@@ -32,11 +31,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("prefixflow.integrations.trl needs TRL: pip install 'prefixflow[hf]'") from exc
 
 from ... import PrefixFlowConfig, apply_prefixflow, train_group
-from ...grad_guard import keep_grads_on_failure
-from ...parallel import ParallelDims, parallel_state, parallelize
-from ...parallel import fsdp as pf_fsdp
+from ...parallel import ParallelDims, parallelize
 from ...schedule import check_group
 from .. import hf
+from . import sharding
 from .plan import SUPPORTED_LOSS_TYPES, GroupPlan, plan_groups
 
 __all__ = ["PrefixFlowGRPOTrainer", "VERIFY_TOLERANCE"]
@@ -80,7 +78,14 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         dims = None if prefixflow_parallel is None else ParallelDims.of(prefixflow_parallel)
-        self._prefixflow_sharded = self._check_sharding(dims, peft_config)
+        inner = self._prefixflow_model(self.accelerator.unwrap_model(self.model))
+        self._prefixflow_sharded = sharding.check(
+            inner,
+            dims,
+            world=self.accelerator.num_processes,
+            peft=peft_config is not None or hasattr(self.model, "peft_config"),
+            foreign=self.is_distributed_loading_by_transformers,
+        )
         if prefixflow_layout not in ("padded", "packed"):
             raise ValueError(f"prefixflow_layout must be 'padded' or 'packed', got {prefixflow_layout!r}")
         if prefixflow_tree not in (True, False, "auto"):
@@ -92,61 +97,18 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         self.verify_first_step = bool(verify_first_step)
         self.verify_tolerance = verify_tolerance
         self._prefixflow_verified = False
-        inner = self._prefixflow_model(self.model)
         if prefixflow_config is not None or getattr(inner, "_prefixflow", None) is None:
             apply_prefixflow(inner, prefixflow_config)
         if dims is not None:
             parallelize(inner, dims)
         if self._prefixflow_sharded:
-            self._keep_sharded(inner)
+            sharding.keep_out_of_ddp(self.accelerator, inner)
 
     @staticmethod
     def _prefixflow_model(model: nn.Module) -> nn.Module:
         """The transformers model PrefixFlow trains: PEFT's base model (LoRA layers sit inside its projections)."""
         get_base = getattr(model, "get_base_model", None)
         return get_base() if callable(get_base) and not isinstance(model, hf.PreTrainedModel) else model
-
-    def _check_sharding(self, dims: ParallelDims | None, peft_config) -> bool:
-        """Whether the model is (or ``dims`` will make it) sharded with PrefixFlow's FSDP2; raises, before anything
-        is sharded, for a layout or option the trainer cannot run that way."""
-        inner = self._prefixflow_model(self.accelerator.unwrap_model(self.model))
-        state = parallel_state(inner)
-        if dims is None and state is None:
-            if isinstance(inner, FSDPModule) or self.is_distributed_loading_by_transformers:
-                raise ValueError(
-                    "the model is sharded with FSDP2 outside PrefixFlow; shard it with "
-                    "prefixflow_parallel={'dp_shard': N} (or prefixflow.parallel.parallelize) instead"
-                )
-            return False
-        if dims is not None and state is not None:
-            raise ValueError("prefixflow_parallel: the model is already parallelized; drop the argument")
-        refusals = {
-            "peft_config / a PEFT model (LoRA layers added around FSDP2's sharded weights are not sharded; "
-            "train LoRA with DDP)": peft_config is not None or hasattr(self.model, "peft_config"),
-        }
-        bad = [name for name, refused in refusals.items() if refused]
-        if bad:
-            raise ValueError(f"PrefixFlowGRPOTrainer with FSDP2 does not support: {'; '.join(bad)}")
-        dims = dims if dims is not None else state.dims
-        world = self.accelerator.num_processes
-        if dims.dp_shard < 2 or dims.world_size != world:
-            raise ValueError(
-                f"prefixflow_parallel={ {k: v for k, v in dims.as_dict().items() if v > 1} }: PrefixFlowGRPOTrainer shards over every process, "
-                f"dp_shard (x dp_replicate) = {world}; without sharding DDP through accelerate is the default"
-            )
-        return True
-
-    def _keep_sharded(self, inner: nn.Module) -> None:
-        """accelerate prepares the sharded model for autocast only: FSDP2 owns placement and gradient reduction,
-        and accelerate's DDP over DTensor parameters would fail (and reduce a second time)."""
-        prepare = self.accelerator.prepare_model
-
-        def prepare_model(model, device_placement=None, evaluation_mode=False):
-            if model is inner:
-                return prepare(model, device_placement=False, evaluation_mode=True)
-            return prepare(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-
-        self.accelerator.prepare_model = prepare_model
 
     def _refuse_unsupported(self) -> None:
         args = self.args
@@ -313,23 +275,15 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             metrics["prefixflow/trees"].append(float(sum(not hasattr(p.group, "prompt") for p in plans)))
         return torch.tensor(total, dtype=torch.float64, device=self.accelerator.device)
 
-    @contextlib.contextmanager
     def _gathered(self, inner: nn.Module):
-        """Sharded: one non-finite verdict for the micro-batch (ranks may train different numbers of groups, and
-        each group's own verdict is a collective) around every unit gathered for it."""
-        if not self._prefixflow_sharded:
-            yield
-            return
-        _reshard(inner)  # the guard must see the sharded parameters
-        with keep_grads_on_failure(inner), pf_fsdp.gathered_for_step(inner):
-            yield
+        return sharding.gathered(inner) if self._prefixflow_sharded else contextlib.nullcontext()
 
     def _verified_update(self, model: nn.Module, inputs) -> torch.Tensor:
         """TRL's plain path and PrefixFlow's on the same micro-batch, in fp32 when the weights are fp32; raise if
         their gradients differ beyond the tolerance, then run the real update (in the training precision)."""
         sharded = self._prefixflow_sharded
         if sharded:
-            _reshard(self._prefixflow_model(model))
+            sharding.reshard(self._prefixflow_model(model))
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         saved = [p.grad for _, p in params]
         dtype = params[0][1].dtype
@@ -352,7 +306,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                 p.grad = None
             loss = self._local_update(model, inputs)
             got = [p.grad for _, p in params]
-        worst, where = _worst_rel_diff(params, got, want, collective=sharded)
+        worst, where = sharding.worst_rel_diff(params, got, want, collective=sharded)
         loss_diff = abs(float(loss) - want_loss) / (abs(want_loss) or 1.0)
         tolerance = self.verify_tolerance
         if tolerance is None:
@@ -401,39 +355,6 @@ def stats_reused(plans: list[GroupPlan]) -> int:
         else sum(p.group.path_lens) - p.group.unique_tokens
         for p in plans
     )
-
-
-def _worst_rel_diff(params, got, want, *, collective: bool = False) -> tuple[float, str | None]:
-    """Max over tensors of max|got - want| / max|want|. ``collective``: the gradients are sharded (FSDP2): each
-    rank's shard is compared and the maxima all-reduced, so every rank reaches the same verdict."""
-    names, rows = [], []
-    for (name, _), g, w in zip(params, got, want, strict=True):
-        if w is None and g is None:
-            continue
-        if w is None or g is None:
-            return float("inf"), name
-        g, w = (t.to_local() if hasattr(t, "to_local") else t for t in (g, w))
-        if w.numel() == 0:
-            rows.append(torch.zeros(2, dtype=torch.float64, device=w.device))
-        else:
-            rows.append(torch.stack([(g.double() - w.double()).abs().max(), w.double().abs().max()]))
-        names.append(name)
-    if not rows:
-        return 0.0, None
-    table = torch.stack(rows)
-    if collective:
-        dist.all_reduce(table, op=dist.ReduceOp.MAX)
-    diffs = table[:, 0] / torch.where(table[:, 1] > 0, table[:, 1], torch.ones_like(table[:, 1]))
-    i = int(diffs.argmax())
-    return float(diffs[i]), names[i]
-
-
-def _reshard(inner: nn.Module) -> None:
-    """Reshard every FSDP2 unit: TRL's forwards leave the LM head's unit gathered, with its unsharded tensors
-    registered as the module's parameters; afterwards ``named_parameters`` are the sharded ones again."""
-    for module in inner.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def _check_positions(model: nn.Module, plan: GroupPlan) -> None:

@@ -117,9 +117,16 @@ def test_fsdp_refusals(tmp_path):
     """One line each, raised at construction, before anything is sharded."""
     import support.trl_fixtures as F
 
-    with pytest.raises(ValueError, match=r"shards over every process, dp_shard \(x dp_replicate\) = 1"):
+    with pytest.raises(ValueError, match=r"shards over every process, dp_shard=1 and nothing else"):
         F.trainer(tmp_path, prefixflow_parallel={"dp_shard": 2})
     peft = pytest.importorskip("peft")
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     with pytest.raises(ValueError, match="with FSDP2 does not support: peft_config / a PEFT model"):
         F.trainer(tmp_path, prefixflow_parallel={"dp_shard": 2}, peft_config=lora)
+    import prefixflow as pf
+    from prefixflow.parallel import parallelize
+
+    with pytest.raises(
+        ValueError, match=r"^tp=2: parallelize applies TorchTitan's plans[^\n]*dp_shard \(FSDP2\)"
+    ):
+        parallelize(pf.apply_prefixflow(F.model()), {"tp": 2})  # before any process group or mesh is needed
