@@ -110,7 +110,7 @@ def parallelize(
     (:func:`init_distributed`). ``ac``: ``none``/``selective``/``full``; ``fsdp``: an ``FSDPConfig``;
     ``cp_prefetch``: overlap each layer's prefix K/V gather with the previous layer (else on demand);
     ``pp_switching``: ``"stage_local"`` or ``"barrier"`` (global A | B | C barriers). A model of another
-    family (a Hugging Face model) takes ``dp_shard``/``dp_replicate`` only, with the units its adapter names
+    family (a Hugging Face model) takes ``dp_shard`` only, with the units its adapter names
     (``ModelAdapter.fsdp_units``).
     """
     dims = ParallelDims.of(dims)
@@ -123,11 +123,11 @@ def parallelize(
         raise ValueError(f"ac {ac!r} unknown; valid: {AC_MODES}")
     runtime = runtime_of(model)  # PrefixFlow's SDPA wrappers go in first: TP hooks attach to them
     if runtime.adapter.name != "torchtitan":
-        titan_only = [f"{n}={getattr(dims, n)}" for n in ("pp", "tp", "cp", "ep") if getattr(dims, n) > 1]
+        titan_only = [n for n in MESH_DIMS if n != "dp_shard" and getattr(dims, n) > 1]
         if titan_only:
             raise ValueError(
-                f"{', '.join(titan_only)}: parallelize applies TorchTitan's plans to TorchTitan models; a "
-                f"{runtime.adapter.name} model takes dp_shard (FSDP2) and dp_replicate only"
+                f"{', '.join(f'{n}={getattr(dims, n)}' for n in titan_only)}: parallelize applies TorchTitan's "
+                f"plans to TorchTitan models; a {runtime.adapter.name} model takes dp_shard (FSDP2) only"
             )
     if parallel_state(model) is not None:
         raise ValueError("parallelize was already applied to this model")
