@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
 CASES = {
-    "dapo": dict(loss_type="dapo", rerun_trl=True),
+    "dapo": dict(loss_type="dapo", rerun_trl=True, save=True),
     "tools-tree": dict(loss_type="grpo", tools=True),
     "presharded-clip": dict(loss_type="dr_grpo", max_grad_norm=0.05, presharded=True),
     "dapo-fp64": dict(loss_type="dapo", fp64=True),
@@ -68,6 +68,7 @@ def _step(cls, folder: Path, options: dict, sharded: bool):
 
     options = dict(options)
     options.pop("rerun_trl", None)
+    save = options.pop("save", False)
     options["dataset"] = F.dataset(options.pop("prompts", 4))
     if options.pop("tools", False):
         options["rollout_func"] = F.multi_turn_rollout
@@ -106,6 +107,16 @@ def _step(cls, folder: Path, options: dict, sharded: bool):
         "logged": tr.state.log_history[0],
         "wrapper": type(tr.model_wrapped).__name__,
     }
+    if (
+        sharded and save
+    ):  # save_model gathers the full weights; rank 0 writes them, from_pretrained reads them
+        from transformers import AutoModelForCausalLM
+
+        path = _shared() / f"{folder.name}-saved"
+        tr.save_model(str(path))
+        dist.barrier()
+        loaded = dict(AutoModelForCausalLM.from_pretrained(str(path), dtype=model.dtype).named_parameters())
+        out["saved"] = _rel({n: loaded[n].detach() for n in out["after"]}, out["after"])
     if sharded:
         out["sharded"] = sum(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for _, p in named)
         out["n_params"] = len(named)
@@ -242,6 +253,7 @@ def main(out: str) -> None:
                 "logged": sorted(k for k in pf["logged"] if k in base["logged"]),
                 "trees": pf["logged"].get("prefixflow/trees"),
                 "verified": pf["logged"].get("prefixflow/verify_max_rel_diff"),
+                "saved": pf.get("saved"),
             }
         except Exception:  # noqa: BLE001 - reported to the test
             results[name] = {"error": traceback.format_exc()[-3000:]}

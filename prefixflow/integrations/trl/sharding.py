@@ -13,6 +13,8 @@ embedding joins the last), :class:`~prefixflow.parallel.fsdp.FSDPSchedule` steer
   verdict per micro-batch (a collective), around it all.
 - TRL's generation, log-prob forwards and metrics run the sharded model as FSDP2 runs any model (``generate``
   sets ``synced_gpus`` for an FSDP-managed model, so every rank forwards until the last one finishes).
+- ``save_model`` (and ``save_only_model`` checkpoints) gathers the full weights onto rank 0, which writes them
+  (:func:`full_state_dict`); a checkpoint with the sharded optimizer state is refused.
 - ``verify_first_step`` compares TRL's ``compute_loss -> backward`` on the sharded model with PrefixFlow's
   update, both reduced the same way; the verdict is collective (:func:`worst_rel_diff`).
 """
@@ -25,19 +27,22 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
 from ...grad_guard import keep_grads_on_failure
 from ...parallel import ParallelDims, parallel_state
 from ...parallel import fsdp as pf_fsdp
 
-__all__ = ["check", "keep_out_of_ddp", "reshard", "gathered", "worst_rel_diff"]
+__all__ = ["check", "keep_out_of_ddp", "reshard", "gathered", "full_state_dict", "worst_rel_diff"]
 
 
-def check(inner: nn.Module, dims: ParallelDims | None, *, world: int, peft: bool, foreign: bool) -> bool:
+def check(
+    inner: nn.Module, dims: ParallelDims | None, args, *, world: int, peft: bool, foreign: bool
+) -> bool:
     """Whether the model is (or ``dims`` will make it) sharded by PrefixFlow's FSDP2. Raises ``ValueError``, before
-    anything is sharded, for a layout or option the trainer cannot run that way. ``foreign``: sharded at load
-    time by transformers."""
+    anything is sharded, for a layout or option (``args``: the ``GRPOConfig``) the trainer cannot run that way.
+    ``foreign``: sharded at load time by transformers."""
     state = parallel_state(inner)
     if dims is None and state is None:
         if isinstance(inner, FSDPModule) or foreign:
@@ -48,11 +53,16 @@ def check(inner: nn.Module, dims: ParallelDims | None, *, world: int, peft: bool
         return False
     if dims is not None and state is not None:
         raise ValueError("prefixflow_parallel: the model is already parallelized; drop the argument")
-    if peft:
-        raise ValueError(
-            "PrefixFlowGRPOTrainer with FSDP2 does not support: peft_config / a PEFT model (LoRA layers added "
-            "around FSDP2's sharded weights are not sharded; train LoRA with DDP)"
-        )
+    refusals = {
+        "peft_config / a PEFT model (LoRA layers added around FSDP2's sharded weights are not sharded; train LoRA "
+        "with DDP)": peft,
+        "checkpoints with optimizer state (it is sharded and the Trainer saves rank 0's part; pass "
+        "save_only_model=True or save_strategy='no')": args.save_strategy != "no"
+        and not args.save_only_model,
+    }
+    bad = [name for name, refused in refusals.items() if refused]
+    if bad:
+        raise ValueError(f"PrefixFlowGRPOTrainer with FSDP2 does not support: {'; '.join(bad)}")
     dims = dims if dims is not None else state.dims
     if world < 2 or dims.dp_shard != world or dims.world_size != world:
         layout = {k: v for k, v in dims.as_dict().items() if v > 1}
@@ -92,6 +102,14 @@ def gathered(inner: nn.Module) -> Iterator[None]:
     reshard(inner)  # the guard must see the sharded parameters
     with keep_grads_on_failure(inner), pf_fsdp.gathered_for_step(inner):
         yield
+
+
+def full_state_dict(inner: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights, gathered on every rank's call (a collective) onto the CPU of rank 0 (the other
+    ranks get an empty dict): what ``save_pretrained`` writes."""
+    reshard(inner)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(inner, options=options)
 
 
 def worst_rel_diff(params, got, want, *, collective: bool = False) -> tuple[float, str | None]:

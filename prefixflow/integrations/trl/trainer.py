@@ -82,6 +82,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         self._prefixflow_sharded = sharding.check(
             inner,
             dims,
+            self.args,
             world=self.accelerator.num_processes,
             peft=peft_config is not None or hasattr(self.model, "peft_config"),
             foreign=self.is_distributed_loading_by_transformers,
@@ -274,6 +275,12 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             metrics["prefixflow/prefix_tokens_reused"].append(float(stats_reused(plans)))
             metrics["prefixflow/trees"].append(float(sum(not hasattr(p.group, "prompt") for p in plans)))
         return torch.tensor(total, dtype=torch.float64, device=self.accelerator.device)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Sharded: every rank joins the gather of the full weights, which the main process writes."""
+        if self._prefixflow_sharded and state_dict is None:
+            state_dict = sharding.full_state_dict(self._prefixflow_model(self.model))
+        super()._save(output_dir, state_dict=state_dict)
 
     def _gathered(self, inner: nn.Module):
         return sharding.gathered(inner) if self._prefixflow_sharded else contextlib.nullcontext()

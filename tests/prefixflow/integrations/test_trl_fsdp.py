@@ -9,7 +9,7 @@ and RoPE and TRL's LM head in fp64); beta > 0 (TRL's reference model, unsharded)
 accumulation 2 (the ranks train different numbers of groups per micro-batch) and ``verify_first_step`` (TRL's
 ``compute_loss -> backward`` on the sharded model against PrefixFlow's, both reduce-scattered). A non-finite
 loss on one rank: NonFiniteError on both, every gradient restored (the LM head's too, whose unit TRL's forwards
-leave gathered). A model sharded with torch's own ``fully_shard`` is refused. Without the trainer,
+leave gathered). ``save_model`` writes the full weights. A model sharded with torch's own ``fully_shard`` is refused. Without the trainer,
 ``train_group`` on the sharded HF model (tied and untied, with HF's gradient checkpointing) against one process
 (fp64). The worker is ``tests/support/trl_fsdp_worker.py``; the refusals that need no second process run here.
 """
@@ -77,6 +77,7 @@ def _check(results: dict) -> None:
         assert abs(r["grad_norm"] - r["trl_grad_norm"]) <= 1e-5 * r["trl_grad_norm"], (name, r)
         assert {"reward", "entropy", "completions/mean_length"} <= set(r["logged"]), name
     assert results["dapo"]["trl_deterministic"] == 0.0
+    assert results["dapo"]["saved"] == 0.0  # save_model, reloaded with from_pretrained: the full weights
     assert results["tools-tree"]["trees"] == 1
     assert results["presharded-clip"]["grad_norm"] > 0.05  # max_grad_norm: the clip is active
     # verify_first_step: TRL's and PrefixFlow's reduce-scattered first-step gradients
@@ -119,6 +120,8 @@ def test_fsdp_refusals(tmp_path):
 
     with pytest.raises(ValueError, match=r"shards over every process, dp_shard=1 and nothing else"):
         F.trainer(tmp_path, prefixflow_parallel={"dp_shard": 2})
+    with pytest.raises(ValueError, match="with FSDP2 does not support: checkpoints with optimizer state"):
+        F.trainer(tmp_path, prefixflow_parallel={"dp_shard": 2}, save_strategy="steps", save_steps=1)
     peft = pytest.importorskip("peft")
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     with pytest.raises(ValueError, match="with FSDP2 does not support: peft_config / a PEFT model"):
