@@ -28,6 +28,8 @@ CASES = {
     "presharded-clip": dict(loss_type="dr_grpo", max_grad_norm=0.05, presharded=True),
     "dapo-fp64": dict(loss_type="dapo", fp64=True),
     "grpo-beta": dict(loss_type="grpo", beta=0.04, reference=True),  # an unsharded reference model
+    # TRL's bf16 (CPU autocast over fp32 weights); the first-step check still runs in fp32
+    "bf16-verify": dict(loss_type="dapo", bf16=True, verify_first_step=True),
     # gradient accumulation: the ranks train different numbers of groups per micro-batch
     "verify-ga2": dict(
         loss_type="grpo",

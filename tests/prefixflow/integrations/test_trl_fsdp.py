@@ -3,13 +3,14 @@ GRPOTrainer under DDP (accelerate's MULTI_CPU state ignores accelerate's FSDP pl
 SGD step. Started twice: with the project's loopback launcher (``python -m harness.local_ranks``) and with
 torchrun (rendezvous on 127.0.0.1, gloo on ``lo``).
 
-Cases: dapo (also: TRL's rerun is bitwise equal); multi-turn tool rollouts through a prefix tree; a model the
-caller shards with ``parallelize`` before the trainer, with gradient clipping active; dapo in fp64 (HF's norms
-and RoPE and TRL's LM head in fp64); beta > 0 (TRL's reference model, unsharded); grpo with gradient
+Cases: dapo (also: TRL's rerun is bitwise equal, and ``save_model`` writes the full weights); multi-turn tool
+rollouts through a prefix tree; a model the caller shards with ``parallelize`` before the trainer, with
+gradient clipping active; dapo in fp64 (HF's norms and RoPE and TRL's LM head in fp64); TRL's bf16 with
+``verify_first_step`` (its check in fp32); beta > 0 (TRL's reference model, unsharded); grpo with gradient
 accumulation 2 (the ranks train different numbers of groups per micro-batch) and ``verify_first_step`` (TRL's
 ``compute_loss -> backward`` on the sharded model against PrefixFlow's, both reduce-scattered). A non-finite
-loss on one rank: NonFiniteError on both, every gradient restored (the LM head's too, whose unit TRL's forwards
-leave gathered). ``save_model`` writes the full weights. A model sharded with torch's own ``fully_shard`` is refused. Without the trainer,
+loss on one rank: NonFiniteError on both, every gradient restored (the LM head's too, whose unit TRL's
+forwards leave gathered). A model sharded with torch's own ``fully_shard`` is refused. Without the trainer,
 ``train_group`` on the sharded HF model (tied and untied, with HF's gradient checkpointing) against one process
 (fp64). The worker is ``tests/support/trl_fsdp_worker.py``; the refusals that need no second process run here.
 """
@@ -35,7 +36,7 @@ WORKER = TESTS / "support" / "trl_fsdp_worker.py"
 
 def _check(results: dict) -> None:
     units = {"units-untied-ac", "units-tied"}
-    cases = {"dapo", "tools-tree", "presharded-clip", "dapo-fp64", "grpo-beta", "verify-ga2"}
+    cases = {"dapo", "tools-tree", "presharded-clip", "dapo-fp64", "grpo-beta", "bf16-verify", "verify-ga2"}
     assert set(results) == {*cases, "nonfinite", "foreign", *units}
     foreign = results.pop("foreign")  # torch's own fully_shard, not PrefixFlow's units and hooks: refused
     assert "sharded with FSDP2 outside PrefixFlow" in foreign.get("message", ""), foreign
@@ -65,16 +66,17 @@ def _check(results: dict) -> None:
         assert r["sharded"] == r["n_params"] > 0, name  # every parameter holds half of itself
         # one reduce-scatter per unit per micro-batch: the gradients are reduced once, never all-reduced again
         # (verify_first_step's check adds two to its first micro-batch: TRL's backward and PrefixFlow's)
-        expected = r["micro_batches"] + (2 if name.startswith("verify") else 0)
+        expected = r["micro_batches"] + (2 if "verify" in name else 0)
         assert r["reduce_scatters"] == {u: expected for u in r["reduce_scatters"]}, name
         assert len(r["reduce_scatters"]) == r["units"] == 4, name
         assert r["residue"] == [], name
         assert r["grad_size"] > 1e-3, name
-        tolerance = 1e-9 if name.endswith("fp64") else 1e-5
+        # bf16: autocast on both sides (TRL's own bf16 differs from PrefixFlow's by ~1e-2 in one process too)
+        tolerance = {"dapo-fp64": 1e-9, "bf16-verify": 5e-2}.get(name, 1e-5)
         assert r["params"] <= tolerance, (name, r)
         assert r["grads"] <= tolerance, (name, r)  # the full gradients the optimizer step applies, per tensor
         assert r["loss_diff"] <= 1e-6, (name, r)  # TRL's logging runs; the loss it logs is this rank's
-        assert abs(r["grad_norm"] - r["trl_grad_norm"]) <= 1e-5 * r["trl_grad_norm"], (name, r)
+        assert abs(r["grad_norm"] - r["trl_grad_norm"]) <= tolerance * r["trl_grad_norm"], (name, r)
         assert {"reward", "entropy", "completions/mean_length"} <= set(r["logged"]), name
     assert results["dapo"]["trl_deterministic"] == 0.0
     assert results["dapo"]["saved"] == 0.0  # save_model, reloaded with from_pretrained: the full weights
@@ -82,6 +84,7 @@ def _check(results: dict) -> None:
     assert results["presharded-clip"]["grad_norm"] > 0.05  # max_grad_norm: the clip is active
     # verify_first_step: TRL's and PrefixFlow's reduce-scattered first-step gradients
     assert 0 < results["verify-ga2"]["verified"] <= 1e-5
+    assert 0 < results["bf16-verify"]["verified"] <= 1e-5  # in fp32 under bf16 training
 
 
 def _fail(proc):
