@@ -71,7 +71,7 @@ def _check(results: dict) -> None:
         assert len(r["reduce_scatters"]) == r["units"] == 4, name
         assert r["residue"] == [], name
         assert r["grad_size"] > 1e-3, name
-        # bf16: autocast on both sides (TRL's own bf16 differs from PrefixFlow's by ~1e-2 in one process too)
+        # bf16: autocast on both sides (one process, TRL vs PrefixFlowGRPOTrainer, differs by 1.6e-2 there too)
         tolerance = {"dapo-fp64": 1e-9, "bf16-verify": 5e-2}.get(name, 1e-5)
         assert r["params"] <= tolerance, (name, r)
         assert r["grads"] <= tolerance, (name, r)  # the full gradients the optimizer step applies, per tensor
