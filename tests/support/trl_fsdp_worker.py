@@ -279,5 +279,26 @@ def main(out: str) -> None:
     dist.destroy_process_group()
 
 
+def one_process() -> None:
+    """The bf16 case on one process, TRL's trainer against PrefixFlowGRPOTrainer: bf16's own difference
+    (``python tests/support/trl_fsdp_worker.py --one-process``, with ``tests`` on PYTHONPATH)."""
+    from trl import GRPOTrainer
+
+    from prefixflow.integrations.trl import PrefixFlowGRPOTrainer
+
+    tmp = Path(tempfile.mkdtemp())
+    for options in (CASES["bf16-verify"], CASES["dapo"]):
+        options = {k: v for k, v in options.items() if k not in ("verify_first_step", "save", "rerun_trl")}
+        base = _step(GRPOTrainer, tmp / "trl", options, sharded=False)
+        pf = _step(PrefixFlowGRPOTrainer, tmp / "pf", options, sharded=False)
+        print(
+            options,
+            "weights",
+            _rel(pf["after"], base["after"]),
+            "gradients",
+            _rel(pf["grads"], base["grads"]),
+        )
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    one_process() if sys.argv[1] == "--one-process" else main(sys.argv[1])
