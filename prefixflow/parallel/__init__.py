@@ -1,6 +1,7 @@
 """Parallelism for PrefixFlow on torch.distributed, in TorchTitan's shape and order.
 
->>> from prefixflow.parallel import init_distributed, parallelize, train_step
+>>> from prefixflow.parallel import init_distributed, parallelize
+>>> from prefixflow.parallel.dp import train_step
 >>> device = init_distributed("cpu")                      # under torchrun: gloo on CPU, NCCL on CUDA
 >>> model = apply_prefixflow(build_model(...))            # the same model object for both systems
 >>> parallelize(model, {"tp": 2, "dp_shard": 2})          # TP -> AC -> compile -> FSDP2, TorchTitan's order
