@@ -105,6 +105,8 @@ class Cluster:
             **os.environ,
             "SLURM_CONF": str(self.conf),
             "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONPATH": str(repo),
+            "OMP_NUM_THREADS": "1",
         }
 
     # -- namespaces -----------------------------------------------------------------------------------
@@ -287,3 +289,7 @@ class Cluster:
                     pass
             self.holders[node].kill()
             self.holders[node].wait()
+        try:  # munged runs in the outer namespaces
+            os.kill(int(Path("/run/munge/munged.pid").read_text().strip()), signal.SIGTERM)
+        except (OSError, ValueError):
+            pass
