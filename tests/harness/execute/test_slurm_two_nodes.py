@@ -20,11 +20,12 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from support import REPO
-from support.slurm_cluster import CTLD_PORT, NODES, SLURMD_PORT, SUBNET, UNSHARE
-from support.slurm_ns import listening_sockets
+from support.slurm_cluster import CTLD_PORT, NODES, SLURMD_PORT, SUBNET, UNSHARE, listeners, netns_id
+from support.slurm_ns import SLURM_PROGRAMS, _decode
 
 TOOLS = ("slurmctld", "slurmd", "sbatch", "unshare", "nsenter", "ip", "munged", "mungekey", "runuser")
 
@@ -52,12 +53,21 @@ SUBNET_NET = ipaddress.ip_network(SUBNET)
 
 
 def _host_view() -> set[tuple[str, int]]:
-    """Listening sockets in this namespace on the cluster's ports or addresses."""
+    """Listening sockets in this (the host's) network namespace on the cluster's ports or addresses, and
+    every listening socket of a cluster program held in this namespace."""
     found = set()
-    for s in listening_sockets(programs=("slurmctld", "slurmd", "slurmstepd", "srun", "python", "python3")):
-        ip = ipaddress.ip_address(s["ip"])
-        if s["port"] in (CTLD_PORT, SLURMD_PORT) or (ip.version == 4 and ip in SUBNET_NET):
-            found.add((s["ip"], s["port"]))
+    for name in ("tcp", "tcp6"):
+        for line in Path(f"/proc/self/net/{name}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if len(cols) > 3 and cols[3] == "0A":
+                ip, port = _decode(cols[1])
+                addr = ipaddress.ip_address(ip)
+                if port in (CTLD_PORT, SLURMD_PORT) or (addr.version == 4 and addr in SUBNET_NET):
+                    found.add((ip, port))
+    here = netns_id("self")
+    cluster_programs = (*SLURM_PROGRAMS, "python", "python3")
+    found |= {(s["ip"], s["port"]) for s in listeners() if s["netns"] == here and s["program"] in cluster_programs
+              and s["port"] in (CTLD_PORT, SLURMD_PORT)}  # fmt: skip
     return found
 
 
