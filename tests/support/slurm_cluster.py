@@ -39,7 +39,7 @@ UNSHARE = [
 NODES = {"node1": "10.77.0.1", "node2": "10.77.0.2"}
 SUBNET = "10.77.0.0/24"
 CTLD_PORT, SLURMD_PORT = 7817, 7818
-SLURMD_TIMEOUT_S = 6  # a lost node is DOWN this long after its last answer (the site default is 300)
+SLURMD_TIMEOUT_S = 5  # a lost node is DOWN this long after its last answer (the site default is 300)
 MUNGE_PATHS = ("/etc/munge", "/run", "/var/lib/munge", "/var/log/munge")
 
 

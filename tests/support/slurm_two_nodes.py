@@ -34,7 +34,7 @@ axes:
   parallel: [{{dp_replicate: 2}}]
 executor: {{max_jobs: 1, timeout_min: 5, overcommit: true, mem_gb: 1, nodes: {nodes}}}
 """
-REPEATS = 200  # several seconds of steps: losing a node lands mid-cell
+REPEATS = 120  # several seconds of steps: losing a node lands mid-cell
 
 
 class Sampler:
@@ -133,7 +133,7 @@ def main(repo: Path, work: Path) -> dict:
             while time.monotonic() < deadline and proc.poll() is None and not _rank_up("node2", names):
                 time.sleep(0.2)
             report["lost_rank_up_s"] = time.monotonic() - t
-            time.sleep(2.0)  # the ranks are into the cell's steps
+            time.sleep(1.0)  # the ranks have met: the cell is under way
             report["killed"] = cluster.lose_node("node2")
             report["killed_at_s"] = time.monotonic() - t
             out, _ = proc.communicate(timeout=300)
@@ -155,4 +155,6 @@ def main(repo: Path, work: Path) -> dict:
 
 
 if __name__ == "__main__":
-    print("REPORT " + json.dumps(main(Path(sys.argv[1]), Path(sys.argv[2]))))
+    out = json.dumps(main(Path(sys.argv[1]), Path(sys.argv[2])))
+    (Path(sys.argv[2]) / "report.json").write_text(out)
+    print("REPORT " + out)
