@@ -248,9 +248,9 @@ class SlurmExecutor:
         except Exception:  # no record, or not one the cell can keep
             errors = []
         said = (
-            errors[0][-2000:]
+            errors[0].strip()[-1500:]
             if errors
-            else f"no record; see {job.paths.stderr}\n{tail(job.paths.stderr, 2000)}"
+            else f"no record; see {job.paths.stderr}\n{tail(job.paths.stderr, 1500)}"
         )
         names = ", ".join(lost)
         message = f"node {names} lost mid-cell: Slurm set it down and ended job {job.job_id}. Rank 0: {said}"
