@@ -70,7 +70,9 @@ def _records(folder: Path) -> list[dict]:
     if not files:
         return []
     df = pd.concat([pd.read_parquet(f) for f in files])
-    return json.loads(df.to_json(orient="records"))
+    rows = df.astype(object).where(df.notna(), None).to_dict("records")
+    # Python's float repr round-trips: the report keeps every fp64 bit (pandas' to_json keeps 10 digits)
+    return json.loads(json.dumps(rows, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
 
 
 def _rank_up(node: str, names: dict[str, str]) -> bool:
