@@ -12,10 +12,12 @@ One run of tests/support/slurm_two_nodes.py (about two minutes) feeds every test
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -50,6 +52,11 @@ pytestmark = [
     pytest.mark.skipif(not _namespaces_work(), reason="`unshare -n -m` is refused here (no namespaces)"),
 ]
 SUBNET_NET = ipaddress.ip_network(SUBNET)
+
+
+def _die_with_pytest() -> None:
+    """preexec_fn: SIGKILL ``unshare`` when pytest dies; its ``--kill-child`` then ends the namespaces."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _host_view() -> set[tuple[str, int]]:
@@ -96,6 +103,7 @@ def report(tmp_path_factory):
             capture_output=True,
             text=True,
             timeout=600,
+            preexec_fn=_die_with_pytest,
         )
     finally:
         done.set()
