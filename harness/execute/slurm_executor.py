@@ -71,12 +71,17 @@ class CellJob(submitit.helpers.Checkpointable):
             return status
 
 
-def _squeue_ids() -> set[str] | None:
+def _squeue_ids() -> dict[str, str] | None:
+    """Every job in the queue (array tasks one by one) with its state, or None when squeue fails."""
     try:
-        out = subprocess.run(["squeue", "-h", "-r", "-o", "%i"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["squeue", "-h", "-r", "-o", "%i %T"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.SubprocessError):
         return None
-    return set(out.stdout.split()) if out.returncode == 0 else None
+    if out.returncode != 0:
+        return None
+    return dict(line.split(None, 1) for line in out.stdout.splitlines() if len(line.split()) == 2)
 
 
 class SlurmExecutor:
@@ -175,6 +180,7 @@ class SlurmExecutor:
         while pending:
             queued = _squeue_ids()
             now = time.monotonic()
+            self._lost_now: dict[str, list[str]] = {}  # node -> lost_nodes([node]), asked once per poll
             for jid, (cell, job) in list(pending.items()):
                 rpath = record_path(folder, cell)
                 status = recorded_status(rpath)
@@ -212,7 +218,7 @@ class SlurmExecutor:
                 time.sleep(self.poll_s)
 
     def _multi_node(
-        self, cell: Cell, job: submitit.Job, rpath: Path, status: str | None, queued: set | None, now: float
+        self, cell: Cell, job: submitit.Job, rpath: Path, status: str | None, queued: dict | None, now: float
     ) -> str | None:
         """A multi-node job not (yet) ``ok``: the cell's status once it is settled, else None (keep polling).
 
@@ -220,10 +226,14 @@ class SlurmExecutor:
         0 wrote with a failure while the job still runs waits for Slurm's verdict on the nodes: at most
         ``SlurmdTimeout`` and a minute, then the job is cancelled and the record stands."""
         jid = job.job_id
-        if not self._nodes_of.get(jid):
-            self._nodes_of[jid] = job_nodes(jid)
-        lost = lost_nodes(self._nodes_of[jid])
         in_queue = queued is None or jid in queued
+        if not self._nodes_of.get(jid) and not (queued is not None and queued.get(jid) == "PENDING"):
+            self._nodes_of[jid] = job_nodes(jid)  # once it has started (or ended)
+        lost: list[str] = []
+        for node in self._nodes_of.get(jid, []):
+            if node not in self._lost_now:
+                self._lost_now[node] = lost_nodes([node])
+            lost += self._lost_now[node]
         if lost:
             if in_queue:
                 job.cancel(check=False)
