@@ -254,7 +254,7 @@ class Cluster:
         return out
 
     def lose_node(self, node: str) -> list[str]:
-        """The node fails: SIGKILL its slurmd and every process it runs (job steps, ranks). Returns what died."""
+        """The node fails: SIGKILL its slurmd and all it runs (job steps, ranks). Returns what died."""
         killed = []
         for pid in self.processes(node):
             try:

@@ -13,6 +13,7 @@ Every listening socket of every process is sampled while 2-4 run, with the names
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -97,8 +98,6 @@ def main(repo: Path, work: Path) -> dict:
             }
             for n in NODES
         }
-        import subprocess
-
         report["outer_addr"] = json.loads(
             subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True).stdout
         )
@@ -118,7 +117,10 @@ def main(repo: Path, work: Path) -> dict:
                 "--out", str(work / out), *extra,
             )  # fmt: skip
             if background:
-                return subprocess.Popen(cmd, cwd=repo, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                out = subprocess.PIPE
+                return subprocess.Popen(
+                    cmd, cwd=repo, env=cluster.env, stdout=out, stderr=subprocess.STDOUT, text=True
+                )
             t = time.monotonic()
             res = subprocess.run(cmd, cwd=repo, env=cluster.env, capture_output=True, text=True, timeout=400)
             return {"rc": res.returncode, "out": (res.stdout + res.stderr)[-4000:], "s": time.monotonic() - t}
