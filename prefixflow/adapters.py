@@ -12,7 +12,9 @@ The three phases never reach into a model's modules. They ask the model's :class
   q/k/v; and, for a recurrent token mixer (gated DeltaNet, Mamba-2), a
   :class:`~prefixflow.state_layers.StatefulLayer` running the layer's state rule;
 - ``state_rule(module)``: the per-layer-type state cache hook: how a recurrent mixer carries its prefix
-  boundary as a state (:class:`~prefixflow.state_layers.StateRule`), or None for a module that has none.
+  boundary as a state (:class:`~prefixflow.state_layers.StateRule`), or None for a module that has none;
+- ``fsdp_units(model)``: the FSDP2 sharding units (embedding, each block, final norm + LM head; a tied
+  embedding and LM head share one unit), which :func:`prefixflow.parallel.fsdp.apply_fsdp` shards.
 
 :class:`TorchTitanAdapter` lives here. Integrations (``prefixflow.integrations.hf``) register their own with
 :func:`register_adapter`; the core never imports them. An installed integration may also announce itself
@@ -95,6 +97,13 @@ class ModelAdapter:
         """Activation checkpointing ``"selective"`` or ``"full"`` on every block, in place."""
         raise ValueError(f"apply_ac is not available for {self.name} models")
 
+    def fsdp_units(self, model: nn.Module) -> list[tuple[str, nn.Module | list[nn.Module]]]:
+        """FSDP2 units ``(name, module or modules)`` in forward order: the input embedding, each block of
+        :meth:`blocks` (each its own unit), then everything after the blocks (final norm, LM head) as one
+        unit, outermost last; a tied embedding joins the last unit. Every parameter must be in one unit:
+        PrefixFlow runs the model piecewise, never through the root's forward."""
+        raise ValueError(f"FSDP2 sharding is not available for {self.name} models")
+
 
 class TorchTitanAdapter(ModelAdapter):
     """TorchTitan decoders (llama3, qwen3): ``tok_embeddings``, ``layers``, ``norm``, ``output``, a RoPE buffer.
@@ -146,6 +155,20 @@ class TorchTitanAdapter(ModelAdapter):
             attention.inner_attention = PrefixAwareAttention(attention.inner_attention, n, state)
             n += 1
         return n
+
+    def fsdp_units(self, model):
+        # TorchTitan's apply_fsdp units; a pipeline stage lacks the embedding, the head or both (None)
+        tok, norm, out = model.tok_embeddings, model.norm, model.output
+        tied = tok is not None and out is not None and out.weight is tok.weight
+        units: list[tuple[str, nn.Module | list[nn.Module]]] = []
+        if tok is not None and not tied:
+            units.append(("tok_embeddings", tok))
+        units += [(f"layers.{name}", block) for name, block in model.layers.items()]
+        named = [("tok_embeddings", tok)] if tied else []
+        named += [(n, m) for n, m in (("norm", norm), ("output", out)) if m is not None]
+        if named:
+            units.append(("+".join(n for n, _ in named), [m for _, m in named]))
+        return units
 
     def apply_ac(self, model, mode):
         from torchtitan.config.job_config import ActivationCheckpoint

@@ -19,9 +19,7 @@ repeats Phase A per node top-down and Phase C per node bottom-up (:mod:`prefixfl
 
 from __future__ import annotations
 
-import contextlib
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,6 +30,7 @@ from .attention import AttendWithPrefix, CapturePrefix, MaskedAttention, PrefixC
 from .budget import AUTO, BudgetPlan, FixedPlan
 from .grad_guard import keep_grads_on_failure
 from .group import RolloutGroup
+from .group_stats import GroupStats, PhaseClock, group_stats
 from .hooks import HookChain, hooks_of
 from .kv_cache import PrefixKVCache
 from .layouts import (
@@ -42,7 +41,7 @@ from .layouts import (
     suffix_segments,
 )
 from .loss import LossConfig, resolve_loss
-from .offload import OffloadStats, PrefixOffload, offloading
+from .offload import PrefixOffload, offloading
 from .stage import Stage, attention_mode, forward_hidden
 from .tree import RolloutTree
 from .tree_layouts import TreePlan
@@ -63,32 +62,6 @@ __all__ = [
     "phase_full",
     "forward_hidden",
 ]
-
-
-@dataclass
-class GroupStats:
-    """What one ``train_group`` call did. ``phase_times`` holds ``A``/``B``/``C`` (PrefixFlow) or ``full``
-    (baseline) in seconds; ``prefix_tokens`` = cached prefix tokens (0 for the baseline); ``suffix_tokens`` =
-    response tokens that carry loss; ``trunk_tokens`` = token slots the transformer processed (pads included)."""
-
-    system: str
-    layout: str
-    loss: float
-    n_microbatches: int
-    prefix_tokens: int
-    suffix_tokens: int
-    trunk_tokens: int
-    phase_times: dict[str, float] = field(default_factory=dict)
-    offload: OffloadStats | None = None  # set when PrefixFlowConfig.offload is on
-    hooks: dict[str, float] = field(default_factory=dict)  # counters of the schedule hooks (e.g. CP gathers)
-    plan: dict | None = (
-        None  # microbatch="auto": budget, measured footprint, chosen sizes (prefixflow.budget)
-    )
-    tree: dict | None = None  # a prefix tree: nodes, unique tokens, per-node times (tree_phases.tree_summary)
-
-    @property
-    def total_s(self) -> float:
-        return sum(self.phase_times.values())
 
 
 @dataclass
@@ -276,7 +249,7 @@ def run_group(
         loss_config=loss_config,
     )  # fmt: skip
     runtime, hooks, group = run.runtime, run.hooks, run.group
-    clock = _PhaseClock(run.device, observer)
+    clock = PhaseClock(run.device, observer)
     cache = offload = None
     try:
         with keep_grads_on_failure(model), hooks.group(model, group, system), run.stage.running(run):
@@ -318,7 +291,7 @@ def run_group(
         offloaded = cache.offload_stats()  # a tree: one pool per node, summed
     else:
         offloaded = offload.stats if offload is not None else None
-    return _stats(run, share, value, clock.times, offloaded)
+    return group_stats(run, share, value, clock.times, offloaded)
 
 
 def group_run(
@@ -364,49 +337,6 @@ def group_run(
     return run
 
 
-def _stats(run: GroupRun, share: GroupShare, value: float, times, offload: OffloadStats | None) -> GroupStats:
-    group, chunks = run.group, run.plan.chunks
-    n_microbatches, tree = len(chunks), None
-    if run.tree_plan is not None:
-        tree = tree_phases.tree_summary(run)
-        n_microbatches, prefix, suffix_tokens, trunk = tree_phases.tree_counts(run)
-    elif run.system == "baseline":
-        suffix_tokens = sum(group.response_lens[i] for i in share.responses(group))
-        prefix, trunk = 0, _trunk_tokens(group, chunks, run.layout, group.prompt_len)
-    else:
-        suffix_tokens = sum(group.response_lens[i] for i in share.responses(group))
-        prefix = group.prompt_len - 1 if share.computes_prefix() else 0
-        trunk = prefix + _trunk_tokens(group, chunks, run.layout, 1)
-    return GroupStats(
-        run.system, run.layout, value, n_microbatches, prefix, suffix_tokens, trunk, times,
-        offload,
-        hooks={**run.hooks.stats(), **run.stage.stats()}, plan=run.plan.stats, tree=tree,
-    )  # fmt: skip
-
-
-class _PhaseClock:
-    def __init__(self, device: torch.device, observer) -> None:
-        self.device, self.observer, self.times = device, observer, {}
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        if self.observer is not None:
-            self.observer.enter(phase)
-        self._sync()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._sync()
-            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
-            if self.observer is not None:
-                self.observer.exit(phase)
-
-
 def _plan(run: GroupRun, responses: list[int], microbatch):
     """The microbatch plan over ``responses``: fixed sizes, or ``"auto"``: sized to
     ``PrefixFlowConfig.memory_budget_bytes``."""
@@ -425,11 +355,3 @@ def _plan(run: GroupRun, responses: list[int], microbatch):
     lead = run.group.prompt_len if run.system == "baseline" else 1  # input tokens before each response's own
     lengths = [lead + s - 1 for s in run.group.response_lens]
     return BudgetPlan(run.model, lengths, run.layout, budget)
-
-
-def _trunk_tokens(group: RolloutGroup, chunks, layout: str, lead: int) -> int:
-    """Token slots the trunk runs: each sequence is ``lead`` context tokens + its response minus one."""
-    lens = [lead + s - 1 for s in group.response_lens]
-    if layout == "packed":
-        return sum(lens[i] for c in chunks for i in c)
-    return sum(len(c) * max(lens[i] for i in c) for c in chunks)

@@ -51,6 +51,7 @@ PREFIXFLOW_LAYERS = [
         "prefixflow.adapters",
         "prefixflow.apply",
         "prefixflow.compile",
+        "prefixflow.group_stats",
         "prefixflow.hooks",
         "prefixflow.offload",
         "prefixflow.offload_storage",

@@ -17,8 +17,8 @@ backward: ``dP, dV, dQ, dK``).
   projections of the last layer (it stops after the last K/V). Phase C's backward starts at the K/V of
   every layer, so it never reaches the last layer's prefix ``wo``, MLP, attention or ``wq``: it runs the
   last layer's ``wk``/``wv`` backward and layers ``0..L-2`` fully. Phase B: the suffix microbatches (split:
-  the prefix part is ``S·(P-1)`` pairs, the suffix part causal when padded; concat: one masked call over
-  ``S·(P-1+S)`` pairs).
+  the prefix part is ``S·(P-1)`` pairs, the suffix part causal when padded or a packed row holds one
+  response; concat: one masked call over ``S·(P-1+S)`` pairs).
 * ``prefix_grouper``: one packed graph of ``P + Σ(S_i - 1)`` tokens through every layer; its prefix call is
   causal, its suffix call a masked ``[N, S_max-1]`` x ``P + S_max-1`` call.
 
@@ -27,20 +27,34 @@ PrefixFlow schedule must do (the above with causal pairs only, no padding). :fun
 paper's §3.1 model, ``1 / (ŝ + â + p̂/N)``, which charges the prefix forward and backward in every layer: it
 is a lower bound that PrefixFlow can beat by the dead last-layer work (a third of the baseline on 2 layers).
 
-**Counting** (:func:`count_flops`): ``torch.utils.flop_counter.FlopCounterMode`` for the GEMMs
-(``mm/addmm/bmm/baddbmm``), and :class:`AttentionCounter` for attention, since FlopCounterMode ignores
-causality (and does not see CPU flash attention at all).
+**Hybrids** (Qwen3.5 gated DeltaNet, Nemotron-H Mamba-2): :func:`as_shape` of their config is a
+:class:`~harness.costmodel.hybrid.HybridShape`, and every function here hands it to
+:mod:`harness.costmodel.hybrid` (baseline and PrefixFlow; PrefixGrouper does not run them).
+
+**Counting** (:func:`count_flops`, :mod:`harness.costmodel.counting`): ``torch.utils.flop_counter.FlopCounterMode``
+for the GEMMs (``mm/addmm``) and the recurrent kernels' batched matmuls (``bmm/baddbmm``), and own counters for
+attention (FlopCounterMode ignores causality), grouped convolutions and triangular solves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from harness.costmodel.counting import AttentionCounter, count_flops, count_ops
+from harness.costmodel.hybrid import (
+    HYBRID_MODEL_TYPES,
+    HybridShape,
+    executed_hybrid_flops,
+    hybrid_paper_terms,
+    hybrid_shape,
+    least_hybrid_flops,
+)
 from harness.costmodel.moe import moe_shape
 from harness.costmodel.shape import ModelShape
+from harness.costmodel.work import Flops, suffix_pairs
+from harness.costmodel.work import causal_pairs as _causal
+from harness.costmodel.work import microbatches as _chunks
+from harness.costmodel.work import response_lengths as _lens
 
 __all__ = [
     "Flops",
@@ -53,26 +67,11 @@ __all__ = [
     "dense_flops_per_token",
     "AttentionCounter",
     "count_flops",
+    "count_ops",
     "SYSTEMS",
 ]
 
 SYSTEMS = ("baseline", "prefixflow", "prefix_grouper")
-GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
-
-
-@dataclass(frozen=True)
-class Flops:
-    """Training FLOPs (forward + backward) of one group, by kind."""
-
-    gemm: int
-    attention: int
-
-    @property
-    def total(self) -> int:
-        return self.gemm + self.attention
-
-    def __add__(self, other: Flops) -> Flops:
-        return Flops(self.gemm + other.gemm, self.attention + other.attention)
 
 
 def _llama3_hidden(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
@@ -86,7 +85,7 @@ def _llama3_hidden(dim: int, multiple_of: int, ffn_dim_multiplier: float | None)
 def as_shape(args) -> ModelShape:
     """A :class:`ModelShape` from itself, a TorchTitan llama3 ``TransformerModelArgs`` or ``Qwen3ModelArgs``, or
     a Hugging Face dense decoder config (``hidden_size``, ``num_hidden_layers``, ``intermediate_size``, ...)."""
-    if isinstance(args, ModelShape):
+    if isinstance(args, (ModelShape, HybridShape)):
         return args
     if hasattr(args, "hidden_size") and hasattr(args, "num_hidden_layers"):
         return _hf_shape(args)
@@ -109,10 +108,15 @@ def as_shape(args) -> ModelShape:
     )
 
 
-def _hf_shape(config) -> ModelShape:
+def _hf_shape(config) -> ModelShape | HybridShape:
     other = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
-    if other:  # hybrids (gated DeltaNet, Mamba-2, MLP blocks): not every layer is attention
-        raise ValueError(f"the dense cost model does not cover {other} layers (a hybrid model) yet")
+    if getattr(config, "model_type", None) in HYBRID_MODEL_TYPES:
+        return hybrid_shape(config)
+    if other:  # hybrids the hybrid cost model does not know (Granite-4 hybrid, Bamba, ...)
+        raise ValueError(
+            f"the cost model does not cover {other} layers of model_type {config.model_type!r}; it covers "
+            f"dense decoders and the hybrids {list(HYBRID_MODEL_TYPES)}"
+        )
     if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
         raise ValueError("MoE models are not covered by the dense cost model")
     n_heads = int(config.num_attention_heads)
@@ -130,35 +134,10 @@ def _hf_shape(config) -> ModelShape:
 # -- executed work --------------------------------------------------------------------------------------
 
 
-def _lens(S: int | Sequence[int], N: int | None) -> list[int]:
-    lens = [int(S)] * int(N) if isinstance(S, int) else [int(s) for s in S]
-    if N is not None and not isinstance(S, int) and len(lens) != N:
-        raise ValueError(f"got {len(lens)} response lengths for N={N}")
-    if not lens or min(lens) < 1:
-        raise ValueError(f"need N >= 1 responses of length >= 1, got {lens}")
-    return lens
-
-
-def _chunks(n: int, microbatch: int | Sequence[int] | None) -> list[list[int]]:
-    """Responses per microbatch: all (None), a fixed size, or the sizes a plan chose (``microbatch="auto"``)."""
-    if microbatch is not None and not isinstance(microbatch, int):
-        sizes = [int(x) for x in microbatch]
-        if sum(sizes) != n or min(sizes) < 1:
-            raise ValueError(f"microbatch sizes {sizes} do not split {n} responses")
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        return [list(range(a, a + b)) for a, b in zip(starts, sizes, strict=True)]
-    size = n if microbatch is None else microbatch
-    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-
-
 def _trained(shape: ModelShape, slots: int, pairs: int, scored: int) -> Flops:
     """Forward + backward of ``slots`` token slots through every layer, ``pairs`` attention pairs per layer."""
     gemm = 3 * (slots * shape.n_layers * shape.layer + scored * shape.head)
     return Flops(gemm, 3 * pairs * shape.n_layers * shape.pair)
-
-
-def _causal(n: int) -> int:
-    return n * (n + 1) // 2
 
 
 def _baseline(shape, P, lens, layout, microbatch) -> Flops:
@@ -182,24 +161,13 @@ def _prefix(shape: ModelShape, T: int) -> Flops:
     return Flops(gemm, 3 * full * _causal(T) * shape.pair)
 
 
-def _suffix_pairs(T: int, widths: list[int], layout: str, attention: str) -> int:
-    """Attention pairs of one suffix microbatch (``widths``: its suffix lengths) per layer."""
-    if layout == "packed":  # a block-diagonal mask over the suffix columns: every pair is computed
-        rows = sum(widths)
-        return rows * T + rows * rows
-    b, w = len(widths), max(widths)
-    if attention == "split" and T > 0:
-        return b * w * T + b * _causal(w)
-    return b * w * (T + w)  # one masked call over [prefix ; suffix]
-
-
 def _prefixflow(shape, P, lens, layout, microbatch, attention) -> Flops:
     T = P - 1
     work = _prefix(shape, T)
     for chunk in _chunks(len(lens), microbatch):
         widths = [lens[i] for i in chunk]
         slots = sum(widths) if layout == "packed" else len(widths) * max(widths)
-        work += _trained(shape, slots, _suffix_pairs(T, widths, layout, attention), sum(widths))
+        work += _trained(shape, slots, suffix_pairs(T, widths, layout, attention), sum(widths))
     return work
 
 
@@ -225,6 +193,10 @@ def executed_flops(
     responses, or the list of response lengths; ``microbatch``: None (all), a size, or the list of sizes a
     ``microbatch="auto"`` plan chose; ``attention``: PrefixFlow's suffix attention variant."""
     shape = as_shape(shape)
+    if isinstance(shape, HybridShape):
+        return executed_hybrid_flops(
+            system, shape, P, S, N, layout=layout, microbatch=microbatch, attention=attention
+        )
     lens = _lens(S, N)
     if P < 1:
         raise ValueError(f"need P >= 1, got P={P}")
@@ -249,6 +221,8 @@ def model_flops(system: str, shape, P: int, S, N: int | None = None, **kwargs) -
 def least_prefixflow_flops(shape, P: int, S, N: int | None = None) -> Flops:
     """The least work the PrefixFlow schedule must do: causal pairs only, no pad slots."""
     shape, lens = as_shape(shape), _lens(S, N)
+    if isinstance(shape, HybridShape):
+        return least_hybrid_flops(shape, P, lens)
     T = P - 1
     work = _prefix(shape, T)
     for s in lens:
@@ -267,14 +241,18 @@ def ideal_speedup(shape, P: int, S, N: int | None = None, *, layout="padded", mi
 
 def speedup_terms(shape, P: int, S: int) -> dict[str, float]:
     """The paper's normalised terms ``p̂, ŝ, â`` (``p̂ + ŝ = 1``): one trajectory split at the KV boundary, the
-    prefix charged its full forward and backward in every layer; ``â``: one suffix's gK/gV accumulation."""
+    prefix charged its full forward and backward in every layer; ``â``: one suffix's gK/gV accumulation (on a
+    hybrid also its state and conv-tail gradient accumulation)."""
     shape = as_shape(shape)
     if P < 1 or S < 1:
         raise ValueError(f"need P >= 1, S >= 1; got P={P}, S={S}")
     T = P - 1
-    prefix = _trained(shape, T, _causal(T), 0).total
-    suffix = _trained(shape, S, S * T + _causal(S), S).total
-    accum = 2 * shape.n_layers * T * shape.n_kv_heads * shape.head_dim
+    if isinstance(shape, HybridShape):
+        prefix, suffix, accum = hybrid_paper_terms(shape, P, S)
+    else:
+        prefix = _trained(shape, T, _causal(T), 0).total
+        suffix = _trained(shape, S, S * T + _causal(S), S).total
+        accum = 2 * shape.n_layers * T * shape.n_kv_heads * shape.head_dim
     total = prefix + suffix
     return {"p": prefix / total, "s": suffix / total, "a": accum / total}
 
@@ -296,65 +274,7 @@ def dense_flops_per_token(shape, seq_len: int, causal: bool = False) -> float:
     (``6·(non-embedding params) + 12·n_layers·H·hd·seq_len``), for cross-checking.
     """
     shape = as_shape(shape)
+    if isinstance(shape, HybridShape):
+        raise ValueError("dense_flops_per_token is TorchTitan's dense convention; a hybrid has no such count")
     pairs = seq_len * seq_len if not causal else _causal(seq_len)
     return _trained(shape, seq_len, pairs, seq_len).total / seq_len
-
-
-# -- counting what runs ---------------------------------------------------------------------------------
-
-# fused SDPA op -> position of its is_causal argument (ATen schemas of torch 2.13)
-_SDPA_FORWARD = {
-    "_scaled_dot_product_flash_attention_for_cpu": 4,
-    "_scaled_dot_product_flash_attention": 4,
-    "_scaled_dot_product_efficient_attention": 6,
-    "_scaled_dot_product_cudnn_attention": 6,
-}
-_SDPA_BACKWARD = {
-    "_scaled_dot_product_flash_attention_for_cpu_backward": 7,
-    "_scaled_dot_product_flash_attention_backward": 11,
-    "_scaled_dot_product_efficient_attention_backward": 11,
-    "_scaled_dot_product_cudnn_attention_backward": 14,
-}
-
-
-class AttentionCounter(TorchDispatchMode):
-    """Attention FLOPs of the fused SDPA kernels that run under it, counting the pairs each call computes:
-    ``Lq(Lq+1)/2`` for a causal call with ``Lq = Lk``, ``Lq·Lk`` otherwise (a masked call computes every
-    pair); ``4·hd`` per pair and query head forward, twice that backward (as FlopCounterMode)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flops = 0
-        self.calls = 0
-
-    def _count(self, q, k, is_causal: bool, factor: int) -> None:
-        b, h, lq, d = q.shape
-        lk = k.shape[2]
-        pairs = _causal(lq) if is_causal and lq == lk else lq * lk
-        self.flops += factor * 4 * b * h * d * pairs
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        for table, factor in ((_SDPA_FORWARD, 1), (_SDPA_BACKWARD, 2)):
-            if name in table:
-                causal_at = table[name]
-                q, k = (args[1], args[2]) if factor == 2 else (args[0], args[1])
-                is_causal = args[causal_at] if len(args) > causal_at else kwargs.get("is_causal", False)
-                self._count(q, k, bool(is_causal), factor)
-                self.calls += factor == 1
-        return func(*args, **kwargs)
-
-
-def count_flops(fn: Callable[[], object]) -> tuple[Flops, object]:
-    """Run ``fn()`` under FlopCounterMode and :class:`AttentionCounter`; return the counted GEMM and attention
-    FLOPs (FlopCounterMode's own SDPA counts are left out: they ignore causality) and ``fn``'s result."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    attention = AttentionCounter()
-    with counter, attention:
-        result = fn()
-    per_op = counter.get_flop_counts().get("Global", {})
-    gemm = sum(int(v) for op, v in per_op.items() if op.__name__ in GEMM_OPS)
-    return Flops(gemm, attention.flops), result

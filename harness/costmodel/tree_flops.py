@@ -26,9 +26,20 @@ from collections.abc import Sequence
 from prefixflow.tree import RolloutTree
 from prefixflow.tree_layouts import TreePlan, TreeRow
 
-from .flops import Flops, _causal, _chunks, _trained, as_shape
+from .flops import _trained, as_shape
+from .hybrid import HybridShape
+from .work import Flops
+from .work import causal_pairs as _causal
+from .work import microbatches as _chunks
 
 __all__ = ["executed_tree_flops", "ideal_tree_flops"]
+
+
+def _dense(shape):
+    shape = as_shape(shape)
+    if isinstance(shape, HybridShape):
+        raise ValueError("the tree cost model covers dense decoders only, not hybrid models")
+    return shape
 
 
 def _rows_flops(shape, tree: RolloutTree, rows: list[TreeRow], layout: str) -> Flops:
@@ -69,7 +80,7 @@ def executed_tree_flops(
 ) -> Flops:
     """Training FLOPs of ``tree`` as ``system`` (``"prefixflow"`` or ``"baseline"``) executes it;
     ``microbatch``: paths per Phase-B (baseline) microbatch, None (all) or the sizes a ``"auto"`` plan chose."""
-    shape = as_shape(shape)
+    shape = _dense(shape)
     if layout not in ("padded", "packed"):
         raise ValueError(f"layout must be padded|packed, got {layout!r}")
     plan = TreePlan(tree)
@@ -90,7 +101,7 @@ def executed_tree_flops(
 
 def ideal_tree_flops(shape, tree: RolloutTree) -> Flops:
     """The least work that trains every path of ``tree`` (see the module doc)."""
-    shape = as_shape(shape)
+    shape = _dense(shape)
     plan = TreePlan(tree)
     leaf_cols: dict[int, set[int]] = {}
     for i, row in plan.leaf_rows.items():  # duplicate paths share their leaf: its positions count once

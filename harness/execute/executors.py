@@ -7,89 +7,34 @@ and where a worker cannot (timeout, hard crash, lost job) the executor writes st
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-import submitit
-
-from harness.execute.jobs import read_job, write_job
+from harness.execute.jobs import write_job
 from harness.execute.local import local_ranks_argv
 from harness.execute.local_ranks import loopback_env
-from harness.execute.slurm import export_slurm_rank_env
+from harness.execute.outcome import (  # noqa: F401 (check_record, recorded_status: this module's API too)
+    OnDone,
+    check_record,
+    job_path,
+    record_path,
+    recorded_status,
+)
+from harness.execute.outcome import finish as _finish
+from harness.execute.outcome import tail as _tail
+from harness.execute.slurm_executor import CellJob, SlurmExecutor  # noqa: F401 (re-exported)
 from harness.execute.worker import run_job
-from harness.records import InvalidRecord, cell_status, read_records, write_records
-from harness.run.columns import REPO_ROOT, failed_records
-from harness.safe_fs import jobs_folder, open_new, trusted_dir
+from harness.run.columns import REPO_ROOT
+from harness.safe_fs import open_new
 from harness.spec.cell import Cell
 from harness.spec.schema import ExecutorSettings
 
 EXECUTORS = ("local", "slurm", "debug")
-SLURM_SHIM_DIR = Path("/usr/local/lib/pf-slurm/bin")  # sacct shim written by scripts/slurm_up.sh
 WORKER_ARGV = [sys.executable, "-m", "harness.execute.worker"]
-OnDone = Callable[[Cell, str], None]
-
-
-def record_path(folder: Path, cell: Cell) -> Path:
-    return folder / f"{cell.cell_id}.parquet"
-
-
-def job_path(folder: Path, cell: Cell) -> Path:
-    """The cell's job file, in the spec folder's private job folder (never in the results folder: a job
-    file says what to run and where to write)."""
-    return jobs_folder(folder) / f"{cell.cell_id}.json"
-
-
-def check_record(path: Path, cell: Cell | None = None) -> str | None:
-    """Why the record file at ``path`` cannot stand for ``cell`` (None: it can). A missing file is a reason.
-    Verifies the file (harness.records.read_records) and that it holds this cell's spec and systems."""
-    if not os.path.lexists(path):
-        return "no record"
-    try:
-        df = read_records(path)
-    except InvalidRecord as e:
-        return str(e)
-    if cell is not None:
-        if set(df["spec"]) != {cell.spec}:
-            return f"{path}: holds spec {sorted(set(df['spec']))[0]!r:.60}, not {cell.spec!r}"
-        if not set(df["system"]) <= set(cell.systems):
-            return f"{path}: holds systems {sorted(set(df['system']))!r:.80}, not the cell's {list(cell.systems)}"
-    return None
-
-
-def recorded_status(path: Path, cell: Cell | None = None) -> str | None:
-    """The status of an existing record file that passes :func:`check_record`, else None."""
-    if check_record(path, cell) is not None:
-        return None
-    return cell_status(read_records(path))
-
-
-def _tail(path: Path, limit: int = 4000) -> str:
-    """The last ``limit`` bytes of a log file (never through a link, never more than that read)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return ""
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return ""
-        fh.seek(max(0, os.fstat(fd).st_size - limit))
-        return fh.read(limit).decode(errors="replace")
-
-
-def _finish(cell: Cell, rpath: Path, status: str, error: str) -> str:
-    """Write status rows for a cell whose worker left no record; keep a record the worker did write."""
-    existing = recorded_status(rpath, cell)
-    if existing is not None:
-        return existing
-    write_records(rpath, failed_records(cell, status, error), root=rpath.parent.parent)
-    return status
 
 
 class DebugExecutor:
@@ -201,182 +146,6 @@ class LocalExecutor:
         finally:
             for _, proc, _ in running.values():
                 self._kill(proc)
-
-
-class _JobStopped(BaseException):
-    """Raised from submitit's signal handler when Slurm stops the job (not an Exception, so the runner's
-    per-system error handling cannot swallow it)."""
-
-
-class CellJob(submitit.helpers.Checkpointable):
-    """The Slurm job body: run one cell from its job file. On preemption submitit calls ``checkpoint`` and
-    requeues this same call (a cell restarts from scratch: it has no state worth saving); at the time
-    limit (``slurm_max_num_timeout=0``) it does not requeue and the cell is recorded as ``timeout``."""
-
-    def __call__(self, job_file: str) -> str:
-        cell, rpath = read_job(job_file)
-        sig = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), signal.SIGUSR2)
-        submitit_handler = signal.getsignal(sig)
-
-        def on_signal(signum, frame) -> None:
-            try:
-                if callable(submitit_handler):
-                    submitit_handler(signum, frame)  # requeues (and exits) on preemption
-            except submitit.core.utils.UncompletedJobError as e:
-                raise _JobStopped(str(e)) from None
-
-        signal.signal(sig, on_signal)
-        if cell.world_size > 1:  # this task is one rank of the cell's multi-task job
-            export_slurm_rank_env()
-        try:
-            return run_job(cell, rpath)
-        except _JobStopped as e:
-            status = "timeout" if "timed-out" in str(e) else "error"
-            if os.environ.get("RANK", "0") == "0":
-                write_records(
-                    rpath,
-                    failed_records(cell, status, f"Slurm stopped the job: {e}"),
-                    root=rpath.parent.parent,
-                )
-            return status
-
-
-def _squeue_ids() -> set[str] | None:
-    try:
-        out = subprocess.run(["squeue", "-h", "-r", "-o", "%i"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return set(out.stdout.split()) if out.returncode == 0 else None
-
-
-class SlurmExecutor:
-    """One submitit job array per sweep; waits with a deadline, never forever."""
-
-    name = "slurm"
-
-    def __init__(
-        self,
-        settings: ExecutorSettings,
-        max_jobs: int | None = None,
-        poll_s: float = 2.0,
-        wait_timeout_s: float | None = None,
-        gone_grace_s: float = 60.0,
-    ) -> None:
-        self.settings = settings
-        self.max_jobs = max_jobs or settings.max_jobs
-        self.poll_s = poll_s
-        self.wait_timeout_s = wait_timeout_s
-        self.gone_grace_s = gone_grace_s
-        path = os.environ.get("PATH", "").split(os.pathsep)
-        if SLURM_SHIM_DIR.is_dir() and str(SLURM_SHIM_DIR) not in path and trusted_dir(SLURM_SHIM_DIR):
-            os.environ["PATH"] = os.pathsep.join([str(SLURM_SHIM_DIR), *path])
-
-    def _executor(self, folder: Path, name: str, ranks: int = 1) -> submitit.AutoExecutor:
-        """A submitit executor for cells of ``ranks`` ranks: one task per rank over ``settings.nodes``."""
-        s = self.settings
-        if ranks > 1 and ranks % s.nodes:
-            raise ValueError(f"a cell of {ranks} ranks does not spread evenly over executor.nodes={s.nodes}")
-        timeout_min = max(1, math.ceil(s.timeout_min))
-        jobs = jobs_folder(folder) / "slurm"  # submitit's pickles: private, never in the results folder
-        try:
-            ex = submitit.AutoExecutor(folder=jobs, cluster="slurm", slurm_max_num_timeout=0)
-        except Exception as e:
-            raise RuntimeError(
-                f"--executor slurm needs a Slurm client (sbatch) on PATH: {e}; "
-                "for a local cluster run `bash scripts/slurm_up.sh`"
-            ) from e
-        params = dict(
-            name=name,
-            timeout_min=timeout_min,
-            nodes=s.nodes,
-            cpus_per_task=s.cpus_per_task,
-            mem_gb=s.mem_gb,
-            slurm_array_parallelism=self.max_jobs,
-            slurm_signal_delay_s=min(90, max(15, timeout_min * 15)),
-        )
-        if s.gpus_per_node:
-            params["gpus_per_node"] = s.gpus_per_node
-        if s.partition:
-            params["slurm_partition"] = s.partition
-        if ranks == 1:
-            params["tasks_per_node"] = 1
-        else:  # --ntasks, not --ntasks-per-node: Slurm checks the latter against the node's CPUs
-            params["slurm_additional_parameters"] = {
-                "ntasks": ranks,
-                **({"overcommit": True} if s.overcommit else {}),
-            }
-        ex.update_parameters(**params)
-        return ex
-
-    def run(self, cells: list[Cell], folder: Path, on_done: OnDone) -> None:
-        if not cells:
-            return
-        # One job array per world size: a multi-rank cell is one multi-task job (one task per rank).
-        by_ranks: dict[int, list[Cell]] = {}
-        for cell in cells:
-            by_ranks.setdefault(cell.world_size, []).append(cell)
-        cells, jobs = [], []
-        try:
-            for ranks, group in sorted(by_ranks.items()):
-                files = [str(write_job(job_path(folder, c), c, record_path(folder, c))) for c in group]
-                ex = self._executor(folder, f"pf-{group[0].spec}", ranks)
-                jobs += ex.map_array(CellJob(), files)
-                cells += group
-        except Exception:
-            for job in jobs:  # a later array failed to submit: leave nothing running
-                job.cancel(check=False)
-            raise
-        waves = math.ceil(len(cells) / self.max_jobs)
-        budget = self.wait_timeout_s or waves * max(1, math.ceil(self.settings.timeout_min)) * 60 + 300
-        deadline = time.monotonic() + budget
-        pending = dict(zip([j.job_id for j in jobs], zip(cells, jobs, strict=True), strict=True))
-        gone_since: dict[str, float] = {}
-        while pending:
-            queued = _squeue_ids()
-            now = time.monotonic()
-            for jid, (cell, job) in list(pending.items()):
-                rpath = record_path(folder, cell)
-                status = recorded_status(rpath)
-                if status is None and job.done():
-                    status = self._from_job(cell, job, rpath)
-                if status is None and queued is not None and jid not in queued:
-                    gone_since.setdefault(jid, now)
-                    if now - gone_since[jid] > self.gone_grace_s:
-                        status = _finish(
-                            cell,
-                            rpath,
-                            "error",
-                            f"job {jid} left the queue without a record; "
-                            f"see {job.paths.stderr}\n{_tail(job.paths.stderr)}",
-                        )
-                if status is not None:
-                    del pending[jid]
-                    on_done(cell, status)
-            if pending and time.monotonic() > deadline:
-                for jid, (cell, job) in pending.items():
-                    job.cancel(check=False)
-                    _finish(
-                        cell,
-                        record_path(folder, cell),
-                        "timeout",
-                        f"job {jid} not finished after waiting {budget:.0f} s; cancelled",
-                    )
-                    on_done(cell, recorded_status(record_path(folder, cell)) or "timeout")
-                return
-            if pending:
-                time.sleep(self.poll_s)
-
-    @staticmethod
-    def _from_job(cell: Cell, job: submitit.Job, rpath: Path) -> str:
-        try:
-            job.results()  # one result per task (rank)
-        except Exception as e:
-            text = str(e)
-            state = job.state
-            status = "timeout" if ("timed-out" in text or state == "TIMEOUT") else "error"
-            status = "oom" if state == "OUT_OF_MEMORY" else status
-            return _finish(cell, rpath, status, f"slurm job {job.job_id} ({state}): {text[-4000:]}")
-        return recorded_status(rpath) or _finish(cell, rpath, "error", f"job {job.job_id} wrote no record")
 
 
 def make_executor(kind: str, settings: ExecutorSettings, max_jobs: int | None = None):

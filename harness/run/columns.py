@@ -141,13 +141,14 @@ def model_columns(model: torch.nn.Module, cell: Cell, system: str) -> dict[str, 
 
 def cost_columns(shape, cell: Cell, system: Any, lens, device, stats=None) -> dict[str, Any]:
     """The FLOP model of what ``system`` executes on this cell's step (``harness.costmodel.flops``): its modelled
-    FLOPs (GEMM and attention; activation checkpointing off only, NaN otherwise), the corrected ideal
-    speedup, and the paper's §3.1 ideal. ``lens``: the group's response lengths, or one list per group of a
-    multi-group step (summed over the groups, wherever they ran)."""
+    FLOPs (GEMM, attention and a hybrid's recurrent kernels; activation checkpointing off only, NaN otherwise),
+    the corrected ideal speedup, and the paper's §3.1 ideal. ``lens``: the group's response lengths, or one list
+    per group of a multi-group step (summed over the groups, wherever they ran)."""
     from harness.costmodel import flops
 
     cost_name = getattr(system, "cost_model", None)
-    if shape is None or cost_name not in flops.SYSTEMS:
+    covered = getattr(shape, "systems", flops.SYSTEMS)  # a hybrid's: baseline and PrefixFlow
+    if shape is None or cost_name not in covered:
         return {}
     groups = [list(g) for g in lens] if lens and not isinstance(lens[0], int) else [list(lens)]
     p, layout, mb = cell.prefix_len, cell.layout, cell.microbatch
@@ -175,6 +176,7 @@ def cost_columns(shape, cell: Cell, system: Any, lens, device, stats=None) -> di
     out["model_flops"] = float(modelled.total) if known else math.nan
     out["model_gemm_flops"] = float(modelled.gemm) if known else math.nan
     out["model_attention_flops"] = float(modelled.attention) if known else math.nan
+    out["model_recurrent_flops"] = float(modelled.recurrent) if known else math.nan
     return out
 
 
@@ -185,6 +187,7 @@ def counted_columns(counted) -> dict[str, Any]:
         "counted_flops": float(counted.total),
         "counted_gemm_flops": float(counted.gemm),
         "counted_attention_flops": float(counted.attention),
+        "counted_recurrent_flops": float(counted.recurrent),
     }
 
 

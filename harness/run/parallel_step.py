@@ -16,6 +16,7 @@ bytes exchanged next to the K/V and gK/gV sizes they must equal.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import statistics
@@ -116,6 +117,26 @@ def _hook_columns(stats, timelines: str | None) -> dict[str, Any]:
     return out
 
 
+def grad_columns(model: torch.nn.Module, pp: int) -> dict[str, Any]:
+    """The step's gradients in fp64, the same on every rank: ``grad_norm`` (L2 over all parameters) and
+    ``grad_sha256`` (of every gradient's fp64 bytes, in parameter order; equal iff bitwise equal). Sharded
+    gradients (DTensors) are gathered one parameter at a time, on every rank alike (a collective). A pipeline
+    stage holds only its layers' gradients: under PP both are None."""
+    if pp > 1:
+        return {"grad_norm": None, "grad_sha256": None}
+    digest, square = hashlib.sha256(), 0.0
+    for _, param in model.named_parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        if hasattr(grad, "full_tensor"):
+            grad = grad.full_tensor()
+        flat = grad.detach().to(device="cpu", dtype=torch.float64).contiguous().reshape(-1)
+        digest.update(flat.numpy().tobytes())
+        square += float(flat.square().sum())
+    return {"grad_norm": math.sqrt(square), "grad_sha256": digest.hexdigest()}
+
+
 def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
     """This rank's record per contender, with its raw per-step samples (merged on rank 0)."""
     from prefixflow.parallel import ParallelDims, build_mesh
@@ -136,13 +157,17 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
     samples: dict[str, list[dict]] = {name: [] for name in cell.systems}
     timed: dict[str, list] = {name: [] for name in cell.systems}  # (stats, timelines) per timed step
 
-    def step(name: str, track_memory: bool):
+    grads: dict[str, dict] = {}  # the last timed step's gradient columns, per contender
+
+    def step(name: str, track_memory: bool, last: bool = False):
         model = models[name]
         model.zero_grad(set_to_none=True)
         meter = PhaseMeter(device, model=model, track_memory=track_memory)
         with meter:
             stats = contenders[name].step(model, groups, cell, meter)
         res = meter.results()
+        if last:  # untimed: after the meter
+            grads[name] = grad_columns(model, cell.parallel.pp)
         model.zero_grad(set_to_none=True)
         return res, stats
 
@@ -152,7 +177,7 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
             if name in failures:
                 continue
             try:
-                res, stats = step(name, track_memory=False)
+                res, stats = step(name, track_memory=False, last=it == cell.warmup + cell.repeats - 1)
             except Exception as e:
                 failures[name] = (classify(e), traceback.format_exc())
                 continue
@@ -181,7 +206,7 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
             # the hooks' counters and timelines of one step, the median one: communication times vary from
             # step to step like the step time, and one step's columns stay consistent with each other
             st, timelines = timed[name][median_step(samples[name])]
-            rec.update(status="ok", error=None, loss=float(st.loss), **_step_columns(st))
+            rec.update(status="ok", error=None, loss=float(st.loss), **_step_columns(st), **grads[name])
             rec.update(_hook_columns(st, timelines))
             if timelines is not None:  # every timed step's, for the simulator's calibration
                 rec["pp_timelines_steps"] = json.dumps([t for _, t in timed[name]])

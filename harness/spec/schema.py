@@ -188,7 +188,13 @@ class ExecutorSettings(StrictModel):
     )
     timeout_min: float = Field(10.0, gt=0, le=TIMEOUT_MAX_MIN, description="per-cell limit in minutes")
     partition: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    nodes: int = Field(1, ge=1, le=MAX_INT)
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=MAX_INT,
+        description="Slurm nodes per multi-rank cell, its ranks spread evenly (--nodes, --ntasks-per-node); "
+        "single-rank cells take one node",
+    )
     gpus_per_node: int = Field(0, ge=0, le=MAX_INT)
     cpus_per_task: int = Field(1, ge=1, le=MAX_INT)
     mem_gb: float = Field(4.0, gt=0, le=2**40)
@@ -272,6 +278,20 @@ class Spec(StrictModel):
     def _block_systems(self) -> Spec:
         for block in self.axes_blocks:
             check_systems(block.systems or [])
+        return self
+
+    @model_validator(mode="after")
+    def _ranks_spread_over_nodes(self) -> Spec:
+        nodes = self.executor.nodes
+        layouts = [p for b in self.axes_blocks for p in b.layouts()] + [
+            p for a in self.alignment for p in a.parallel
+        ]
+        for p in layouts:
+            if p.world_size > 1 and p.world_size % nodes:
+                raise ValueError(
+                    f"executor.nodes={nodes} does not divide parallel layout {p.label} ({p.world_size} ranks): "
+                    f"give layouts whose ranks are a multiple of executor.nodes, or executor.nodes: 1"
+                )
         return self
 
     @property

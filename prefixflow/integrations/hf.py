@@ -202,6 +202,28 @@ class HFAdapter(ModelAdapter):
                     "activation_checkpointing_kwargs={'use_reentrant': False}"
                 )
 
+    def fsdp_units(self, model):
+        """``embed_tokens`` (untied), each decoder layer, then the final norm with the LM head (and a tied
+        embedding): every module with parameters after the layers, found from the model, not by name."""
+        base, blocks = model.base_model, self.blocks(model)
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        names = {id(m): n for n, m in model.named_modules()}
+        skip = {id(base.layers), id(embed), id(head), id(base)}
+        rest = [
+            m
+            for parent in (base, model)
+            for m in parent.children()
+            if id(m) not in skip and any(True for _ in m.parameters())
+        ]
+        tied = head.weight is embed.weight
+        units: list[tuple[str, nn.Module | list[nn.Module]]] = []
+        if not tied:
+            units.append((names[id(embed)], embed))
+        units += [(names[id(b)], b) for b in blocks]
+        last = ([embed] if tied else []) + rest + [head]
+        units.append(("+".join(names[id(m)] for m in last), last))
+        return units
+
     def apply_ac(self, model, mode):
         if mode != "full":
             raise ValueError(

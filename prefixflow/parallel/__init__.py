@@ -1,6 +1,7 @@
 """Parallelism for PrefixFlow on torch.distributed, in TorchTitan's shape and order.
 
->>> from prefixflow.parallel import init_distributed, parallelize, train_step
+>>> from prefixflow.parallel import init_distributed, parallelize
+>>> from prefixflow.parallel.dp import train_step
 >>> device = init_distributed("cpu")                      # under torchrun: gloo on CPU, NCCL on CUDA
 >>> model = apply_prefixflow(build_model(...))            # the same model object for both systems
 >>> parallelize(model, {"tp": 2, "dp_shard": 2})          # TP -> AC -> compile -> FSDP2, TorchTitan's order
@@ -109,7 +110,9 @@ def parallelize(
     ``apply_prefixflow`` and live on this rank's device; the process group must exist
     (:func:`init_distributed`). ``ac``: ``none``/``selective``/``full``; ``fsdp``: an ``FSDPConfig``;
     ``cp_prefetch``: overlap each layer's prefix K/V gather with the previous layer (else on demand);
-    ``pp_switching``: ``"stage_local"`` or ``"barrier"`` (global A | B | C barriers).
+    ``pp_switching``: ``"stage_local"`` or ``"barrier"`` (global A | B | C barriers). A model of another
+    family (a Hugging Face model) takes ``dp_shard`` only, with the units its adapter names
+    (``ModelAdapter.fsdp_units``).
     """
     dims = ParallelDims.of(dims)
     check_supported(dims)
@@ -121,9 +124,12 @@ def parallelize(
         raise ValueError(f"ac {ac!r} unknown; valid: {AC_MODES}")
     runtime = runtime_of(model)  # PrefixFlow's SDPA wrappers go in first: TP hooks attach to them
     if runtime.adapter.name != "torchtitan":
-        raise ValueError(
-            f"parallelize applies TorchTitan's plans to TorchTitan models; this is a {runtime.adapter.name} model"
-        )
+        titan_only = [n for n in MESH_DIMS if n != "dp_shard" and getattr(dims, n) > 1]
+        if titan_only:
+            raise ValueError(
+                f"{', '.join(f'{n}={getattr(dims, n)}' for n in titan_only)}: parallelize applies TorchTitan's "
+                f"plans to TorchTitan models; a {runtime.adapter.name} model takes dp_shard (FSDP2) only"
+            )
     if parallel_state(model) is not None:
         raise ValueError("parallelize was already applied to this model")
     if dims.cp > 1 and is_moe(model):

@@ -23,18 +23,38 @@ class _RowCost:
     the two attention matmuls; each scored token pays the LM head."""
 
     def __init__(self, model: nn.Module) -> None:
-        args = model_args(model)
-        hd, nq = head_dim_of(args), args.n_heads
-        nkv = args.n_kv_heads or nq
-        self.per_token = args.n_layers * (
-            2 * args.dim * hd * (2 * nq + 2 * nkv) + 6 * args.dim * hidden_dim_of(args)
-        )
-        self.per_pair = args.n_layers * 4 * nq * hd
-        self.head = 2 * args.dim * args.vocab_size
+        dim, n_layers, nq, nkv, hd, hidden, vocab = _dims(model)
+        self.per_token = n_layers * (2 * dim * hd * (2 * nq + 2 * nkv) + 6 * dim * hidden)
+        self.per_pair = n_layers * 4 * nq * hd
+        self.head = 2 * dim * vocab
 
     def __call__(self, n: int, before: int, scored: int) -> float:
         pairs = n * before + n * (n + 1) / 2
         return 3.0 * (self.per_token * n + self.per_pair * pairs + self.head * scored)
+
+
+def _dims(model: nn.Module) -> tuple[int, int, int, int, int, int, int]:
+    """``(dim, layers, q heads, kv heads, head dim, FFN hidden, vocab)`` of a TorchTitan model (its ModelArgs)
+    or of a transformers model (its ``config``; a hybrid's layers are all costed as attention + MLP, which is
+    enough to place groups by relative cost)."""
+    if getattr(model, "model_args", None) is not None:
+        args = model_args(model)
+        nq = args.n_heads
+        return (args.dim, args.n_layers, nq, args.n_kv_heads or nq, head_dim_of(args), hidden_dim_of(args),
+                args.vocab_size)  # fmt: skip
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg  # a multimodal config wraps the text model's
+    try:
+        dim, nq = cfg.hidden_size, cfg.num_attention_heads
+        nkv = getattr(cfg, "num_key_value_heads", None) or nq
+        hd = getattr(cfg, "head_dim", None) or dim // nq
+        return dim, cfg.num_hidden_layers, nq, nkv, hd, cfg.intermediate_size, cfg.vocab_size
+    except AttributeError as e:
+        raise TypeError(
+            f"{type(model).__name__}: DP placement costs a TorchTitan model (.model_args) or a transformers "
+            f"model (.config with hidden_size, num_attention_heads, num_hidden_layers, intermediate_size, "
+            f"vocab_size); {e}"
+        ) from None
 
 
 def group_costs(

@@ -2,7 +2,9 @@
 
 ``apply_fsdp`` shards like TorchTitan's ``apply_fsdp`` (``fully_shard`` on the embedding, on every block, on
 ``[norm, output]``, then the root; a tied embedding/LM head is one unit), with SUM reductions and no gradient
-division: every rank's groups add up, so the gradients equal one process training all the groups.
+division: every rank's groups add up, so the gradients equal one process training all the groups. The units
+come from the model's adapter (:meth:`~prefixflow.adapters.ModelAdapter.fsdp_units`): TorchTitan's names, or
+for a Hugging Face model ``embed_tokens``, each decoder layer, ``[norm, lm_head]``.
 
 PrefixFlow's schedule calls FSDP's own hooks in an order FSDP was not written for, so ``FSDPSchedule`` (a
 :class:`prefixflow.hooks.ScheduleHooks`) steers it from outside the phases:
@@ -40,6 +42,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
+from ..adapters import adapter_for
 from ..hooks import ScheduleHooks, add_hooks, hooks_of
 
 __all__ = [
@@ -98,14 +101,23 @@ class _CountedAllGather(AllGather):
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-def _units(model: nn.Module, tied: bool) -> list[tuple[str, nn.Module | list[nn.Module]]]:
-    """TorchTitan's sharding units, outermost last; a tied embedding and LM head share one unit."""
-    units: list[tuple[str, nn.Module | list[nn.Module]]] = []
-    if not tied:
-        units.append(("tok_embeddings", model.tok_embeddings))
-    units += [(f"layers.{name}", block) for name, block in model.layers.items()]
-    head = [model.tok_embeddings, model.norm, model.output] if tied else [model.norm, model.output]
-    units.append(("tok_embeddings+norm+output" if tied else "norm+output", head))
+def _units(model: nn.Module) -> list[tuple[str, nn.Module | list[nn.Module]]]:
+    """The model family's sharding units (:meth:`prefixflow.adapters.ModelAdapter.fsdp_units`), checked to
+    cover every parameter: PrefixFlow runs the model piecewise, so a parameter left to the root would never
+    be gathered."""
+    units = adapter_for(model).fsdp_units(model)
+    covered = {
+        id(p)
+        for _, unit in units
+        for m in (unit if isinstance(unit, list) else [unit])
+        for p in m.parameters()
+    }
+    left = [name for name, p in model.named_parameters() if id(p) not in covered]
+    if left:
+        raise ValueError(
+            f"parameters {left[:3]} belong to no FSDP unit of the model's adapter (fsdp_units); PrefixFlow "
+            "never runs the root's forward, so every parameter needs a unit"
+        )
     return units
 
 
@@ -121,7 +133,7 @@ def apply_fsdp(
     expert parallelism, each MoE layer's routed experts (already sharded over ``ep``) form their own unit
     over this mesh (TorchTitan's ``efsdp``), as TorchTitan's ``apply_fsdp`` does."""
     config = config or FSDPConfig()
-    tied = model.output.weight is model.tok_embeddings.weight
+    units = _units(model)  # raises before anything is sharded
     mp = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     counter = _Counter()
     if expert_mesh is not None:
@@ -134,7 +146,7 @@ def apply_fsdp(
                 mp_policy=mp,
                 reshard_after_forward=config.reshard_after_forward,
             )
-    for name, unit in _units(model, tied):
+    for name, unit in units:
         # TorchTitan keeps the LM head gathered after forward: backward needs it right away
         reshard = config.reshard_after_forward and not isinstance(unit, list)
         fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
@@ -291,7 +303,7 @@ class FSDPSchedule(ScheduleHooks):
         # block's output may get none (its forward may have been cut short; a tree node may score no
         # token), so gather it here, before each prefix backward (a tree runs one per node, and the one
         # before resharded it).
-        last = list(self.model.layers.values())[-1]._get_fsdp_state()
+        last = adapter_for(self.model).blocks(self.model)[-1]._get_fsdp_state()
         for state in {id(s): s for s in [*self._interrupted, last]}.values():
             for group in state._fsdp_param_groups:
                 group.unshard()
@@ -341,6 +353,7 @@ def gathered_for_step(model: nn.Module) -> Iterator[None]:
     reduce-scatter per unit on exit, and no collective in between. Ranks may then train different numbers
     of groups, of microbatches, or parts of a split group (DP placement)."""
     saved = [(g, g.post_forward_mesh_info, g.reshard_after_backward) for g in _groups(model)]
+    _set_sync(model, False)  # any backward inside (not only train_group's) accumulates until the exit
     for group, _, _ in saved:
         group.post_forward_mesh_info = None  # no reshard after forward
         group.reshard_after_backward = False

@@ -110,6 +110,7 @@ CASES = [  # (family, overrides, P, response lengths, layout, microbatch)
     ("llama3", {}, 20, [5, 5, 5], "padded", 1),
     ("llama3", {"n_layers": 3}, 17, [5, 9, 3], "padded", 2),
     ("qwen3", {}, 13, [4, 7], "packed", None),
+    ("qwen3", {}, 13, [4, 7], "packed", 1),  # a packed row of one response: its split suffix call is causal
     ("qwen3", {"n_layers": 1}, 9, [6, 2, 4, 3], "padded", None),
 ]
 

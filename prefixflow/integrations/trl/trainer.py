@@ -12,12 +12,14 @@ over the micro-batch's prefix tree (:mod:`.plan`: multi-turn tool rollouts, prom
 The gradient equals that of TRL's ``_compute_loss`` for the same micro-batch (definition in :mod:`.plan`); the
 only differences are floating point (TRL runs left-padded prompts at shifted positions, RoPE being relative,
 and its LM head may accumulate in fp32). ``verify_first_step=True`` checks the first update against TRL's own
-path, in fp32 when the weights are fp32 (TRL's bf16 is autocast over fp32 weights).
+path, in fp32 when the weights are fp32 (TRL's bf16 is autocast over fp32 weights). FSDP2 (PrefixFlow's own
+``fully_shard``, ``prefixflow_parallel``): :mod:`.sharding`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import torch
@@ -29,8 +31,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("prefixflow.integrations.trl needs TRL: pip install 'prefixflow[hf]'") from exc
 
 from ... import PrefixFlowConfig, apply_prefixflow, train_group
+from ...parallel import ParallelDims, parallelize
 from ...schedule import check_group
 from .. import hf
+from . import sharding
 from .plan import SUPPORTED_LOSS_TYPES, GroupPlan, plan_groups
 
 __all__ = ["PrefixFlowGRPOTrainer", "VERIFY_TOLERANCE"]
@@ -50,6 +54,11 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
     (compare the first micro-batch's gradients with TRL's own ``compute_loss -> backward``, in fp32 when the
     weights are fp32, and raise beyond ``verify_tolerance``, default by dtype: ``VERIFY_TOLERANCE``).
     ``peft_config`` (LoRA) works as in TRL. A TRL option PrefixFlow does not reproduce raises ``ValueError`` here.
+
+    FSDP2: ``prefixflow_parallel={"dp_shard": N}`` (N = the number of processes) shards the model with
+    :func:`prefixflow.parallel.parallelize` once TRL has set it up; a model the caller already sharded that way
+    is taken as it is. accelerate then neither moves it nor wraps it in DDP; each micro-batch's gradients are
+    reduce-scattered once, averaged over the processes as DDP averages TRL's.
     """
 
     def __init__(
@@ -60,12 +69,24 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         prefixflow_microbatch: int | None = None,
         prefixflow_tree: bool | str = "auto",
         prefixflow_metrics: bool = True,
+        prefixflow_parallel: ParallelDims | dict | None = None,
         verify_first_step: bool = False,
         verify_tolerance: float | None = None,
         **kwargs,
     ):
+        peft_config = kwargs.get("peft_config")
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
+        dims = None if prefixflow_parallel is None else ParallelDims.of(prefixflow_parallel)
+        inner = self._prefixflow_model(self.accelerator.unwrap_model(self.model))
+        self._prefixflow_sharded = sharding.check(
+            inner,
+            dims,
+            self.args,
+            world=self.accelerator.num_processes,
+            peft=peft_config is not None or hasattr(self.model, "peft_config"),
+            foreign=self.is_distributed_loading_by_transformers,
+        )
         if prefixflow_layout not in ("padded", "packed"):
             raise ValueError(f"prefixflow_layout must be 'padded' or 'packed', got {prefixflow_layout!r}")
         if prefixflow_tree not in (True, False, "auto"):
@@ -77,7 +98,12 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         self.verify_first_step = bool(verify_first_step)
         self.verify_tolerance = verify_tolerance
         self._prefixflow_verified = False
-        apply_prefixflow(self._prefixflow_model(self.model), prefixflow_config)
+        if prefixflow_config is not None or getattr(inner, "_prefixflow", None) is None:
+            apply_prefixflow(inner, prefixflow_config)
+        if dims is not None:
+            parallelize(inner, dims)
+        if self._prefixflow_sharded:
+            sharding.keep_out_of_ddp(self.accelerator, inner)
 
     @staticmethod
     def _prefixflow_model(model: nn.Module) -> nn.Module:
@@ -104,7 +130,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             ),
             "vision-language models": self._is_vlm,
             "MoE router aux loss (set output_router_logits=False)": self.aux_loss_enabled,
-            "FSDP or DeepSpeed through accelerate (DDP runs; for FSDP2 shard with prefixflow.parallel)": (
+            "FSDP or DeepSpeed through accelerate (DDP runs; for FSDP2 pass prefixflow_parallel={'dp_shard': N})": (
                 self.is_fsdp_enabled or self.is_deepspeed_enabled
             ),
             "fp16 with a gradient scaler (use bf16)": self.accelerator.scaler is not None,
@@ -193,7 +219,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         )
 
     def _prefixflow_update(self, model: nn.Module, inputs) -> torch.Tensor:
-        if self.accelerator.num_processes == 1:
+        if self.accelerator.num_processes == 1 or self._prefixflow_sharded:
             return self._local_update(model, inputs)
         # DDP: train_group runs on the unwrapped model, so DDP's reducer never sees it; this micro-batch's
         # gradient is averaged over the processes here (one all-reduce), as DDP averages TRL's.
@@ -214,17 +240,31 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         return loss
 
     def _local_update(self, model: nn.Module, inputs) -> torch.Tensor:
+        """This process's groups into ``param.grad``. Sharded (FSDP2): every unit is gathered once for the
+        micro-batch (ranks may train different numbers of groups) and reduce-scattered once at its end; the
+        objective is divided by the number of processes, because FSDP sums where DDP averages TRL's."""
         inner = self._prefixflow_model(self.accelerator.unwrap_model(model))
         plans = self._plan(inputs)
+        shards = self.accelerator.num_processes if self._prefixflow_sharded else 1
+        if shards > 1:
+            plans = [
+                dataclasses.replace(
+                    p,
+                    loss_config=dataclasses.replace(
+                        p.loss_config, group_weight=p.loss_config.group_weight / shards
+                    ),
+                )
+                for p in plans
+            ]
         options = {"layout": self.prefixflow_layout, "microbatch": self.prefixflow_microbatch, "loss": "grpo"}
         for plan in plans:  # every group is valid before the first one changes a gradient
             _check_positions(inner, plan)
             check_group(inner, plan.group, loss_config=plan.loss_config, **options)
         total = 0.0
-        with self.compute_loss_context_manager(), self.accelerator.autocast():
+        with self.compute_loss_context_manager(), self.accelerator.autocast(), self._gathered(inner):
             for plan in plans:
                 stats = train_group(inner, plan.group, loss_config=plan.loss_config, **options)
-                total += stats.loss
+                total += stats.loss * shards
         if not plans:  # every completion masked: TRL back-propagates a zero loss, i.e. zero gradients
             for p in inner.parameters():
                 if p.requires_grad and p.grad is None:
@@ -236,26 +276,44 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             metrics["prefixflow/trees"].append(float(sum(not hasattr(p.group, "prompt") for p in plans)))
         return torch.tensor(total, dtype=torch.float64, device=self.accelerator.device)
 
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Sharded: every rank joins the gather of the full weights, which the main process writes."""
+        if self._prefixflow_sharded and state_dict is None:
+            state_dict = sharding.full_state_dict(self._prefixflow_model(self.model))
+        super()._save(output_dir, state_dict=state_dict)
+
+    def _gathered(self, inner: nn.Module):
+        return sharding.gathered(inner) if self._prefixflow_sharded else contextlib.nullcontext()
+
     def _verified_update(self, model: nn.Module, inputs) -> torch.Tensor:
         """TRL's plain path and PrefixFlow's on the same micro-batch, in fp32 when the weights are fp32; raise if
         their gradients differ beyond the tolerance, then run the real update (in the training precision)."""
+        sharded = self._prefixflow_sharded
+        if sharded:
+            sharding.reshard(self._prefixflow_model(model))
         params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         saved = [p.grad for _, p in params]
         dtype = params[0][1].dtype
         with self._check_precision(model):
             for _, p in params:
                 p.grad = None
-            # both sides this process's own micro-batch: DDP's reduction off for TRL's backward, none for ours
-            with self.compute_loss_context_manager(), _no_sync(model):
+            if sharded:  # both sides reduced alike: averaged over the processes, reduce-scattered once
+                trl_side, scale = (
+                    self._gathered(self._prefixflow_model(model)),
+                    1.0 / self.accelerator.num_processes,
+                )
+            else:  # both sides this process's own micro-batch: DDP's reduction off for TRL's backward, none for ours
+                trl_side, scale = _no_sync(model), 1.0
+            with self.compute_loss_context_manager(), trl_side:
                 want_loss = self.compute_loss(model, inputs)
-                self.accelerator.backward(want_loss)
+                self.accelerator.backward(want_loss * scale)
             want_loss = float(want_loss.detach())
             want = [p.grad for _, p in params]
             for _, p in params:
                 p.grad = None
             loss = self._local_update(model, inputs)
             got = [p.grad for _, p in params]
-        worst, where = _worst_rel_diff(params, got, want)
+        worst, where = sharding.worst_rel_diff(params, got, want, collective=sharded)
         loss_diff = abs(float(loss) - want_loss) / (abs(want_loss) or 1.0)
         tolerance = self.verify_tolerance
         if tolerance is None:
@@ -304,19 +362,6 @@ def stats_reused(plans: list[GroupPlan]) -> int:
         else sum(p.group.path_lens) - p.group.unique_tokens
         for p in plans
     )
-
-
-def _worst_rel_diff(params, got, want) -> tuple[float, str | None]:
-    worst, where = 0.0, None
-    for (name, _), g, w in zip(params, got, want, strict=True):
-        if w is None and g is None:
-            continue
-        if w is None or g is None:
-            return float("inf"), name
-        diff = float((g.float() - w.float()).abs().max()) / (float(w.abs().max()) or 1.0)
-        if diff > worst:
-            worst, where = diff, name
-    return worst, where
 
 
 def _check_positions(model: nn.Module, plan: GroupPlan) -> None:

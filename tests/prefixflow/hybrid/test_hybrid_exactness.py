@@ -5,13 +5,15 @@ an independent full-sequence computation (transformers' own base model, one ``[P
   attention + MLP blocks, no positional encoding), Granite-4 hybrid (dense, RoPE, Granite's multipliers) and Bamba;
 - fp64 with HF's fp32 casts patched to fp64 (norms, gated norm, gate ``.float()``, chunk/recurrent kernels):
   loss and every gradient within 1e-9 (max|d| / max|ref| per tensor);
-- stock (unpatched) fp64: within 1e-6;
+- stock (unpatched) fp64: against the exact gradient, within twice HF's own stock error (the floor its fp32
+  kernels set; docs/hybrid.md);
 - padded and packed; microbatch 1, 2 and all; a response of one token; a prompt shorter than the conv kernel;
   a model with only linear-attention layers and one with a full-attention layer first; activation checkpointing.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 
@@ -104,16 +106,35 @@ def test_one_token_prompt(monkeypatch, name):
     assert stats.prefix_tokens == 0
 
 
-@pytest.mark.parametrize("microbatch", [None, 1])
-@pytest.mark.parametrize("layout", ["padded", "packed"])
-@pytest.mark.parametrize(
-    "name", ["qwen3_5-full-first", "qwen3_5-linear-only", "nemotron_h", "granite_hybrid", "bamba"]
-)
-def test_fp64_stock_within_1e6(name, layout, microbatch):
-    """Stock transformers: its norms and kernels compute in fp32, so the prefix/suffix split differs in
-    rounding only."""
+@functools.cache
+def _stock_floor(name: str) -> tuple[float, list[torch.Tensor], float]:
+    """The exact loss and gradients of ``MODELS[name]`` on ``GROUP`` (the full-sequence reference with HF's fp32
+    casts patched to fp64), and the floor: how far HF's own stock full-sequence gradient is from them."""
     family, types = MODELS[name]
-    _check(family(types), GROUP, layout, microbatch, 1e-6)
+    model = family(types)
+    with pytest.MonkeyPatch.context() as patch:
+        fp64_kernels(patch)
+        loss, exact = reference_pg(model, GROUP)
+    reference_pg(model, GROUP)  # stock: the model's .grad now holds HF's own stock gradient
+    return loss, exact, worst_grad(model, exact)[0]
+
+
+@pytest.mark.parametrize("layout,microbatch", [("padded", 2), ("packed", 1)])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fp64_stock_within_the_floor(name, layout, microbatch):
+    """Stock transformers computes its norms, gates and chunked kernels in fp32 even in an fp64 model, so its own
+    stock gradient is off the exact one by a floor (HF's full-sequence forward: 3e-7 to 1.4e-6 here, measured by
+    ``scripts/hybrid_tolerance.py``); a stock reference cannot check PrefixFlow below that. Against the exact
+    gradient, PrefixFlow's stock gradient may carry at most one more such error: within twice the floor."""
+    loss, exact, floor = _stock_floor(name)
+    family, types = MODELS[name]
+    model = family(types)
+    pf.apply_prefixflow(model)
+    stats = pf.train_group(model, GROUP, layout=layout, microbatch=microbatch)
+    assert 1e-8 < floor < 2e-6, f"the stock floor moved: {floor:.2e}"  # fp32 rounding, not a defect or exact
+    grad_err, tensor = worst_grad(model, exact)
+    assert grad_err <= 2 * floor, f"{tensor}: {grad_err:.2e} (floor {floor:.2e})"
+    assert abs(stats.loss - loss) / loss_scale(GROUP) <= 1e-6
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])

@@ -77,22 +77,27 @@ def test_compiled_blocks_are_refused():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_dense_cost_model_refuses_hybrids():
-    """pf-bench records no cost columns for a hybrid rather than counting its recurrent layers as attention."""
-    from harness.costmodel.flops import as_shape
+def test_cost_model_covers_qwen3_5_and_nemotron_h_only():
+    """pf-bench records cost columns for the hybrids the cost model covers (harness.costmodel.hybrid) and none
+    for the others, rather than counting their recurrent layers as attention."""
+    from transformers import BambaConfig
 
-    for name, kinds in (
-        ("qwen3_5-tiny", "'linear_attention'"),
-        ("nemotron_h-tiny", "'linear_attention', 'mlp'"),
+    from harness.costmodel.flops import as_shape
+    from harness.costmodel.hybrid import HybridShape
+
+    for name in ("qwen3_5-tiny", "nemotron_h-tiny"):
+        assert isinstance(as_shape(hf.hf_config(name)), HybridShape)
+    with pytest.raises(
+        ValueError, match="does not cover \\['linear_attention'\\] layers of model_type 'bamba'"
     ):
-        with pytest.raises(ValueError, match=f"does not cover \\[{kinds}\\] layers"):
-            as_shape(hf.hf_config(name))
+        as_shape(BambaConfig(num_hidden_layers=2, attn_layer_indices=[1]))
     assert as_shape(hf.hf_config("qwen3-tiny")).n_layers == 2
 
 
 def test_pf_bench_cell_on_a_hybrid():
-    """pf-bench runs hf:qwen3_5-tiny; PrefixGrouper's one packed graph would chain the recurrent state from the
-    prefix through every response, so its system fails naming the layer instead of training something else."""
+    """pf-bench runs hf:qwen3_5-tiny and records its modelled FLOPs, equal to the counted ones; PrefixGrouper's one
+    packed graph would chain the recurrent state from the prefix through every response, so its system fails
+    naming the layer instead of training something else."""
     from harness.run.measurement import measure_cell
     from harness.spec.cell import Cell, ModelSpec
 
@@ -103,6 +108,12 @@ def test_pf_bench_cell_on_a_hybrid():
     records = {r["system"]: r for r in measure_cell(cell)}
     assert records["baseline"]["status"] == records["prefixflow"]["status"] == "ok"
     assert records["prefixflow"]["prefix_tokens"] == 11
+    for system in ("baseline", "prefixflow"):  # the hybrid cost model: modelled FLOPs equal the counted ones
+        rec = records[system]
+        for kind in ("", "gemm_", "attention_", "recurrent_"):
+            assert rec[f"model_{kind}flops"] == rec[f"counted_{kind}flops"] > 0, (system, kind)
+        assert rec["ideal_speedup"] > 1
+    assert "model_flops" not in records["prefix_grouper"]
     assert abs(records["prefixflow"]["loss"] - records["baseline"]["loss"]) <= 1e-5
     assert records["prefix_grouper"]["status"] != "ok"
     assert (

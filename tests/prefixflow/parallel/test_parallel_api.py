@@ -208,3 +208,37 @@ def test_hook_columns_come_from_the_median_timed_step_not_the_last_one():
     assert median_step([{"step_time_s": t} for t in (0.2, 0.3, 0.1)]) == 0
     assert median_step([{"step_time_s": t} for t in (0.5, 0.1, 0.2, 0.4)]) == 2
     assert median_step([{"step_time_s": 0.7}]) == 0
+
+
+def test_costs_of_a_transformers_model_equal_the_torchtitan_model_of_the_same_shape():
+    from prefixflow.integrations import hf
+    from prefixflow.models import hidden_dim_of, model_args
+
+    titan = tiny_model("llama3")
+    args = model_args(titan)
+    shape = {"hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+             "num_key_value_heads": args.n_kv_heads, "intermediate_size": hidden_dim_of(args),
+             "vocab_size": args.vocab_size}  # fmt: skip
+    model = pf.apply_prefixflow(hf.build_hf_model("llama-tiny", dtype=torch.float64, overrides=shape))
+    paths = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9]]
+    tree = pf.build_tree([torch.tensor(p) for p in paths], [1.0, -1.0, 0.5])
+    for group in (pf.synthetic_group(97, 40, [4, 6, 2], seed=0), tree):
+        for system in ("prefixflow", "baseline"):
+            assert group_costs(model, group, system) == group_costs(titan, group, system)
+
+
+def test_train_step_on_a_transformers_model_equals_train_group_per_group():
+    from prefixflow.integrations import hf
+
+    def build():
+        return pf.apply_prefixflow(
+            hf.build_hf_model("llama-tiny", dtype=torch.float64, overrides={"vocab_size": 97})
+        )
+
+    model, ref = build(), build()
+    groups = [pf.synthetic_group(97, 10, [3, 5], seed=s) for s in range(2)]
+    stats = train_step(model, groups, microbatch=1)
+    total = sum(pf.train_group(ref, g, microbatch=1).loss for g in groups)
+    assert math.isclose(stats.loss, total, rel_tol=1e-12)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert (p.grad - q.grad).abs().max() <= 1e-12 * q.grad.abs().max()

@@ -1,0 +1,136 @@
+"""Counting the FLOPs that run: ``torch.utils.flop_counter.FlopCounterMode`` where it counts right, and two
+dispatch counters where it does not.
+
+- **GEMMs** (``mm``, ``addmm``: the linear layers and the LM head) and **batched matmuls** (``bmm``,
+  ``baddbmm``: in these models only the recurrent mixers' chunked kernels issue them, GDN's ``@`` on 4-D/5-D
+  tensors and Mamba-2's einsums) come from FlopCounterMode.
+- **Attention** (:class:`AttentionCounter`): FlopCounterMode ignores causality (and does not see CPU flash
+  attention at all), so the fused SDPA calls are counted by the pairs each one computes.
+- **Convolutions and triangular solves** (:class:`KernelCounter`): FlopCounterMode counts a grouped
+  convolution's weight gradient as if it were dense (``C_out·C_in`` instead of ``C_out·C_in/groups``: a
+  depthwise convolution's by ``C`` times too much), and it does not see ``linalg_solve_triangular`` (GDN's UT
+  transform) at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .work import Flops, causal_pairs
+
+__all__ = ["AttentionCounter", "KernelCounter", "count_flops", "GEMM_OPS", "BATCHED_OPS"]
+
+GEMM_OPS = ("mm", "addmm")
+BATCHED_OPS = ("bmm", "baddbmm")
+
+# fused SDPA op -> position of its is_causal argument (ATen schemas of torch 2.13)
+_SDPA_FORWARD = {
+    "_scaled_dot_product_flash_attention_for_cpu": 4,
+    "_scaled_dot_product_flash_attention": 4,
+    "_scaled_dot_product_efficient_attention": 6,
+    "_scaled_dot_product_cudnn_attention": 6,
+}
+_SDPA_BACKWARD = {
+    "_scaled_dot_product_flash_attention_for_cpu_backward": 7,
+    "_scaled_dot_product_flash_attention_backward": 11,
+    "_scaled_dot_product_efficient_attention_backward": 11,
+    "_scaled_dot_product_cudnn_attention_backward": 14,
+}
+
+
+class AttentionCounter(TorchDispatchMode):
+    """Attention FLOPs of the fused SDPA kernels that run under it, counting the pairs each call computes:
+    ``Lq(Lq+1)/2`` for a causal call with ``Lq = Lk``, ``Lq·Lk`` otherwise (a masked call computes every
+    pair); ``4·hd`` per pair and query head forward, twice that backward (as FlopCounterMode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+        self.calls = 0
+
+    def _count(self, q, k, is_causal: bool, factor: int) -> None:
+        b, h, lq, d = q.shape
+        lk = k.shape[2]
+        pairs = causal_pairs(lq) if is_causal and lq == lk else lq * lk
+        self.flops += factor * 4 * b * h * d * pairs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        for table, factor in ((_SDPA_FORWARD, 1), (_SDPA_BACKWARD, 2)):
+            if name in table:
+                causal_at = table[name]
+                q, k = (args[1], args[2]) if factor == 2 else (args[0], args[1])
+                is_causal = args[causal_at] if len(args) > causal_at else kwargs.get("is_causal", False)
+                self._count(q, k, bool(is_causal), factor)
+                self.calls += factor == 1
+        return func(*args, **kwargs)
+
+
+class KernelCounter(TorchDispatchMode):
+    """FLOPs of the convolutions and triangular solves that run under it.
+
+    - ``convolution``: ``2·batch·C_out·(C_in/groups)·prod(kernel)·prod(output)`` forward (FlopCounterMode's
+      count), the same again for each of the input and weight gradients ``convolution_backward`` computes;
+    - ``linalg_solve_triangular`` of an ``n x n`` triangle against ``k`` right-hand sides: ``n(n-1)·k``
+      (one multiply-add per strictly-lower entry and column), plus ``n·k`` divisions unless unitriangular.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = 0
+        self.solve = 0
+
+    @staticmethod
+    def _conv(out_shape, weight_shape) -> int:
+        batch, c_out, *spatial = out_shape
+        return 2 * batch * c_out * math.prod(weight_shape[1:]) * math.prod(spatial)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        out = func(*args, **kwargs)
+        if name == "convolution":
+            self.conv += self._conv(out.shape, args[1].shape)
+        elif name == "convolution_backward":
+            grad_out, weight, mask = args[0], args[2], args[10]
+            self.conv += (int(mask[0]) + int(mask[1])) * self._conv(grad_out.shape, weight.shape)
+        elif name == "linalg_solve_triangular":
+            a, b = args[0], args[1]
+            left = kwargs.get("left", args[3] if len(args) > 3 else True)
+            unit = kwargs.get("unitriangular", args[4] if len(args) > 4 else False)
+            n = a.shape[-1]
+            rhs = b.numel() // (b.shape[-2] if left else b.shape[-1])
+            self.solve += rhs * (n * (n - 1) + (0 if unit else n))
+        return out
+
+
+def count_flops(fn: Callable[[], object]) -> tuple[Flops, object]:
+    """Run ``fn()`` under FlopCounterMode, :class:`AttentionCounter` and :class:`KernelCounter`; return the
+    counted FLOPs (``gemm``: mm/addmm; ``attention``: the SDPA pairs; ``recurrent``: bmm/baddbmm,
+    convolutions and triangular solves) and ``fn``'s result."""
+    ops, result = count_ops(fn)
+    return Flops(ops["mm"], ops["sdpa"], ops["bmm"] + ops["conv"] + ops["solve"]), result
+
+
+def count_ops(fn: Callable[[], object]) -> tuple[dict[str, int], object]:
+    """:func:`count_flops` by op: ``{"mm", "bmm", "conv", "solve", "sdpa"}`` (``mm`` includes addmm, ``bmm``
+    baddbmm)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    attention, kernels = AttentionCounter(), KernelCounter()
+    with counter, attention, kernels:
+        result = fn()
+    per_op = {op.__name__: int(v) for op, v in counter.get_flop_counts().get("Global", {}).items()}
+    ops = {
+        "mm": sum(per_op.get(op, 0) for op in GEMM_OPS),
+        "bmm": sum(per_op.get(op, 0) for op in BATCHED_OPS),
+        "conv": kernels.conv,
+        "solve": kernels.solve,
+        "sdpa": attention.flops,
+    }
+    return ops, result
