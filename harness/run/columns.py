@@ -21,6 +21,10 @@ from harness.spec.cell import Cell
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 OFFLOAD_BYTES = ("offloaded_bytes", "prefetched_bytes", "demand_loaded_bytes", "late_bytes", "dropped_bytes")
+COST_COLUMNS = (
+    "ideal_speedup", "paper_ideal_speedup", "model_flops", "model_gemm_flops", "model_attention_flops",
+    "model_recurrent_flops",
+)  # fmt: skip
 _OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
 
@@ -68,6 +72,8 @@ def base_record(cell: Cell, device: str = "") -> dict[str, Any]:
         "device": device or cell.device,
         "model": cell.model.display,
         "model_overrides": json.dumps(cell.model.overrides, sort_keys=True),
+        "lora_r": None if cell.model.lora is None else cell.model.lora.r,
+        "lora_alpha": None if cell.model.lora is None else float(cell.model.lora.alpha),
         "dtype": cell.dtype,
         "prefix_len": cell.prefix_len,
         "suffix_len": cell.suffix_len,
@@ -143,13 +149,19 @@ def cost_columns(shape, cell: Cell, system: Any, lens, device, stats=None) -> di
     """The FLOP model of what ``system`` executes on this cell's step (``harness.costmodel.flops``): its modelled
     FLOPs (GEMM, attention and a hybrid's recurrent kernels; activation checkpointing off only, NaN otherwise),
     the corrected ideal speedup, and the paper's §3.1 ideal. ``lens``: the group's response lengths, or one list
-    per group of a multi-group step (summed over the groups, wherever they ran)."""
+    per group of a multi-group step (summed over the groups, wherever they ran).
+
+    LoRA cells get NaN in every cost column: the FLOP model counts full fine-tuning (every weight's gradient
+    GEMM); with frozen base weights those are skipped and the adapters' GEMMs added, which it does not model.
+    Their counted FLOPs (``counted_columns``) are what ran."""
     from harness.costmodel import flops
 
     cost_name = getattr(system, "cost_model", None)
     covered = getattr(shape, "systems", flops.SYSTEMS)  # a hybrid's: baseline and PrefixFlow
     if shape is None or cost_name not in covered:
         return {}
+    if cell.model.lora is not None:
+        return dict.fromkeys(COST_COLUMNS, math.nan)
     groups = [list(g) for g in lens] if lens and not isinstance(lens[0], int) else [list(lens)]
     p, layout, mb = cell.prefix_len, cell.layout, cell.microbatch
     if mb == "auto":  # the sizes this system's plan chose (the ideal: the baseline one sequence at a time)

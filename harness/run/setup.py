@@ -42,7 +42,8 @@ def make_group(cell: Cell, vocab_size: int, index: int = 0):
 
 def build_cell_model(cell: Cell, device: torch.device) -> torch.nn.Module:
     """The cell's model with its seed's random weights: TorchTitan ``family:flavor``, or ``hf:<built-in config
-    name | local config.json path>`` through ``prefixflow.integrations.hf`` (needs ``prefixflow[hf]``)."""
+    name | local config.json path>`` through ``prefixflow.integrations.hf`` (needs ``prefixflow[hf]``), with
+    ``model.lora``: PEFT's LoRA adapters inside (seeded; base weights frozen, only the adapters train)."""
     kwargs = {
         "dtype": DTYPES[cell.dtype],
         "seed": cell.seed,
@@ -52,7 +53,12 @@ def build_cell_model(cell: Cell, device: torch.device) -> torch.nn.Module:
     if cell.model.name.startswith(HF_PREFIX):
         from prefixflow.integrations.hf import build_hf_model
 
-        return build_hf_model(cell.model.name.removeprefix(HF_PREFIX), **kwargs)
+        model = build_hf_model(cell.model.name.removeprefix(HF_PREFIX), **kwargs)
+        if cell.model.lora is not None:  # PEFT's base model, LoRA inside the projections (harness.run.lora)
+            from harness.run.lora import apply_lora
+
+            model = apply_lora(model, cell.model.lora, cell.seed)
+        return model
     from prefixflow import build_model
 
     return build_model(cell.model.name, **kwargs)

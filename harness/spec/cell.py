@@ -54,9 +54,31 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+class LoraSpec(StrictModel):
+    """LoRA adapters through PEFT on an ``hf:`` model (harness.run.lora): rank, alpha, and the projections
+    they wrap (default: the family's attention and MLP projections); no dropout, so training stays exact."""
+
+    r: int = Field(strict=True, ge=1, le=MAX_INT, description="adapter rank")
+    alpha: float = Field(gt=0, le=2**31, description="LoRA alpha (scale alpha / r)")
+    target_modules: tuple[str, ...] | None = Field(
+        None, min_length=1, description="module names to wrap (default: attention q/k/v/o and MLP projections)"
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for name in v or ():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,79}", name):
+                raise ValueError(f"lora.target_modules entry {name!r} is not a module name (e.g. q_proj)")
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError(f"lora.target_modules {list(v)} contain duplicates")
+        return v
+
+
 class ModelSpec(StrictModel):
     """A model plus config overrides: TorchTitan ``family:flavor`` (ModelArgs fields), or a Hugging Face
-    ``hf:<built-in config name | local config.json path>`` (config fields; needs ``prefixflow[hf]``)."""
+    ``hf:<built-in config name | local config.json path>`` (config fields; needs ``prefixflow[hf]``),
+    optionally with LoRA adapters (``lora``, hf: only)."""
 
     name: str = Field(
         pattern=r"^([A-Za-z0-9_.-]+:[A-Za-z0-9_.-]+|hf:[A-Za-z0-9_./~-]{1,500})$",
@@ -64,6 +86,16 @@ class ModelSpec(StrictModel):
     )
     overrides: dict[str, OverrideValue] = Field(default_factory=dict)
     label: str | None = None
+    lora: LoraSpec | None = Field(None, description="LoRA adapters through PEFT (hf: models only)")
+
+    @model_validator(mode="after")
+    def _lora_on_hf_only(self) -> ModelSpec:
+        if self.lora is not None and not self.name.startswith("hf:"):
+            raise ValueError(
+                f"lora: LoRA goes through PEFT on Hugging Face models only; drop 'lora' or use an hf: model "
+                f"(got {self.name!r})"
+            )
+        return self
 
     @field_validator("overrides")
     @classmethod
@@ -212,6 +244,11 @@ class Cell(StrictModel):
                 f"memory_budget {self.memory_budget!r}: {peer.group(1)} itself runs microbatch 'auto' under the "
                 f"budget; name a system that does not (e.g. peak:prefix_grouper) or give bytes"
             )
+        if self.model.lora is not None and self.world_size > 1:
+            raise ValueError(
+                f"model.lora: LoRA cells run on one process; this cell's layout is {self.parallel.label}: "
+                "use the single layout"
+            )
         if self.microbatch == "auto" and (self.world_size > 1 or self.groups_per_step > 1):
             raise ValueError(
                 f"microbatch 'auto' runs on one process with one group per step; this cell's layout is "
@@ -226,6 +263,8 @@ class Cell(StrictModel):
         skip |= {"memory_budget"} if self.memory_budget is None else set()
         skip |= {"tree"} if self.tree is None else set()  # ids of earlier cells unchanged
         ident = self.model_dump(mode="json", exclude=skip)
+        if self.model.lora is None:  # ids of cells without LoRA unchanged
+            ident["model"].pop("lora")
         # Layout fields enter the id only where they matter, so cells recorded before they existed keep it.
         ident["parallel"] = self.parallel.identity()
         if self.parallel.batch == 1 and self.groups is None:

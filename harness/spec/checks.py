@@ -74,11 +74,26 @@ def check_model_spec(model: ModelSpec) -> None:
     """Resolve a model name and its overrides against the model registry (TorchTitan, or ``hf:`` configs)
     without building it; ValueError naming the field otherwise."""
     if model.name.startswith("hf:"):
-        hf_model_config(model.name.removeprefix("hf:"), model.overrides)
+        config = hf_model_config(model.name.removeprefix("hf:"), model.overrides)
+        if model.lora is not None:
+            check_lora_targets(config, model.lora)
         return
     from prefixflow.models import check_model
 
     check_model(model.name, model.overrides)
+
+
+def check_lora_targets(config, lora) -> None:
+    """Resolve ``lora.target_modules`` against the model's linear layers, built on the meta device (no
+    weights); ValueError naming the field otherwise."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from harness.spec.lora import target_modules
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    target_modules(model, lora)
 
 
 def hf_model_config(name: str, overrides: dict[str, Any] | None = None):
