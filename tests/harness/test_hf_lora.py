@@ -68,6 +68,23 @@ def test_lora_cell_id_unchanged_without_lora():
     assert ids["hf-llama-debug-2l-lora16"] not in ("9d0584a51d45", "aea9e8456cf9")
 
 
+def test_lora_adapters_follow_the_cell_seed_not_the_global_rng():
+    from harness.run.setup import build_cell_model
+
+    cell = Cell(spec="t", model=ModelSpec(name="hf:llama-tiny", overrides={"num_hidden_layers": 1},
+                lora={"r": 2, "alpha": 4}), prefix_len=4, suffix_len=2, n=2)  # fmt: skip
+
+    def adapters(c: Cell, global_seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(global_seed)
+        model = build_cell_model(c, torch.device("cpu"))
+        return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n}
+
+    first, second = adapters(cell, 1), adapters(cell, 2)
+    assert first and all(torch.equal(first[n], second[n]) for n in first)
+    other = adapters(cell.model_copy(update={"seed": 1}), 1)
+    assert not any(torch.equal(first[n], other[n]) for n in first)
+
+
 def _randomize_lora_b(model: torch.nn.Module) -> None:
     """PEFT starts lora_B at zero (so lora_A's gradient is zero); make every adapter's both factors count."""
     gen = torch.Generator().manual_seed(7)
