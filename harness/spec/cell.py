@@ -61,7 +61,9 @@ class LoraSpec(StrictModel):
     r: int = Field(strict=True, ge=1, le=MAX_INT, description="adapter rank")
     alpha: float = Field(gt=0, le=2**31, description="LoRA alpha (scale alpha / r)")
     target_modules: tuple[str, ...] | None = Field(
-        None, min_length=1, description="module names to wrap (default: attention q/k/v/o and MLP projections)"
+        None,
+        min_length=1,
+        description="module names to wrap (default: attention q/k/v/o and MLP projections)",
     )
 
     @field_validator("target_modules")

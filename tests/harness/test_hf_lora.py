@@ -43,7 +43,9 @@ def test_lora_spec_valid_and_refused(tmp_path):
     with pytest.raises(ValidationError, match="lora: LoRA goes through PEFT on Hugging Face models only"):
         ModelSpec(name="llama3:debugmodel", lora={"r": 16, "alpha": 32})
     with pytest.raises(ValueError, match=r"lora.target_modules \['qkv'\] are not linear layers"):
-        check_model_spec(ModelSpec(name="hf:llama-tiny", lora={"r": 2, "alpha": 1, "target_modules": ["qkv"]}))
+        check_model_spec(
+            ModelSpec(name="hf:llama-tiny", lora={"r": 2, "alpha": 1, "target_modules": ["qkv"]})
+        )
     model = ModelSpec(name="hf:llama-tiny", lora={"r": 2, "alpha": 1})
     with pytest.raises(ValidationError, match="model.lora: LoRA cells run on one process"):
         Cell(spec="t", model=model, prefix_len=4, suffix_len=2, n=2, parallel=Parallel(dp_replicate=2))
@@ -137,11 +139,16 @@ def test_pf_bench_sweep_lora_cell_records_lora_on_and_off(tmp_path):
     assert res.exit_code == 0, res.output
     df = collect(out).set_index(["model", "system"])
     assert set(df["status"]) == {"ok"}, df["error"].tolist()
-    assert pd.isna(df.loc[("tiny", "prefixflow"), "lora_r"]) and df.loc[("tiny-lora4", "prefixflow"), "lora_r"] == 4
+    assert (
+        pd.isna(df.loc[("tiny", "prefixflow"), "lora_r"])
+        and df.loc[("tiny-lora4", "prefixflow"), "lora_r"] == 4
+    )
     assert df.loc[("tiny-lora4", "baseline"), "lora_alpha"] == 8.0
     assert df.loc[("tiny", "prefixflow"), "ideal_speedup"] > 1
     assert pd.isna(df.loc[("tiny-lora4", "prefixflow"), "model_flops"])
     # LoRA trains the adapters only: fewer FLOPs than full fine-tuning (no base-weight gradient GEMMs)
     assert df.loc[("tiny-lora4", "baseline"), "counted_flops"] < df.loc[("tiny", "baseline"), "counted_flops"]
     for system in ("baseline", "prefixflow"):
-        assert df.loc[("tiny-lora4", system), "loss"] == pytest.approx(df.loc[("tiny", system), "loss"], rel=1e-5)
+        assert df.loc[("tiny-lora4", system), "loss"] == pytest.approx(
+            df.loc[("tiny", system), "loss"], rel=1e-5
+        )
