@@ -21,8 +21,6 @@ and ``bamba`` (Mamba-2 + attention), whose recurrent layers cache their state
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,8 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
-    import transformers
-    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PreTrainedModel
+    from transformers import AttentionInterface, AutoModelForCausalLM, PreTrainedModel
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -41,6 +38,14 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ..adapters import ModelAdapter, register_adapter
 from ..attention import AttentionState, PrefixAwareAttention
+from .hf_configs import (
+    DROPOUT_CONFIG_FIELDS,
+    HF_MODELS,
+    UNSUPPORTED_CONFIG_FIELDS,
+    VERIFIED_MODEL_TYPES,
+    hf_config,
+    list_hf_models,
+)
 from .hf_state import boundary_layers, install_boundaries
 
 __all__ = [
@@ -49,27 +54,14 @@ __all__ = [
     "HF_MODELS",
     "HFAdapter",
     "build_hf_model",
+    "hf_config",
     "list_hf_models",
 ]
 
 ATTENTION_NAME = "prefixflow"
-VERIFIED_MODEL_TYPES = (
-    "llama", "mistral", "qwen2", "qwen3",
-    "gemma", "gemma3_text", "phi", "phi3", "olmo", "olmo2", "stablelm", "starcoder2", "helium",
-    "qwen3_5_text", "nemotron_h", "granitemoehybrid", "bamba",
-)  # fmt: skip
 _WRAPPER = (
     "_prefixflow_attention"  # per-layer attribute (plain attribute: not a submodule, not in state_dict)
 )
-# Config fields that change what the LM head or attention computes beyond what PrefixFlow reproduces.
-_UNSUPPORTED_CONFIG = (
-    "attn_logit_softcapping", "final_logit_softcapping", "logit_scale", "logits_scaling",
-)  # fmt: skip
-# Dropout fields (training with any of them non-zero would differ from the baseline).
-_DROPOUT_CONFIG = (
-    "attention_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout", "residual_dropout",
-    "embedding_dropout",
-)  # fmt: skip
 
 
 def _prefixflow_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -150,7 +142,7 @@ class HFAdapter(ModelAdapter):
                 "interface after RoPE, no logit transform outside lm_head, and an fp64 equivalence test "
                 "(tests/prefixflow/integrations/test_hf.py) before it joins VERIFIED_MODEL_TYPES"
             )
-        set_fields = [f for f in _UNSUPPORTED_CONFIG if getattr(config, f, None) not in (None, 1.0)]
+        set_fields = [f for f in UNSUPPORTED_CONFIG_FIELDS if getattr(config, f, None) not in (None, 1.0)]
         if set_fields:
             raise ValueError(f"PrefixFlow does not reproduce config fields {set_fields}; unset them")
         impl = config._attn_implementation
@@ -187,7 +179,7 @@ class HFAdapter(ModelAdapter):
                     f"prompt + longest response = {longest} tokens exceeds the model's sliding_window={window}; "
                     "PrefixFlow attends to the whole cached prefix (shorten the group or disable the window)"
                 )
-        for field in _DROPOUT_CONFIG:
+        for field in DROPOUT_CONFIG_FIELDS:
             if model.training and float(getattr(model.config, field, 0.0) or 0.0) > 0:
                 raise ValueError(
                     f"config.{field} must be 0 while training with PrefixFlow (or call model.eval())"
@@ -248,183 +240,6 @@ register_adapter(HFAdapter())
 
 
 # -- building HF models from configs (random weights, no download) ------------------------------------------
-
-_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
-# The TorchTitan debug models' shapes (llama3:debugmodel, qwen3:debugmodel), for side-by-side speed rows.
-HF_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama-tiny": ("llama", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256}),
-    "mistral-tiny": ("mistral", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16}),
-    "qwen2-tiny": ("qwen2", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256}),
-    "qwen3-tiny": ("qwen3", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16}),
-    "gemma-tiny": ("gemma", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16}),
-    "gemma3-tiny": (
-        "gemma3_text",
-        {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16, "sliding_window": 64},
-    ),
-    "phi-tiny": ("phi", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256}),
-    "phi3-tiny": ("phi3", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "pad_token_id": 0}),
-    "olmo-tiny": ("olmo", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "pad_token_id": 0}),
-    "olmo2-tiny": ("olmo2", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "pad_token_id": 0}),
-    "stablelm-tiny": ("stablelm", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256}),
-    "starcoder2-tiny": ("starcoder2", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256}),
-    "helium-tiny": ("helium", {**_TINY, "num_key_value_heads": 2, "vocab_size": 256, "head_dim": 16}),
-    # Hybrids: Qwen3.5 (gated DeltaNet, GQA 2 key over 4 value heads; attention every 3rd layer) and Nemotron-H
-    # (Mamba-2, attention, MLP blocks). Their recurrent layers cache their state (integrations/hf_state.py).
-    "qwen3_5-tiny": (
-        "qwen3_5_text",
-        {
-            **_TINY,
-            "num_hidden_layers": 3,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "vocab_size": 256,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "layer_types": ["linear_attention", "linear_attention", "full_attention"],
-        },
-    ),  # fmt: skip
-    "nemotron_h-tiny": (
-        "nemotron_h",
-        {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "vocab_size": 256,
-            "layers_block_type": ["linear_attention", "full_attention", "mlp"],
-            "ssm_state_size": 16,
-            "mamba_num_heads": 4,
-            "mamba_head_dim": 16,
-            "n_groups": 2,
-            "chunk_size": 32,
-        },
-    ),  # fmt: skip
-    "llama-debug": (
-        "llama",
-        {
-            "hidden_size": 256,
-            "intermediate_size": 768,
-            "num_hidden_layers": 6,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 16,
-            "vocab_size": 2048,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0,
-        },
-    ),
-    "qwen3-debug": (
-        "qwen3",
-        {
-            "hidden_size": 256,
-            "intermediate_size": 3072,
-            "num_hidden_layers": 8,
-            "num_attention_heads": 16,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "vocab_size": 2048,
-            "tie_word_embeddings": True,
-        },
-    ),
-    # Llama-3-8B's shape (random weights): for paper-scale rows on a GPU next to TorchTitan's llama3:8B.
-    "llama3-8b": (
-        "llama",
-        {
-            "hidden_size": 4096,
-            "intermediate_size": 14336,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "vocab_size": 128256,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0,
-            "max_position_embeddings": 131072,
-        },
-    ),
-}
-_MAX_CONFIG_BYTES = 1 << 20
-_COMMON = {"max_position_embeddings": 8192, "attention_dropout": 0.0}
-
-
-def list_hf_models() -> list[str]:
-    """The built-in config names ``build_hf_model`` accepts (besides a local config path)."""
-    return sorted(HF_MODELS)
-
-
-def hf_config(name: str, overrides: dict[str, Any] | None = None):
-    """A transformers config from a built-in name (:data:`HF_MODELS`) or a local ``config.json`` (file or
-    folder); never downloads. ``overrides`` set existing config fields (unknown names raise)."""
-    if name in HF_MODELS:
-        model_type, fields = HF_MODELS[name]
-        raw = {"model_type": model_type, **_COMMON, **fields}
-    else:
-        path = Path(name)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ValueError(
-                f"HF model {name!r} is neither a built-in config ({list_hf_models()}) nor a local config.json"
-            )
-        if path.stat().st_size > _MAX_CONFIG_BYTES:
-            raise ValueError(f"{path} is larger than {_MAX_CONFIG_BYTES} bytes; not a model config")
-        try:
-            raw = json.loads(path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path} is not valid JSON: {exc}") from None
-        if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
-            raise ValueError(f"{path} is not a transformers config.json (no 'model_type')")
-    model_type = raw.pop("model_type")
-    raw.pop("architectures", None)
-    raw.pop("auto_map", None)  # remote code is never run
-    try:
-        config = AutoConfig.for_model(model_type, **raw)
-    except (ValueError, KeyError) as exc:
-        raise ValueError(
-            f"transformers {transformers.__version__} cannot build model type {model_type!r}: {exc}"
-        ) from None
-    for key, value in dict(overrides or {}).items():
-        if not hasattr(config, key):
-            raise ValueError(f"unknown override field {key!r} for HF model type {model_type!r}")
-        setattr(config, key, value)
-    _check_config(config, name)
-    return config
-
-
-_POSITIVE_INT_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "vocab_size",
-    "max_position_embeddings",
-)
-
-
-def _check_config(config, name: str) -> None:
-    """The config fields a model is built from, checked before any weight exists (one-line ValueError
-    naming the field): a verified model type, positive sizes, heads that divide."""
-    if config.model_type not in VERIFIED_MODEL_TYPES:
-        raise ValueError(
-            f"HF model {name!r} has model_type {config.model_type!r}; PrefixFlow's HF adapter supports "
-            f"{list(VERIFIED_MODEL_TYPES)}"
-        )
-    for field in _POSITIVE_INT_FIELDS:
-        value = getattr(config, field, None)
-        if value is None and field == "num_key_value_heads":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{field}={value!r} must be an integer >= 1")
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-    if heads % kv_heads:
-        raise ValueError(f"num_attention_heads={heads} must be a multiple of num_key_value_heads={kv_heads}")
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim is None and config.hidden_size % heads:
-        raise ValueError(f"hidden_size={config.hidden_size} must be divisible by num_attention_heads={heads}")
-    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1):
-        raise ValueError(f"head_dim={head_dim!r} must be an integer >= 1")
 
 
 def build_hf_model(
