@@ -40,6 +40,34 @@ def launch_cases(script: Path, nproc: int, out: Path, *args: str, timeout: float
     return json.loads(out.read_text())
 
 
+def launch_torchrun(script: Path, nproc: int, out: Path, *args: str, timeout: float = 900) -> dict:
+    """:func:`launch_cases` through ``torchrun`` instead: the c10d rendezvous on a free 127.0.0.1 port, gloo pinned
+    to the loopback interface, one thread per rank."""
+    import os
+    import socket
+    import subprocess
+
+    from harness.execute.local import local_env
+
+    with socket.socket() as s:  # a free loopback port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = local_env(threads=1)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env["PYTHONPATH"]])
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--local-addr=127.0.0.1",
+        str(script), str(out), *args,
+    ]  # fmt: skip
+    proc = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, timeout=timeout, check=False)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(
+            f"torchrun ranks failed ({proc.returncode}):\n{proc.stdout.decode(errors='replace')[-4000:]}\n"
+            f"{proc.stderr.decode(errors='replace')[-8000:]}"
+        )
+    return json.loads(out.read_text())
+
+
 def max_rel(got, want) -> float:
     """Max over tensors of max|got - want| / max|want|; NaN or inf anywhere gives inf (``max()`` would drop it)."""
     import math

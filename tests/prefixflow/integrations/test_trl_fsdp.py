@@ -17,18 +17,13 @@ forwards leave gathered). A model sharded with torch's own ``fully_shard`` is re
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("trl")
 
-from harness.execute.local import local_env, run_local_ranks  # noqa: E402
+from support.torchrun_cases import launch_cases, launch_torchrun  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[2]
 WORKER = TESTS / "support" / "trl_fsdp_worker.py"
@@ -87,34 +82,12 @@ def _check(results: dict) -> None:
     assert 0 < results["bf16-verify"]["verified"] <= 1e-5  # in fp32 under bf16 training
 
 
-def _fail(proc):
-    return f"ranks exited {proc.returncode}:\n{proc.stderr.decode(errors='replace')[-6000:]}"
-
-
 def test_fsdp_two_processes_local_ranks(tmp_path):
-    out = tmp_path / "fsdp.json"
-    proc = run_local_ranks(
-        2, str(WORKER), [str(out)], module=False, timeout_s=900, extra_path=[TESTS], cwd=TESTS.parent
-    )
-    assert proc.returncode == 0 and out.exists(), _fail(proc)
-    _check(json.loads(out.read_text()))
+    _check(launch_cases(WORKER, 2, tmp_path / "fsdp.json"))
 
 
 def test_fsdp_two_processes_torchrun(tmp_path):
-    out = tmp_path / "fsdp.json"
-    with socket.socket() as s:  # a free loopback port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = local_env(threads=1)  # gloo pinned to lo, one thread per rank
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env["PYTHONPATH"]])
-    argv = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--local-addr=127.0.0.1",
-        str(WORKER), str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(argv, env=env, cwd=TESTS.parent, capture_output=True, timeout=900, check=False)
-    assert proc.returncode == 0 and out.exists(), _fail(proc)
-    _check(json.loads(out.read_text()))
+    _check(launch_torchrun(WORKER, 2, tmp_path / "fsdp.json"))
 
 
 def test_fsdp_refusals(tmp_path):
