@@ -28,15 +28,13 @@ retrieval task's warm start does).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from harness.rl.task import BOS, EOS, N_SPECIAL, QUERY
+from harness.rl.task import BOS, EOS, N_SPECIAL, QUERY, train_supervised
 
 __all__ = ["MultiTurnTask", "Episode", "MultiTurnRollout", "CALL", "RESULT", "END", "ERROR"]
 
@@ -282,28 +280,16 @@ def warm_start(
 ) -> list[float]:
     """Supervised warm start: ``steps`` AdamW steps of cross-entropy on the policy's tokens of well-formed
     episodes, ``batch`` a step, from the stream ``seed``. Returns the losses."""
-    from prefixflow.rl import autocast_for
-
-    if steps < 0 or batch < 1:
-        raise ValueError("warm_start needs steps >= 0 and batch >= 1")
-    device = next(model.parameters()).device
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
-    losses = []
-    for step in range(steps):
-        rows = [task.episode_tokens(task.example(seed, step * batch + b), gen) for b in range(batch)]
-        seqs = torch.stack([s for s, _ in rows]).to(device)
-        mask = torch.stack([m for _, m in rows])[:, 1:].to(device)
-        opt.zero_grad(set_to_none=True)
-        with autocast_for(device, compute_dtype):
-            logits = model(seqs[:, :-1])
-            loss = F.cross_entropy(logits[mask].float(), seqs[:, 1:][mask], label_smoothing=label_smoothing)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-        if not math.isfinite(losses[-1]):
-            raise FloatingPointError(f"warm start diverged at step {step} (loss {losses[-1]})")
-    return losses
+    return train_supervised(
+        model,
+        lambda i: task.episode_tokens(task.example(seed, i), gen),
+        steps=steps,
+        batch=batch,
+        lr=lr,
+        compute_dtype=compute_dtype,
+        label_smoothing=label_smoothing,
+    )
 
 
 @torch.no_grad()

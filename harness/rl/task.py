@@ -126,27 +126,53 @@ def warm_start(
     """Supervised warm start: ``steps`` AdamW steps of answer cross-entropy (the value and EOS; optional
     ``label_smoothing``) on ``batch`` prompts each of ``passages`` passages (default: the task's), from the
     stream ``seed``. Returns the losses."""
+    short = task.with_passages(passages or task.n_passages)
+    p = short.prompt_len
+
+    def row(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        prompt, answer = short.example(seed, i)
+        seq = torch.cat([prompt, answer, torch.tensor([EOS])])
+        return seq, torch.arange(len(seq)) >= p  # the value and EOS
+
+    return train_supervised(
+        model,
+        row,
+        steps=steps,
+        batch=batch,
+        lr=lr,
+        compute_dtype=compute_dtype,
+        label_smoothing=label_smoothing,
+    )
+
+
+def train_supervised(
+    model: nn.Module,
+    row,
+    *,
+    steps: int,
+    batch: int,
+    lr: float,
+    compute_dtype: torch.dtype | None = None,
+    label_smoothing: float = 0.0,
+) -> list[float]:
+    """``steps`` AdamW steps of cross-entropy, each on ``batch`` rows ``row(i) -> (tokens, targets)`` (``targets``:
+    a bool per token, True where the token is trained), ``i = step * batch + b``. Returns the losses; raises
+    ``FloatingPointError`` at the first non-finite one (the warm starts of every Claim-2 task)."""
     from prefixflow.rl import autocast_for
 
     if steps < 0 or batch < 1:
         raise ValueError("warm_start needs steps >= 0 and batch >= 1")
-    short = task.with_passages(passages or task.n_passages)
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    p = short.prompt_len
     losses = []
     for step in range(steps):
-        rows = []
-        for b in range(batch):
-            prompt, answer = short.example(seed, step * batch + b)
-            rows.append(torch.cat([prompt, answer, torch.tensor([EOS])]))
-        seqs = torch.stack(rows).to(device)
+        rows = [row(step * batch + b) for b in range(batch)]
+        seqs = torch.stack([s for s, _ in rows]).to(device)
+        mask = torch.stack([m for _, m in rows])[:, 1:].to(device)
         opt.zero_grad(set_to_none=True)
         with autocast_for(device, compute_dtype):
-            logits = model(seqs[:, :-1])[:, p - 1 :]
-            loss = F.cross_entropy(
-                logits.float().flatten(0, 1), seqs[:, p:].flatten(), label_smoothing=label_smoothing
-            )
+            logits = model(seqs[:, :-1])
+            loss = F.cross_entropy(logits[mask].float(), seqs[:, 1:][mask], label_smoothing=label_smoothing)
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
