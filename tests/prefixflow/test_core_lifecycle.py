@@ -8,22 +8,12 @@ import weakref
 import pytest
 import torch
 from conftest import tiny_model
+from support.live_tensors import live_tensor_bytes
 from support.reference import max_rel_diff, reference_pg
 
 import prefixflow as pf
 import prefixflow.kv_cache as kv_cache
 import prefixflow.stage as stage_module
-
-
-def live_tensor_bytes() -> tuple[int, int]:
-    """(count, bytes) of distinct tensor storages reachable by the garbage collector."""
-    gc.collect()
-    storages = {}
-    for obj in gc.get_objects():
-        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type != "meta":
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return len(storages), sum(storages.values())
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from support.hybrid import (  # noqa: E402
     reference_pg,
     worst_grad,
 )
+from support.live_tensors import live_tensor_bytes  # noqa: E402
 
 import prefixflow as pf  # noqa: E402
 from prefixflow.integrations import hf  # noqa: E402,F401  (registers the HF adapter)
@@ -160,17 +161,6 @@ def test_plain_forward_unchanged(name):
     assert torch.equal(before, after)
 
 
-def _live_tensor_bytes() -> tuple[int, int]:
-    """(count, bytes) of distinct tensor storages reachable by the garbage collector."""
-    gc.collect()
-    storages = {}
-    for obj in gc.get_objects():
-        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type != "meta":
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return len(storages), sum(storages.values())
-
-
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("name", ["qwen3_5-mixed", "nemotron_h"])
 def test_groups_leave_no_state(monkeypatch, name, layout):
@@ -191,10 +181,10 @@ def test_groups_leave_no_state(monkeypatch, name, layout):
     pf.apply_prefixflow(model)
     groups = [pf.synthetic_group(VOCAB, 12 + k, [3, 5, 2], seed=k) for k in range(3)]
     pf.train_group(model, groups[0], layout=layout)  # warm: grads allocated
-    before = _live_tensor_bytes()
+    before = live_tensor_bytes()
     for group in groups[1:]:
         pf.train_group(model, group, layout=layout, microbatch=2)
-    assert _live_tensor_bytes() == before
+    assert live_tensor_bytes() == before
     gc.collect()
     assert len(caches) == 3 and all(ref() is None for ref in caches)
     assert model._prefixflow.state.mode is None
