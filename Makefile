@@ -7,7 +7,8 @@ DEMO    ?= runs/demo
 # make demo runs the smoke sweep into $(DEMO) (git-ignored), so it really runs on a fresh clone;
 # results/ holds the committed reference records that make figures renders.
 
-.PHONY: setup test test-fast test-verl lint demo figures tables gpu-check slurm-up slurm-down clean
+.PHONY: setup test test-fast test-verl lint demo figures tables gpu-wheels gpu-check device-env-check \
+	device-env-clean slurm-up slurm-down clean
 
 setup: $(VENV_OK)
 
@@ -63,8 +64,35 @@ figures: setup
 tables: setup
 	.venv/bin/pf-bench tables --results $(RESULTS) --out $(RESULTS)/figures
 
-gpu-check: setup
-	bash scripts/gpu_check.sh
+# The lent GPU machine (docs/gpu.md). gpu-wheels (here): the wheels it lacks into wheels/ (< 48 MiB), and the
+# stamp of this tree. gpu-check (there, or on any CUDA machine): no .venv, no registry; GPU_PYTHON is the
+# interpreter holding torch. device-env-check (here, not in CI: a 3.5 GB torch download): a Python 3.12 venv with
+# that machine's versions runs gpu-check's no-venv path and the CUDA-agnostic tests.
+GPU_PYTHON    ?= python3
+DEVICE_PYTHON ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12; do \
+	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
+DEVICE_PY     := .venv-device/bin/python
+DEVICE_OK     := .venv-device/.installed
+
+gpu-wheels: setup
+	$(PY) scripts/gpu_wheels.py download
+
+gpu-check:
+	GPU_PYTHON=$(GPU_PYTHON) bash scripts/gpu_check.sh
+
+$(DEVICE_OK): scripts/device_env.txt scripts/gpu_wheels.txt
+	@test -n "$(DEVICE_PYTHON)" || { echo "device-env-check needs Python 3.12: set DEVICE_PYTHON"; exit 1; }
+	test -x $(DEVICE_PY) || $(DEVICE_PYTHON) -m venv .venv-device
+	$(DEVICE_PY) -m pip install --quiet --upgrade pip
+	$(DEVICE_PY) -m pip install --quiet -r scripts/device_env.txt
+	$(DEVICE_PY) -m pip uninstall --quiet -y $$($(DEVICE_PY) scripts/gpu_wheels.py names)  # the machine lacks them
+	touch $(DEVICE_OK)
+
+device-env-check: gpu-wheels $(DEVICE_OK)
+	bash scripts/device_env_check.sh
+
+device-env-clean:
+	rm -rf .venv-device runs/device-env
 
 slurm-up:
 	bash scripts/slurm_up.sh

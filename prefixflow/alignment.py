@@ -156,10 +156,12 @@ def run_alignment(
     lr: float = 1e-5,
     seed: int = 0,
     controls: Iterable[str] = (),
+    device: str | torch.device = "cpu",
 ) -> list[AlignmentRow]:
     """Train a baseline copy, a PrefixFlow copy and one PrefixFlow copy per negative control for ``steps``
-    AdamW steps on the same synthetic groups (response lengths vary in ``[suffix_len // 2, suffix_len]``);
-    return G/L/W rows at ``report_steps`` for the correct run, then for each control (see the module doc)."""
+    AdamW steps on ``device`` on the same synthetic groups (response lengths vary in ``[suffix_len // 2,
+    suffix_len]``); return G/L/W rows at ``report_steps`` for the correct run, then for each control (see the
+    module doc)."""
     report = set(report_steps)
     if steps < 1 or not report or min(report) < 1 or max(report) > steps:
         raise ValueError(f"report_steps {sorted(report)} must lie in [1, steps={steps}]")
@@ -178,7 +180,9 @@ def run_alignment(
     _check_memory(model, overrides, torch.float32 if autocast else dtype, len(runs))
     copies = {}
     for run, fault in runs.items():
-        m = build_model(model, dtype=torch.float32 if autocast else dtype, seed=seed, overrides=overrides)
+        m = build_model(
+            model, dtype=torch.float32 if autocast else dtype, seed=seed, overrides=overrides, device=device
+        )
         apply_ac(m, ac)
         apply_prefixflow(m)
         if fault is not None:

@@ -68,6 +68,7 @@ def align(
     out: Annotated[
         Path | None, typer.Option(help=f"also write the rows to OUT/{ALIGNMENT_DIR}/ (read by `tables`)")
     ] = None,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda (auto: CUDA when there is one)")] = "auto",
 ) -> None:
     """Table 3: gradients (G), loss (L) and weights (W) of PrefixFlow vs the baseline over STEPS steps."""
     import torch
@@ -79,6 +80,12 @@ def align(
         par = Parallel(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep)
     except ValidationError as e:
         _fail("; ".join(x["msg"] for x in e.errors()))
+    if device not in ("auto", "cpu", "cuda"):
+        _fail(f"--device {device!r}: use auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        _fail("--device cuda: torch sees no CUDA device here")
+    if device != "auto" and par != Parallel():
+        _fail("--device applies to one process; parallel ranks use CUDA when there is one, else the CPU")
     settings = dict(
         model=model,
         overrides=parse_overrides(override),
@@ -103,7 +110,12 @@ def align(
                 raise ValueError("--controls runs on one process; drop the parallel flags to run them")
             rows = [AlignmentRow(**r) for r in run_alignment_ranks(par, {**settings, "dtype": dtype.value})]
         else:
-            rows = run_alignment(**settings, dtype=dtypes[dtype.value], controls=CONTROLS if controls else ())
+            rows = run_alignment(
+                **settings,
+                dtype=dtypes[dtype.value],
+                controls=CONTROLS if controls else (),
+                device=torch.device("cuda" if device == "auto" and torch.cuda.is_available() else device),
+            )
     except (ValueError, TypeError) as e:
         _fail(str(e))
     layout_cols = {**par.model_dump(), "parallel": par.label}

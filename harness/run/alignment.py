@@ -41,7 +41,7 @@ def run_alignment_cell(cell: Cell) -> list[dict[str, Any]] | None:
         if cell.parallel == type(cell.parallel)() and cell.groups in (None, 1):
             from prefixflow.alignment import run_alignment
 
-            rows = run_alignment(cell.model.name, **kwargs)
+            rows = run_alignment(cell.model.name, device=resolve_device(cell.device), **kwargs)
         else:
             from prefixflow.parallel import init_distributed
             from prefixflow.parallel.align import run_parallel_alignment

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import socket
 import statistics
 import subprocess
@@ -30,6 +31,16 @@ _OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
 @functools.cache
 def git_rev() -> str:
+    """HEAD's short revision (``-dirty`` with uncommitted changes to tracked files). Outside a git checkout,
+    ``$PF_GIT_REV``: scripts/gpu_check.sh sets it on a machine the tree travelled to without ``.git``, after
+    checking the tree against the stamp ``make gpu-wheels`` wrote; else ``unknown``."""
+    rev = _git_rev()
+    if rev == "unknown":
+        return os.environ.get("PF_GIT_REV") or rev
+    return rev
+
+
+def _git_rev() -> str:
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"],

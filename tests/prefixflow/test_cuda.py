@@ -52,6 +52,44 @@ def test_pinned_pool_offload_is_bitwise_and_released(prefetch):
     assert off.released
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_pinned_pool_copies_run_on_its_streams_and_survive_slow_copies(prefetch, monkeypatch):
+    """Each copy out (and each prefetch) is queued on the pool's own stream behind a spin of about a
+    millisecond, so the default stream runs far ahead: the sources are freed and their blocks handed out
+    again while their copies wait, and Phase C's backward is queued before its loads land. The gradients
+    still equal the run without offload bit for bit: record_stream keeps each source until its copy, and
+    the copy-out and load events order every read after its write."""
+    from prefixflow.offload_storage import PinnedPool
+
+    spun = {"out": 0, "in": 0}
+    store, start_load = PinnedPool.store, PinnedPool.start_load
+
+    def spin(pool, stream, key):
+        assert stream != torch.cuda.current_stream(pool.device)  # a side stream, not the caller's
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(2_000_000)
+        spun[key] += 1
+
+    def slow_store(pool, slot, src):
+        spin(pool, pool.out_stream, "out")
+        store(pool, slot, src)
+
+    def slow_load(pool, slot):
+        spin(pool, pool.in_stream, "in")
+        start_load(pool, slot)
+
+    monkeypatch.setattr(PinnedPool, "store", slow_store)
+    monkeypatch.setattr(PinnedPool, "start_load", slow_load)
+    plain = cuda_model("llama3")
+    group = pf.synthetic_group(97, 300, [40, 60, 20], seed=3)
+    _, want = grads_of(plain, group)
+    model = cuda_model("llama3", offload=True, offload_prefetch=prefetch)
+    stats, got = grads_of(model, group)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert spun["out"] > 0 and (spun["in"] > 0) == prefetch, spun
+    assert stats.offload.tier == "cuda-pinned" and stats.offload.released
+
+
 def test_phase_b_peak_drops_with_offload_on_cuda():
     from harness.run.measure import PhaseMeter
 
