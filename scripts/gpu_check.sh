@@ -122,7 +122,7 @@ STEPS="$RESULTS/steps.tsv"
 : >"$STEPS"
 main 2>&1 | tee "$RESULTS/gpu_check.log"
 rc=${PIPESTATUS[0]}
-if [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ $rc != 3 ]; then  # the lent machine's return folder (<= 8 files)
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then  # the lent machine's return folder (<= 8 files)
   tar -czf "$OUT/results.tar.gz" -C "$RESULTS" . || rc=1
   for f in summary.md summary.json environment.json gpu_check.log cuda-tests.xml; do
     [ ! -e "$RESULTS/$f" ] || cp "$RESULTS/$f" "$OUT"/ || rc=1

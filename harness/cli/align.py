@@ -110,11 +110,13 @@ def align(
                 raise ValueError("--controls runs on one process; drop the parallel flags to run them")
             rows = [AlignmentRow(**r) for r in run_alignment_ranks(par, {**settings, "dtype": dtype.value})]
         else:
+            from harness.run.setup import resolve_device
+
             rows = run_alignment(
                 **settings,
                 dtype=dtypes[dtype.value],
                 controls=CONTROLS if controls else (),
-                device=torch.device("cuda" if device == "auto" and torch.cuda.is_available() else device),
+                device=resolve_device(device),
             )
     except (ValueError, TypeError) as e:
         _fail(str(e))

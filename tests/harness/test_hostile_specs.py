@@ -247,7 +247,10 @@ def test_run_into_a_read_only_folder_fails_before_the_cell_runs(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        },
         cwd=REPO,
     )
     assert res.returncode == 2, (

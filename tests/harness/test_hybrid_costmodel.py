@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from packaging.version import Version
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from support.hybrid import VOCAB, nemotron_h, qwen3_5  # noqa: E402
 
@@ -20,6 +21,14 @@ from harness.costmodel.counting import KernelCounter, count_flops, count_ops  # 
 from harness.costmodel.flops import as_shape, executed_flops, ideal_speedup, paper_ideal_speedup  # noqa: E402
 from harness.costmodel.hybrid import GatedDeltaNet, HybridShape, hybrid_ops  # noqa: E402
 from prefixflow.integrations import hf  # noqa: E402
+
+# The cost model follows transformers' torch kernels for GDN and Mamba-2 op by op, as of the [hf] pin (5.24.0).
+# transformers 5.17.0 (the lent GPU machine's) counts other recurrent FLOPs (e.g. 10,719,786 against 10,925,568
+# in test_count_flops_splits_the_kinds), so the op-by-op equalities hold from 5.24 (docs/gpu.md).
+COUNTS_HF_KERNELS = pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5.24.0"),
+    reason=f"transformers {transformers.__version__}: the cost model follows 5.24's recurrent kernels",
+)
 
 LIN, FULL = "linear_attention", "full_attention"
 CASES = [  # (family, layer types, prompt length, response lengths)
@@ -40,6 +49,7 @@ RUNS = [  # (system, layout, microbatch, attention)
 ]
 
 
+@COUNTS_HF_KERNELS
 @pytest.mark.parametrize("family,types,P,lens", CASES, ids=lambda v: getattr(v, "__name__", str(v)))
 def test_hybrid_model_matches_what_runs(family, types, P, lens):
     """Every op count of the model equals the counters' on every run (exact, not within a tolerance)."""
@@ -130,6 +140,7 @@ def test_shapes_and_refusals():
         executed_tree_flops("baseline", as_shape(hf.hf_config("qwen3_5-tiny")), None)
 
 
+@COUNTS_HF_KERNELS
 def test_count_flops_splits_the_kinds():
     """count_flops' kinds: linear layers (gemm), SDPA pairs (attention), the mixers' kernels (recurrent).
     (pf-bench's records carry both, equal: tests/prefixflow/hybrid/test_hybrid_refusals.py.)"""

@@ -101,7 +101,11 @@ def test_run_under_ulimit_v_is_refused_not_oom():
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop(ml.ENV, None)
     proc = subprocess.run(
         [sys.executable, "-m", "harness.cli", "run", "--model", "llama3:8B", *SMALL],

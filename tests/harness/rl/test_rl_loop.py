@@ -12,7 +12,7 @@ import prefixflow as pf
 from harness.records import read_records
 from harness.rl.loop import ClosedLoop, RunPlan, build_model_for, task_of
 from harness.rl.run import run_claim2
-from harness.rl.task import EOS, RetrievalTask
+from harness.rl.task import EOS, RetrievalTask, warm_start
 from prefixflow.rl import (
     actor_update,
     group_advantages,
@@ -156,9 +156,20 @@ def test_task_answer_is_in_prompt_and_reward():
     assert task.reward(torch.cat([answer, answer[:1]]), answer) == 0.8  # no EOS: extra token costs
 
 
+_WARM = {}
+
+
 def _init(spec):
-    model = build_model_for(spec, task_of(spec), torch.float32, torch.device("cpu"))
-    return {k: v.detach().clone() for k, v in model.named_parameters()}
+    """A 40-step supervised warm start (as the multi-rank loop tests' spec): rewards then vary within a group
+    and the weights move from the first step on any torch. From random weights they depended on the
+    initialisation's draws, which torch 2.11 and 2.13 make differently (``trunc_normal_``)."""
+    key = spec.model_dump_json()
+    if key not in _WARM:
+        task = task_of(spec)
+        model = build_model_for(spec, task, torch.float32, torch.device("cpu"))
+        warm_start(model, task, steps=40, batch=8, lr=3e-3, seed=0)
+        _WARM[key] = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return _WARM[key]
 
 
 @pytest.mark.parametrize("system", ["baseline", "prefixflow"])
