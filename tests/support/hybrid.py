@@ -155,7 +155,12 @@ _PATCHED = {
         "functions": ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
     },
     "transformers.models.nemotron_h.modeling_nemotron_h": {
-        "classes": ("NemotronHRMSNorm", "NemotronHRMSNormGated", "NemotronHMamba2Mixer"),
+        # transformers 5.17 has no NemotronHRMSNormGated: its mixer imports zamba2's gated norm
+        "classes": (
+            "NemotronHRMSNorm",
+            ("NemotronHRMSNormGated", "Zamba2RMSNormGated"),
+            "NemotronHMamba2Mixer",
+        ),
         "functions": ("mamba2_chunk_scan", "mamba2_selective_state_update"),
     },
     "transformers.models.granitemoehybrid.modeling_granitemoehybrid": {
@@ -190,6 +195,11 @@ def fp64_kernels(monkeypatch) -> None:
         module = importlib.import_module(module_name)
         for name in names["functions"]:
             monkeypatch.setattr(module, name, _recompiled(getattr(module, name), vars(module)))
-        for name in names["classes"]:
-            cls = getattr(module, name)
-            monkeypatch.setattr(cls, "forward", _recompiled(cls.forward, vars(module)))
+        for name in names["classes"]:  # a tuple: the class's names across transformers versions
+            cls = next(
+                getattr(module, n)
+                for n in (name if isinstance(name, tuple) else (name,))
+                if hasattr(module, n)
+            )
+            home = importlib.import_module(cls.__module__)  # where its forward's globals live
+            monkeypatch.setattr(cls, "forward", _recompiled(cls.forward, vars(home)))

@@ -85,7 +85,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             self.args,
             world=self.accelerator.num_processes,
             peft=peft_config is not None or hasattr(self.model, "peft_config"),
-            foreign=self.is_distributed_loading_by_transformers,
+            # transformers' own distributed loading; before 5.2x (5.17) the Trainer has neither it nor the flag
+            foreign=getattr(self, "is_distributed_loading_by_transformers", False),
         )
         if prefixflow_layout not in ("padded", "packed"):
             raise ValueError(f"prefixflow_layout must be 'padded' or 'packed', got {prefixflow_layout!r}")
