@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import RolloutTree, check_loss_mask
+from .tree.rollout_tree import RolloutTree, check_loss_mask
 
 __all__ = ["RolloutGroup", "RoutingMasks", "check_routing_masks", "synthetic_group"]
 

@@ -21,8 +21,8 @@ from torch import nn
 
 if TYPE_CHECKING:
     from .group import RolloutGroup
-    from .kv_cache import PrefixView
-    from .layouts import Microbatch
+    from .state.kv_cache import PrefixView
+    from .tree.layouts import Microbatch
 
 __all__ = ["ScheduleHooks", "HookChain", "add_hooks", "remove_hooks", "hooks_of"]
 
@@ -57,7 +57,7 @@ class ScheduleHooks:
       that this rank computes; it may set ``mb.sequence``, which gathers the K/V of the tokens other ranks hold.
     - ``prefix_view(model, length)``: how each layer's attention reads the full K/V of a cached run of
       ``length`` tokens (a flat group's prefix; each node of a prefix tree) and where gK/gV go back (a
-      :class:`~prefixflow.kv_cache.PrefixView`; ``None`` = the cache's own leaves).
+      :class:`~prefixflow.state.kv_cache.PrefixView`; ``None`` = the cache's own leaves).
     - ``reduce_loss(value)``: the group loss every rank reports, from this rank's share.
 
     ``stats()`` returns counters of the last group; they land in ``GroupStats.hooks``. ``runs_trees``: whether

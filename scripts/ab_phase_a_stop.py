@@ -8,7 +8,7 @@ import statistics
 import torch
 
 import prefixflow as pf
-import prefixflow.schedule as schedule
+import prefixflow.schedule.driver as schedule
 
 
 def main() -> None:

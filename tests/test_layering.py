@@ -8,7 +8,7 @@ first), except the importer's own packages; a name taken from a package counts a
 that defines it, so a re-export (``from .x import y`` in an ``__init__``) hides no upward import.
 
 Also: prefixflow/ never imports harness/, and the core never imports prefixflow/integrations/ (HF and TRL
-reach the core through prefixflow.adapters).
+reach the core through prefixflow.model.adapters).
 
 A table entry is a module name and covers that module and every module under it; the longest entry that
 covers a module gives its layer. A top-level package's entry (``prefixflow``, ``harness``) covers only its
@@ -29,42 +29,47 @@ PREFIXFLOW_LAYERS = [
     # what a group is, what a model is, what attention caches
     [
         "prefixflow.attention",
-        "prefixflow.budget",
-        "prefixflow.dtypes",
-        "prefixflow.grad_guard",
+        "prefixflow.checks",
+        "prefixflow.memory",
+        "prefixflow.model",
+        "prefixflow.schedule",
+        "prefixflow.state",
+        "prefixflow.memory.budget",
+        "prefixflow.model.dtypes",
+        "prefixflow.schedule.grad_guard",
         "prefixflow.group",
-        "prefixflow.kv_cache",
-        "prefixflow.layouts",
-        "prefixflow.live_bytes",
+        "prefixflow.state.kv_cache",
+        "prefixflow.tree.layouts",
+        "prefixflow.memory.live_bytes",
         "prefixflow.loss",
-        "prefixflow.memory_limit",
-        "prefixflow.models",
-        "prefixflow.split_attention",
-        "prefixflow.state_cache",
-        "prefixflow.state_layers",
+        "prefixflow.memory.limit",
+        "prefixflow.model.models",
+        "prefixflow.attention.split",
+        "prefixflow.state.recurrent",
+        "prefixflow.state.layers",
         "prefixflow.tree",
-        "prefixflow.tree_build",
-        "prefixflow.tree_layouts",
+        "prefixflow.tree.build",
+        "prefixflow.tree.plan",
     ],
     # how the schedule reaches a model: adapters, the runtime, hooks, compile, offload
     [
-        "prefixflow.adapters",
-        "prefixflow.apply",
-        "prefixflow.compile",
-        "prefixflow.group_stats",
+        "prefixflow.model.adapters",
+        "prefixflow.model.apply",
+        "prefixflow.model.compile",
+        "prefixflow.schedule.stats",
         "prefixflow.hooks",
-        "prefixflow.offload",
-        "prefixflow.offload_storage",
-        "prefixflow.stage",
-        "prefixflow.tree_phases",
-        "prefixflow.validation",
+        "prefixflow.memory.offload",
+        "prefixflow.memory.storage",
+        "prefixflow.schedule.stage",
+        "prefixflow.schedule.tree_phases",
+        "prefixflow.schedule.validation",
     ],
     # the driver: the three phases and the per-group run
-    ["prefixflow.schedule"],
+    ["prefixflow.schedule.driver"],
     # what plugs into the driver through hooks and build steps
     ["prefixflow.moe"],
     # checks: Table 3 alignment and its negative controls
-    ["prefixflow.alignment", "prefixflow.faults"],
+    ["prefixflow.checks.alignment", "prefixflow.checks.faults"],
     # parallelism, the PP stage program and split-DP groups included: it runs the driver's phases
     ["prefixflow.parallel"],
     ["prefixflow.rl"],
@@ -372,7 +377,7 @@ def test_prefixflow_never_imports_harness_and_core_never_imports_integrations():
 def test_the_checks_see_planted_imports(tmp_path, monkeypatch):
     """Each kind of import the checks must see, planted in a throwaway package (and the real tree is read)."""
     assert {(i.target, i.kind) for i in _all_imports() if i.module == "prefixflow.integrations.hf"} >= {
-        ("prefixflow.adapters", "module-level")
+        ("prefixflow.model.adapters", "module-level")
     }
     package = tmp_path / "prefixflow"
     (package / "sub").mkdir(parents=True)

@@ -1,7 +1,7 @@
 """FLOPs of one prefix tree (``prefixflow.RolloutTree``) as each system executes it, and the tree's ideal.
 
 The counting rules are :mod:`harness.costmodel.flops`' (GEMMs 3x forward, attention pairs as each SDPA call
-computes them: ``L(L+1)/2`` causal, every ``Lq·Lk`` pair under a mask). What runs (``prefixflow.tree_phases``):
+computes them: ``L(L+1)/2`` causal, every ``Lq·Lk`` pair under a mask). What runs (``prefixflow.schedule.tree_phases``):
 
 * ``prefixflow``, Phase A/C per cached node (a node with children): one row of its ``n`` tokens after its
   ancestors' ``U`` cached keys (``U`` = the node's first position), every layer forward; causal when ``U = 0``,
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prefixflow.tree import RolloutTree
-from prefixflow.tree_layouts import TreePlan, TreeRow
+from prefixflow.tree.plan import TreePlan, TreeRow
+from prefixflow.tree.rollout_tree import RolloutTree
 
 from .flops import _trained, as_shape
 from .hybrid import HybridShape
@@ -43,7 +43,7 @@ def _dense(shape):
 
 
 def _rows_flops(shape, tree: RolloutTree, rows: list[TreeRow], layout: str) -> Flops:
-    """One microbatch of ``rows`` as ``prefixflow.tree_layouts.tree_microbatch`` lays it out."""
+    """One microbatch of ``rows`` as ``prefixflow.tree.plan.tree_microbatch`` lays it out."""
     keys = {j for r in rows for j in r.ancestors}
     k = sum(tree.node_len(j) for j in keys)
     lens = [int(r.tokens.numel()) for r in rows]

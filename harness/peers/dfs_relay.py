@@ -49,7 +49,7 @@ class _Relay:
         self.forwards = 0
 
     def forward(self, j: int, read, capture=None):
-        from prefixflow.stage import forward_hidden
+        from prefixflow.schedule.stage import forward_hidden
 
         tree = self.inp.tree
         tokens = tree.segments[j].view(1, -1)

@@ -74,7 +74,7 @@ def train_tree_mask(model, tree, *, microbatch=None, loss: str = "pg", loss_conf
 
     Returns ``prefixflow.GroupStats`` (``trunk_tokens``: the packed rows' lengths summed; one phase ``full``)."""
     from prefixflow import GroupStats
-    from prefixflow.stage import forward_hidden
+    from prefixflow.schedule.stage import forward_hidden
 
     inp = prepare_tree(model, tree, loss, loss_config)
     n = inp.tree.n

@@ -59,7 +59,7 @@ def _build(name: str, cell: Cell, device: torch.device, dims, mesh):
 
         apply_ac(model, cell.ac)
         if cell.compile:
-            from prefixflow.compile import apply_compile
+            from prefixflow.model.compile import apply_compile
 
             apply_compile(model)
     return model, contender

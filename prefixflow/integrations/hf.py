@@ -2,7 +2,7 @@
 
 Importing this module registers an attention implementation named ``"prefixflow"`` (and, for the model's own
 mask construction, sdpa's mask function under the same name) and :class:`HFAdapter` in
-:mod:`prefixflow.adapters`. ``apply_prefixflow(model)`` then switches the model to ``attn_implementation=
+:mod:`prefixflow.model.adapters`. ``apply_prefixflow(model)`` then switches the model to ``attn_implementation=
 "prefixflow"`` and hands each attention layer a :class:`~prefixflow.attention.PrefixAwareAttention`:
 
 - with no PrefixFlow phase running (generation, evaluation, TRL's own forwards), the registered function is
@@ -36,8 +36,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "prefixflow.integrations.hf needs Hugging Face transformers: pip install 'prefixflow[hf]'"
     ) from exc
 
-from ..adapters import ModelAdapter, register_adapter
-from ..attention import AttentionState, PrefixAwareAttention
+from ..attention.modes import AttentionState, PrefixAwareAttention
+from ..model.adapters import ModelAdapter, register_adapter
 from .hf_configs import (
     DROPOUT_CONFIG_FIELDS,
     HF_MODELS,

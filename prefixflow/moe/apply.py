@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..hooks import add_hooks
-from ..models import register_build_step
+from ..model.models import register_build_step
 from .layers import CountingReorderer, PortableExperts, ReplayMoE, ReplayRouter, swap_class
 from .schedule_hooks import MoEScheduleHooks
 

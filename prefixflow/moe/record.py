@@ -7,13 +7,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..adapters import adapter_for
-from ..apply import runtime_of
-from ..attention import AttendWithPrefix, CapturePrefix
+from ..attention.modes import AttendWithPrefix, CapturePrefix
 from ..group import RoutingMasks
-from ..kv_cache import PrefixKVCache
-from ..layouts import build_microbatch, suffix_segments
-from ..tree import RolloutTree
+from ..model.adapters import adapter_for
+from ..model.apply import runtime_of
+from ..state.kv_cache import PrefixKVCache
+from ..tree.layouts import build_microbatch, suffix_segments
+from ..tree.rollout_tree import RolloutTree
 from .layers import RoutePlan
 from .schedule_hooks import moe_layers
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..group import RoutingMasks, check_routing_masks
 from ..hooks import ScheduleHooks
-from ..tree import RolloutTree
+from ..tree.rollout_tree import RolloutTree
 from . import tree_routing
 from .layers import ReplayMoE, RoutePlan
 

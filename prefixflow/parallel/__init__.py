@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..apply import AC_MODES, apply_ac, runtime_of
+from ..model.apply import AC_MODES, apply_ac, runtime_of
 from ..moe import is_moe
 from .mesh import MESH_DIMS, ParallelDims, backend_for, build_mesh, init_distributed
 
@@ -161,7 +161,7 @@ def parallelize(
         apply_cp(model, mesh["cp"], prefetch=cp_prefetch, reduce_grads=not fsdp_over_cp)
     apply_ac(model, ac)
     if compile:
-        from ..compile import apply_compile
+        from ..model.compile import apply_compile
 
         apply_compile(model)
     if dims.dp_shard > 1:

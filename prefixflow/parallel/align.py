@@ -1,6 +1,6 @@
 """Table 3 under a parallel layout: baseline and PrefixFlow copies, both parallelized the same way.
 
-Same protocol as :func:`prefixflow.alignment.run_alignment` (same seeds, groups, AdamW settings, tolerances
+Same protocol as :func:`prefixflow.checks.alignment.run_alignment` (same seeds, groups, AdamW settings, tolerances
 and rows), with each copy built on every rank, wrapped by ``apply_prefixflow`` and ``parallelize``-d over
 the same mesh, and each step trained by :func:`prefixflow.parallel.dp.train_step` over ``groups_per_step``
 groups (default: one per data-parallel rank). Gradients and weights are gathered to full tensors before
@@ -13,11 +13,11 @@ from collections.abc import Iterable
 
 import torch
 
-from ..alignment import CORRECT, AlignmentRow, _step_rows, tolerances
-from ..apply import apply_prefixflow
-from ..dtypes import dtype_name
+from ..checks.alignment import CORRECT, AlignmentRow, _step_rows, tolerances
 from ..group import synthetic_group
-from ..models import build_model, model_args
+from ..model.apply import apply_prefixflow
+from ..model.dtypes import dtype_name
+from ..model.models import build_model, model_args
 from . import ParallelDims, build_mesh, parallelize
 from .dp import train_step
 

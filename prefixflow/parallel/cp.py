@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..hooks import ScheduleHooks, add_hooks
-from ..kv_cache import PrefixKVCache, PrefixView
-from ..layouts import Microbatch
+from ..state.kv_cache import PrefixKVCache, PrefixView
+from ..tree.layouts import Microbatch
 from .sequence import Blocked, Collectives, CommStats, SequenceLayout, _wide, _wire, shard_microbatch
 
 __all__ = [

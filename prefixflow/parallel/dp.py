@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..grad_guard import keep_grads_on_failure
 from ..group import RolloutGroup
-from ..schedule import GroupStats, train_group
-from ..tree import RolloutTree
-from ..validation import run_input
+from ..schedule.driver import GroupStats, train_group
+from ..schedule.grad_guard import keep_grads_on_failure
+from ..schedule.validation import run_input
+from ..tree.rollout_tree import RolloutTree
 from . import fsdp as fsdp_mod
 from . import parallel_state
 from .dp_placement import Placement, Work, group_costs, place_groups

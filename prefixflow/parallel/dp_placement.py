@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..group import RolloutGroup
-from ..models import head_dim_of, hidden_dim_of, model_args
-from ..tree import RolloutTree
-from ..tree_layouts import TreePlan
+from ..model.models import head_dim_of, hidden_dim_of, model_args
+from ..tree.plan import TreePlan
+from ..tree.rollout_tree import RolloutTree
 
 __all__ = ["Work", "Placement", "group_costs", "place_groups"]
 

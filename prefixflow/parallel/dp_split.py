@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..attention import PrefixAwareAttention
+from ..attention.modes import PrefixAwareAttention
 from ..group import RolloutGroup
-from ..kv_cache import PrefixKVCache
-from ..models import head_dim_of, model_args
-from ..schedule import GroupShare, GroupStats, run_group
+from ..model.models import head_dim_of, model_args
+from ..schedule.driver import GroupShare, GroupStats, run_group
+from ..state.kv_cache import PrefixKVCache
 from . import parallel_state
 from .dp_placement import Work
 from .sequence import SequenceLayout

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models import rope_buffer
+from ..model.models import rope_buffer
 
 __all__ = ["SWITCHING", "stage_program", "stage_hidden"]
 

@@ -1,4 +1,4 @@
-"""The stage runtime of pipeline parallelism: :class:`Pipeline`, a stage model's :class:`~prefixflow.stage.Stage`.
+"""The stage runtime of pipeline parallelism: :class:`Pipeline`, a stage model's :class:`~prefixflow.schedule.stage.Stage`.
 
 The one driver (``prefixflow.schedule``) runs its phases on it. Phase A's prefix forward receives the previous
 stage's prefix output and sends its own on; Phase B (and the baseline's phase) runs the microbatches in the
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..dtypes import DTYPES
-from ..stage import Stage, attention_mode, microbatch_objective
+from ..model.dtypes import DTYPES
+from ..schedule.stage import Stage, attention_mode, microbatch_objective
 from .pp_program import stage_hidden, stage_program
 
 __all__ = ["Pipeline"]

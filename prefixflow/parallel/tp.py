@@ -31,8 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..attention import PrefixAwareAttention
-from ..models import hidden_dim_of, model_args
+from ..attention.modes import PrefixAwareAttention
+from ..model.models import hidden_dim_of, model_args
 
 __all__ = ["apply_tp", "model_family", "check_tp_degree"]
 

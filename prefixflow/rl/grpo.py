@@ -16,14 +16,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..grad_guard import keep_grads_on_failure
 from ..group import RolloutGroup
 from ..hooks import hooks_of
-from ..layouts import build_microbatch, full_sequence_segments
 from ..loss import LossConfig, token_logprobs
 from ..parallel import parallel_state
-from ..schedule import train_group
-from ..stage import forward_hidden
+from ..schedule.driver import train_group
+from ..schedule.grad_guard import keep_grads_on_failure
+from ..schedule.stage import forward_hidden
+from ..tree.layouts import build_microbatch, full_sequence_segments
 
 _AC_PREFIX = "_checkpoint_wrapped_module."
 

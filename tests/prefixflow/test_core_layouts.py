@@ -7,10 +7,10 @@ import torch
 from conftest import tiny_model
 
 import prefixflow as pf
-from prefixflow.attention import CapturePrefix
-from prefixflow.kv_cache import PrefixKVCache
-from prefixflow.layouts import build_microbatch, full_sequence_segments, suffix_segments
-from prefixflow.stage import forward_hidden
+from prefixflow.attention.modes import CapturePrefix
+from prefixflow.schedule.stage import forward_hidden
+from prefixflow.state.kv_cache import PrefixKVCache
+from prefixflow.tree.layouts import build_microbatch, full_sequence_segments, suffix_segments
 
 GROUP = pf.synthetic_group(97, 6, [3, 1, 4], seed=0)
 

@@ -25,7 +25,7 @@ import torch
 
 from ... import RolloutGroup, build_tree
 from ...loss import LossConfig
-from ...tree import RolloutTree
+from ...tree.rollout_tree import RolloutTree
 
 __all__ = ["SUPPORTED_LOSS_TYPES", "POLICY", "GroupPlan", "plan_groups", "TREE_MIN_SHARED"]
 

@@ -32,7 +32,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ... import PrefixFlowConfig, apply_prefixflow, train_group
 from ...parallel import ParallelDims, parallelize
-from ...schedule import check_group
+from ...schedule.driver import check_group
 from .. import hf
 from . import sharding
 from .plan import SUPPORTED_LOSS_TYPES, GroupPlan, plan_groups

@@ -14,8 +14,8 @@ from support.hybrid import fp64_kernels, nemotron_h, qwen3_5, worst_grad  # noqa
 from support.tree_reference import random_tree  # noqa: E402
 
 import prefixflow as pf  # noqa: E402
-from prefixflow import tree_phases  # noqa: E402
 from prefixflow.integrations import hf  # noqa: E402,F401  (registers the HF adapter)
+from prefixflow.schedule import tree_phases  # noqa: E402
 
 LIN, FULL = "linear_attention", "full_attention"
 MODELS = {

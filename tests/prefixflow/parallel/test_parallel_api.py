@@ -179,9 +179,9 @@ def test_cells_recorded_before_the_data_parallel_split_keep_their_ids():
 def test_split_helpers_derive_the_owners_prefix_kv_geometry_and_a_wrong_one_is_refused(family, dtype):
     """A split group's helpers size their receive from the model and the group alone (no header crosses
     ranks): the geometry must be exactly what Phase A captures, and the owner refuses to send otherwise."""
-    from prefixflow.kv_cache import PrefixKVCache
     from prefixflow.parallel.dp import check_captured, prefix_kv_geometry
-    from prefixflow.schedule import group_run, phase_a_prefix_forward
+    from prefixflow.schedule.driver import group_run, phase_a_prefix_forward
+    from prefixflow.state.kv_cache import PrefixKVCache
 
     model = tiny_model(family, dtype=dtype)
     group = pf.synthetic_group(97, 11, [3, 5], seed=0)
@@ -212,7 +212,7 @@ def test_hook_columns_come_from_the_median_timed_step_not_the_last_one():
 
 def test_costs_of_a_transformers_model_equal_the_torchtitan_model_of_the_same_shape():
     from prefixflow.integrations import hf
-    from prefixflow.models import hidden_dim_of, model_args
+    from prefixflow.model.models import hidden_dim_of, model_args
 
     titan = tiny_model("llama3")
     args = model_args(titan)

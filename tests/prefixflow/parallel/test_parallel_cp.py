@@ -112,8 +112,8 @@ def test_shard_layout_is_head_tail_and_covers_every_token():
 
 def test_shard_microbatch_keeps_loss_positions_and_positions():
     import prefixflow as pf
-    from prefixflow.layouts import build_microbatch, suffix_segments
     from prefixflow.parallel.sequence import CommStats, shard_microbatch
+    from prefixflow.tree.layouts import build_microbatch, suffix_segments
 
     group = pf.synthetic_group(97, 14, LENS, seed=3)
     mb = build_microbatch(
@@ -199,7 +199,7 @@ def test_a_lazy_prefix_view_is_read_per_layer_and_keeps_the_gradients_exact():
     from conftest import tiny_model
 
     import prefixflow as pf
-    from prefixflow.kv_cache import PrefixView
+    from prefixflow.state.kv_cache import PrefixView
 
     class CountingView(PrefixView):
         lazy = True

@@ -276,7 +276,7 @@ def run_nanloss_case(pp: int = 2, cp: int = 1) -> dict:
     from conftest import tiny_model
 
     import prefixflow as pf
-    import prefixflow.stage as stage_module
+    import prefixflow.schedule.stage as stage_module
 
     group = pf.synthetic_group(97, 14, LENS, seed=5)
     ref = tiny_model("llama3")

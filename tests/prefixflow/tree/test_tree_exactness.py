@@ -12,8 +12,8 @@ from support.reference import max_rel_diff, reference_pg
 from support.tree_reference import depth_of, random_tree, reference_tree
 
 import prefixflow as pf
-from prefixflow.budget import OverBudgetWarning
-from prefixflow.tree_layouts import TreePlan
+from prefixflow.memory.budget import OverBudgetWarning
+from prefixflow.tree.plan import TreePlan
 
 TOL = 1e-9
 GRPO = {"kl_coef": 0.05, "clip_eps_low": 0.1, "clip_eps_high": 0.15}

@@ -11,7 +11,8 @@ from support.reference import max_rel_diff
 from support.tree_reference import random_tree, reference_tree
 
 import prefixflow as pf
-from prefixflow import tree_layouts, tree_phases
+from prefixflow.schedule import tree_phases
+from prefixflow.tree import plan as tree_layouts
 
 
 def error_of(model, tree) -> float:

@@ -8,13 +8,13 @@ predict a response token); they differ only in the schedule:
   (suffixes read the cache and accumulate gK/gV), ``phase_c_prefix_backward`` (one delayed prefix backward).
 
 Every shape runs this driver (:func:`run_group`) and these phase functions. What differs enters as objects:
-- *where* the model runs: the runtime's :class:`~prefixflow.stage.Stage` (one device; a pipeline stage,
+- *where* the model runs: the runtime's :class:`~prefixflow.schedule.stage.Stage` (one device; a pipeline stage,
   set by ``apply_pp``, runs its slice of the layers 1F1B);
 - *which part of the group* this rank trains: a :class:`GroupShare` (the whole group; a split group's part,
   ``prefixflow.parallel.dp_split``, which receives the prefix K/V instead of computing them);
 - parallelism and MoE: the model's schedule hooks (:mod:`prefixflow.hooks`).
 The prefix is one node with its own cache and its own delayed backward; a prefix tree (``RolloutTree``)
-repeats Phase A per node top-down and Phase C per node bottom-up (:mod:`prefixflow.tree_phases`).
+repeats Phase A per node top-down and Phase C per node bottom-up (:mod:`prefixflow.schedule.tree_phases`).
 """
 
 from __future__ import annotations
@@ -24,27 +24,27 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import tree_phases
-from .apply import PrefixFlowRuntime, runtime_of
-from .attention import AttendWithPrefix, CapturePrefix, MaskedAttention, PrefixCaptured
-from .budget import AUTO, BudgetPlan, FixedPlan
-from .grad_guard import keep_grads_on_failure
-from .group import RolloutGroup
-from .group_stats import GroupStats, PhaseClock, group_stats
-from .hooks import HookChain, hooks_of
-from .kv_cache import PrefixKVCache
-from .layouts import (
+from ..attention.modes import AttendWithPrefix, CapturePrefix, MaskedAttention, PrefixCaptured
+from ..group import RolloutGroup
+from ..hooks import HookChain, hooks_of
+from ..loss import LossConfig, resolve_loss
+from ..memory.budget import AUTO, BudgetPlan, FixedPlan
+from ..memory.offload import PrefixOffload, offloading
+from ..model.apply import PrefixFlowRuntime, runtime_of
+from ..state.kv_cache import PrefixKVCache
+from ..tree.layouts import (
     Microbatch,
     build_microbatch,
     full_sequence_segments,
     prefix_microbatch,
     suffix_segments,
 )
-from .loss import LossConfig, resolve_loss
-from .offload import PrefixOffload, offloading
+from ..tree.plan import TreePlan
+from ..tree.rollout_tree import RolloutTree
+from . import tree_phases
+from .grad_guard import keep_grads_on_failure
 from .stage import Stage, attention_mode, forward_hidden
-from .tree import RolloutTree
-from .tree_layouts import TreePlan
+from .stats import GroupStats, PhaseClock, group_stats
 from .validation import SYSTEMS, check_group, run_input, validate_call
 
 __all__ = [
@@ -140,7 +140,7 @@ def _last_needed_layer(run: GroupRun) -> int | None:
 
 def phase_b_suffix_microbatches(run: GroupRun, cache: PrefixKVCache, wave=None) -> float:
     """Phase B: train the suffixes as ordinary microbatches reading the cache; returns the group loss.
-    ``run.plan`` yields each microbatch's responses (:mod:`prefixflow.budget`: fixed sizes, or sized to a
+    ``run.plan`` yields each microbatch's responses (:mod:`prefixflow.memory.budget`: fixed sizes, or sized to a
     budget). A tree trains the ``wave``'s paths' leaf rows, reading each path's ancestor nodes."""
     if run.tree_plan is not None:
         return tree_phases.leaf_microbatches(run, cache, wave)
@@ -217,11 +217,11 @@ def train_group(
     ``system``: ``"prefixflow"`` (three phases) or ``"baseline"`` (full sequences); ``layout``: ``"padded"`` or
     ``"packed"``; ``microbatch``: responses per microbatch (None = all), or ``"auto"``: the largest
     microbatches whose measured footprint fits ``PrefixFlowConfig.memory_budget_bytes``
-    (:mod:`prefixflow.budget`). ``observer``: optional object with
+    (:mod:`prefixflow.memory.budget`). ``observer``: optional object with
     ``enter(phase)``/``exit(phase)`` called around each phase. All input is validated before any gradient
     changes. Needs ``apply_prefixflow(model)`` first. ``param.grad`` never receives a NaN/inf: a non-finite
     loss or gradient raises :class:`NonFiniteError` and leaves the gradients as before the call
-    (:mod:`prefixflow.grad_guard`). On a pipeline stage (``apply_pp``) every stage calls it with the same group.
+    (:mod:`prefixflow.schedule.grad_guard`). On a pipeline stage (``apply_pp``) every stage calls it with the same group.
     """
     return run_group(
         model, group, GroupShare(), system=system, layout=layout, microbatch=microbatch, loss=loss,

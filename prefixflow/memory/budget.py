@@ -14,7 +14,7 @@ need no model). The first two microbatches run one response each. The first allo
 group (parameter gradients, gK/gV); the second is the probe: the memory live at its start (``resident``) and
 its peak above that, per token slot (``per_token``), give the plan ``resident + per_token x slots(b) <=
 budget`` for the rest (slots: ``b x longest`` padded, ``Σ lengths`` packed), filled greedily in response
-order. Memory is read by a small live-bytes dispatch mode (``prefixflow.live_bytes.LiveBytesMeter``, which counts the model's
+order. Memory is read by a small live-bytes dispatch mode (``prefixflow.memory.live_bytes.LiveBytesMeter``, which counts the model's
 parameters, buffers and gradients and what it sees allocated), active during Phase A (on CPU, where nothing
 else knows the bytes the prefix left live) and the two probes; it needs eager blocks (not ``apply_compile``).
 A probe above the budget still runs the rest one response at a time; ``GroupStats.plan`` says so and an
@@ -30,7 +30,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from prefixflow.live_bytes import LiveBytesMeter
+from prefixflow.memory.live_bytes import LiveBytesMeter
 
 __all__ = ["FixedPlan", "BudgetPlan", "AUTO", "OverBudgetWarning"]
 

@@ -21,7 +21,7 @@ the loss (L) and the weights after the step (W):
 - **MoE** models train under Rollout Routing Replay, as the paper's MoE row: each step the baseline copy
   records the group's routing (:func:`prefixflow.record_routing`, the rollout's masks) and every copy
   replays them.
-- **Negative controls** (``controls``): PrefixFlow copies with an injected fault (:mod:`prefixflow.faults`).
+- **Negative controls** (``controls``): PrefixFlow copies with an injected fault (:mod:`prefixflow.checks.faults`).
   Each must FAIL; its ``margin`` is its G normwise difference over the correct run's at the same step.
 """
 
@@ -33,15 +33,15 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from .apply import apply_ac, apply_prefixflow
-from .dtypes import dtype_name
+from ..group import synthetic_group
+from ..hooks import add_hooks
+from ..memory.limit import MemoryRefusal, memory_limit
+from ..model.apply import apply_ac, apply_prefixflow
+from ..model.dtypes import dtype_name
+from ..model.models import build_model, count_parameters, model_args
+from ..moe import is_moe, record_routing
+from ..schedule.driver import train_group
 from .faults import FAULTS, make_fault
-from .group import synthetic_group
-from .hooks import add_hooks
-from .memory_limit import MemoryRefusal, memory_limit
-from .models import build_model, count_parameters, model_args
-from .moe import is_moe, record_routing
-from .schedule import train_group
 
 __all__ = [
     "AlignmentRow",
@@ -233,7 +233,7 @@ def _available_bytes() -> int | None:
 
 def _check_memory(model: str, overrides: dict | None, dtype: torch.dtype, copies: int) -> None:
     """Refuse, before any model is built, a comparison whose copies cannot fit in the memory this process may
-    take (``prefixflow.memory_limit``: MemAvailable, ulimit -v, the cgroup, $PF_MEMORY_LIMIT; the default
+    take (``prefixflow.memory.limit``: MemAvailable, ulimit -v, the cgroup, $PF_MEMORY_LIMIT; the default
     qwen3:debugmodel_moe is 316M parameters: 6 fp64 copies need ~90 GiB)."""
     available = _available_bytes()
     if available is None:

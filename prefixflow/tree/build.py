@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .tree import RolloutTree, check_logprobs, check_loss_mask, check_tokens
+from .rollout_tree import RolloutTree, check_logprobs, check_loss_mask, check_tokens
 
 __all__ = ["AUTO_NODE_COST_TOKENS", "build_tree"]
 

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .adapters import adapter_for
+from ..loss import microbatch_loss, token_logprobs
+from ..model.adapters import adapter_for
 from .grad_guard import check_finite_loss
-from .loss import microbatch_loss, token_logprobs
 
 if TYPE_CHECKING:
-    from .kv_cache import PrefixKVCache
-    from .layouts import Microbatch
+    from ..state.kv_cache import PrefixKVCache
+    from ..tree.layouts import Microbatch
 
 __all__ = [
     "Stage",

@@ -27,19 +27,19 @@ from collections import defaultdict
 
 import torch
 
-from .attention import AttendWithAncestors, MaskedAttention
-from .kv_cache import PrefixKVCache
-from .layouts import Microbatch
-from .offload import OffloadStats, PrefixOffload, offloading
+from ..attention.modes import AttendWithAncestors, MaskedAttention
+from ..memory.offload import OffloadStats, PrefixOffload, offloading
+from ..state.kv_cache import PrefixKVCache
+from ..tree.layouts import Microbatch
+from ..tree.plan import TreePlan, tree_microbatch
 from .stage import attention_mode, forward_hidden, logprob_objective, loss_logprobs
-from .tree_layouts import TreePlan, tree_microbatch
 
 __all__ = ["NodeCaches", "node_forwards", "leaf_microbatches", "node_backwards", "path_microbatches"]
 
 
 class AncestorKV:
     """``read(layer, dtype)``: the full K/V of ``nodes`` concatenated along the keys (each through its cache's
-    :class:`~prefixflow.kv_cache.PrefixView`: its own leaves, or gathered from the CP ranks' shards), or None.
+    :class:`~prefixflow.state.kv_cache.PrefixView`: its own leaves, or gathered from the CP ranks' shards), or None.
     ``begin``/``end`` bracket one forward (a view may prefetch the next layer)."""
 
     def __init__(self, caches: list[PrefixKVCache], nodes: list[int]) -> None:
@@ -77,7 +77,7 @@ class AncestorKV:
 
 
 class NodeCaches:
-    """Every cached node's K/V cache (:class:`~prefixflow.kv_cache.PrefixKVCache`, read through the hooks'
+    """Every cached node's K/V cache (:class:`~prefixflow.state.kv_cache.PrefixKVCache`, read through the hooks'
     view of ``node_len`` tokens), the mask, sequence exchange and key nodes of its Phase-A row, and its scored
     log-probs (live, the detached leaf the paths read, and where each of the node's scores sits in them: this
     rank scores only its own tokens when they are spread over ranks, -1 elsewhere)."""

@@ -1,6 +1,6 @@
 """The training-time state cache: what a recurrent layer keeps at the prefix boundary, and its gradients.
 
-For an attention layer the boundary is the prefix K/V (:mod:`prefixflow.kv_cache`). For a linear-attention or
+For an attention layer the boundary is the prefix K/V (:mod:`prefixflow.state.kv_cache`). For a linear-attention or
 state-space layer (gated DeltaNet, Mamba-2) everything a suffix token reads from the prefix passes through the
 layer's state at the prefix end: the recurrent state ``S_P`` and the causal convolution's tail (the last
 ``kernel - 1`` pre-convolution inputs). Prefix backward is linear in their adjoints, so the three phases carry
@@ -13,7 +13,7 @@ over with ``(S_P, tail)`` in place of ``(K_P, V_P)``:
 - Phase C joins ``roots()`` (live tensors and their accumulated gradients) to the K/V seeds of the one
   delayed prefix backward. ``release`` drops everything.
 
-The cache does not know what the tensors mean: a layer's :class:`~prefixflow.state_layers.StateRule` names
+The cache does not know what the tensors mean: a layer's :class:`~prefixflow.state.layers.StateRule` names
 them (e.g. ``("recurrent", "conv")``). The boundary is O(1) in the prefix length.
 """
 

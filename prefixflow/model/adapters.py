@@ -10,15 +10,15 @@ The three phases never reach into a model's modules. They ask the model's :class
 - ``wrap_attention(model, state)``: install :class:`~prefixflow.attention.PrefixAwareAttention` at each
   layer's attention boundary, after RoPE, so the schedule's attention modes see post-RoPE ``[B, H, L, D]``
   q/k/v; and, for a recurrent token mixer (gated DeltaNet, Mamba-2), a
-  :class:`~prefixflow.state_layers.StatefulLayer` running the layer's state rule;
+  :class:`~prefixflow.state.layers.StatefulLayer` running the layer's state rule;
 - ``state_rule(module)``: the per-layer-type state cache hook: how a recurrent mixer carries its prefix
-  boundary as a state (:class:`~prefixflow.state_layers.StateRule`), or None for a module that has none;
+  boundary as a state (:class:`~prefixflow.state.layers.StateRule`), or None for a module that has none;
 - ``fsdp_units(model)``: the FSDP2 sharding units (embedding, each block, final norm + LM head; a tied
   embedding and LM head share one unit), which :func:`prefixflow.parallel.fsdp.apply_fsdp` shards.
 
 :class:`TorchTitanAdapter` lives here. Integrations (``prefixflow.integrations.hf``) register their own with
 :func:`register_adapter`; the core never imports them. An installed integration may also announce itself
-through the ``prefixflow.adapters`` entry-point group, which :func:`adapter_for` loads the first time a model
+through the ``prefixflow.model.adapters`` entry-point group, which :func:`adapter_for` loads the first time a model
 matches no registered adapter.
 """
 
@@ -29,9 +29,9 @@ from importlib import metadata
 import torch
 from torch import nn
 
-from .attention import AttentionState, PrefixAwareAttention
+from ..attention.modes import AttentionState, PrefixAwareAttention
+from ..state.layers import StateRule, state_rule_for
 from .models import rope_buffer
-from .state_layers import StateRule, state_rule_for
 
 __all__ = ["ModelAdapter", "TorchTitanAdapter", "register_adapter", "adapter_for", "ENTRY_POINT_GROUP"]
 
@@ -86,7 +86,7 @@ class ModelAdapter:
     def state_rule(self, module: nn.Module) -> StateRule | None:
         """The state rule of a recurrent token mixer (its prefix boundary is ``(state, conv tail)``, cached in
         ``PrefixKVCache.states``), or None. Default: the rules registered per module class
-        (:func:`~prefixflow.state_layers.register_state_rule`). A family without recurrent layers needs none."""
+        (:func:`~prefixflow.state.layers.register_state_rule`). A family without recurrent layers needs none."""
         return state_rule_for(module)
 
     def check(self, model: nn.Module, group) -> None:
@@ -191,7 +191,9 @@ _entry_points_loaded = False
 def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
     """Add ``adapter`` to the registry (idempotent per adapter class). Returns it."""
     if not isinstance(adapter, ModelAdapter):
-        raise TypeError(f"adapter must be a prefixflow.adapters.ModelAdapter, got {type(adapter).__name__}")
+        raise TypeError(
+            f"adapter must be a prefixflow.model.adapters.ModelAdapter, got {type(adapter).__name__}"
+        )
     if not any(type(a) is type(adapter) for a in _ADAPTERS):
         _ADAPTERS.append(adapter)
     return adapter

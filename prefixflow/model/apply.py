@@ -7,9 +7,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from ..attention.modes import ATTENTION_VARIANTS, AttentionState
+from ..schedule.stage import Stage
 from .adapters import ModelAdapter, adapter_for
-from .attention import ATTENTION_VARIANTS, AttentionState
-from .stage import Stage
 
 __all__ = ["PrefixFlowConfig", "PrefixFlowRuntime", "apply_prefixflow", "runtime_of", "apply_ac", "AC_MODES"]
 
@@ -27,10 +27,10 @@ class PrefixFlowConfig:
     suffix parts merged by log-sum-exp, no K/V copy, causal suffix part without a mask; ``"auto"``: split on
     CPU, concat elsewhere: split's fused CUDA path, ATen's flash / memory-efficient kernels with their LSE, has
     no GPU measurement behind it yet). ``offload``: move the dormant saved tensors of the prefix graph out of
-    device memory from Phase A to Phase C (``prefixflow.offload``); ``offload_prefetch``: load them back ahead
+    device memory from Phase A to Phase C (``prefixflow.memory.offload``); ``offload_prefetch``: load them back ahead
     of the prefix backward (False = demand-load only). ``memory_budget_bytes``: the peak device memory a
     ``train_group(..., microbatch="auto")`` call may use; it picks the largest microbatches that fit
-    (``prefixflow.budget``).
+    (``prefixflow.memory.budget``).
     """
 
     grad_kv_dtype: torch.dtype | None = None
@@ -69,7 +69,7 @@ class PrefixFlowConfig:
 @dataclass
 class PrefixFlowRuntime:
     """What ``apply_prefixflow`` attaches to a model: the config, the shared attention state, the model's
-    adapter (:mod:`prefixflow.adapters`) and the :class:`~prefixflow.stage.Stage` its phases run on (this
+    adapter (:mod:`prefixflow.model.adapters`) and the :class:`~prefixflow.schedule.stage.Stage` its phases run on (this
     device; ``apply_pp`` sets a pipeline stage)."""
 
     config: PrefixFlowConfig
@@ -89,7 +89,7 @@ def apply_prefixflow(model: nn.Module, config: PrefixFlowConfig | None = None) -
     """Wrap every attention layer of a model at its SDPA boundary (in place, idempotent).
 
     TorchTitan decoders are supported by the core; other families through their adapter
-    (:mod:`prefixflow.adapters`; Hugging Face causal LMs: ``prefixflow.integrations.hf``). Afterwards
+    (:mod:`prefixflow.model.adapters`; Hugging Face causal LMs: ``prefixflow.integrations.hf``). Afterwards
     ``model(tokens)`` is still the plain full-sequence forward; ``train_group`` switches the wrapped layers
     into prefix-capture (Phase A) or prefix-aware suffix attention (Phase B). Calling it again only updates
     the config.

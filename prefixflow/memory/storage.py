@@ -1,4 +1,4 @@
-"""Where offloaded prefix tensors live (``prefixflow.offload``): the records autograd keeps for saved tensors
+"""Where offloaded prefix tensors live (``prefixflow.memory.offload``): the records autograd keeps for saved tensors
 (resident, or a slot holding one offloaded storage) and the two tiers the slots' bytes go to: an unlinked
 temporary file on CPU, a pinned host pool on CUDA."""
 

@@ -52,8 +52,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .adapters import adapter_for
-from .offload_storage import (
+from ..model.adapters import adapter_for
+from .storage import (
     TIER_CPU,
     TIER_CUDA,
     FilePool,

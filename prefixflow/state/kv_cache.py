@@ -12,7 +12,7 @@ accumulates gK/gV straight into ``leaf.grad``. A parallel layout supplies anothe
 reduce-scatters the gathered view's gK/gV back into the owners' leaves (``prefixflow.parallel.cp``).
 
 Recurrent layers (gated DeltaNet, Mamba-2) keep their prefix boundary, the end state and conv tail, in the
-cache's ``states`` (:class:`~prefixflow.state_cache.StateCache`); Phase C seeds them in the same backward.
+cache's ``states`` (:class:`~prefixflow.state.recurrent.StateCache`); Phase C seeds them in the same backward.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .state_cache import StateCache
+from .recurrent import StateCache
 
 __all__ = ["PrefixKVCache", "LayerKV", "PrefixView"]
 
@@ -72,7 +72,7 @@ class PrefixKVCache:
         self.layers: dict[int, LayerKV] = {}
         self.prefix_loss: torch.Tensor | None = None  # loss terms of the prefix graph itself (Phase A)
         self.view = view or PrefixView()
-        self.states = StateCache(grad_dtype)  # recurrent layers' end states (prefixflow.state_cache)
+        self.states = StateCache(grad_dtype)  # recurrent layers' end states (prefixflow.state.recurrent)
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .group import RolloutGroup
+from ..group import RolloutGroup
 
 __all__ = [
     "Segment",
@@ -58,7 +58,7 @@ class Microbatch:
     # Prefix trees: log-probs of this microbatch's paths' trained tokens that ancestor nodes scored in Phase A,
     # as ``(logprobs, path ids, loss slots)``; the loss joins them to the tokens scored here.
     shared_logprobs: tuple | None = None
-    # Prefix trees: the rows (``prefixflow.tree_layouts.TreeRow``) this microbatch lays out, in row/packing order.
+    # Prefix trees: the rows (``prefixflow.tree.plan.TreeRow``) this microbatch lays out, in row/packing order.
     tree_rows: tuple | None = None
 
     @property

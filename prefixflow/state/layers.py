@@ -6,7 +6,7 @@ the layer's :class:`StateRule` under the phase that is running, reading the same
 
 - no mode (generation, evaluation, a checkpointed prefix block recomputing in Phase C): the layer's own forward;
 - ``CapturePrefix`` (Phase A): run the prefix from the zero state, keep the live end state in the cache's
-  :class:`~prefixflow.state_cache.StateCache` (and stop the prefix forward after the last boundary layer);
+  :class:`~prefixflow.state.recurrent.StateCache` (and stop the prefix forward after the last boundary layer);
 - ``AttendWithPrefix`` (Phase B): every sequence starts from the cached state's leaves, expanded over the
   batch (never repeated);
 - ``MaskedAttention`` (the baseline's packed rows): every sequence starts from the zero state.
@@ -26,7 +26,7 @@ import weakref
 import torch
 from torch import nn
 
-from .attention import (
+from ..attention.modes import (
     AttendWithAncestors,
     AttendWithPrefix,
     AttentionState,
@@ -65,7 +65,7 @@ _RULES: dict[str, StateRule] = {}
 def register_state_rule(module_class: str, rule: StateRule) -> StateRule:
     """Handle recurrent mixers of class name ``module_class`` with ``rule``. Returns the rule."""
     if not isinstance(rule, StateRule):
-        raise TypeError(f"rule must be a prefixflow.state_layers.StateRule, got {type(rule).__name__}")
+        raise TypeError(f"rule must be a prefixflow.state.layers.StateRule, got {type(rule).__name__}")
     _RULES[module_class] = rule
     return rule
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .adapters import adapter_for
-from .apply import runtime_of
-from .budget import AUTO
-from .compile import is_compiled
-from .group import RolloutGroup
-from .hooks import hooks_of
-from .layouts import LAYOUTS
-from .loss import LossConfig, resolve_loss
+from ..group import RolloutGroup
+from ..hooks import hooks_of
+from ..loss import LossConfig, resolve_loss
+from ..memory.budget import AUTO
+from ..model.adapters import adapter_for
+from ..model.apply import runtime_of
+from ..model.compile import is_compiled
+from ..tree.layouts import LAYOUTS
+from ..tree.rollout_tree import RolloutTree
 from .stage import Stage
-from .tree import RolloutTree
 
 __all__ = ["SYSTEMS", "validate_call", "compute_dtype", "check_group", "run_input"]
 

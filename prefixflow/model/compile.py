@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..attention.modes import CapturePrefix
 from .adapters import adapter_for
-from .attention import CapturePrefix
 
 __all__ = ["apply_compile", "is_compiled", "first_call_seconds"]
 

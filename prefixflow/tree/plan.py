@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .layouts import Microbatch
-from .tree import RolloutTree
+from .rollout_tree import RolloutTree
 
 __all__ = ["TreeRow", "TreePlan", "tree_microbatch"]
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..group import RolloutGroup
+from ..memory.offload import OffloadStats
 from . import tree_phases
-from .group import RolloutGroup
-from .offload import OffloadStats
 
 
 @dataclass
@@ -30,7 +30,7 @@ class GroupStats:
     offload: OffloadStats | None = None  # set when PrefixFlowConfig.offload is on
     hooks: dict[str, float] = field(default_factory=dict)  # counters of the schedule hooks (e.g. CP gathers)
     plan: dict | None = (
-        None  # microbatch="auto": budget, measured footprint, chosen sizes (prefixflow.budget)
+        None  # microbatch="auto": budget, measured footprint, chosen sizes (prefixflow.memory.budget)
     )
     tree: dict | None = None  # a prefix tree: nodes, unique tokens, per-node times (tree_phases.tree_summary)
 

@@ -2,7 +2,7 @@
 
 A correctness check is only evidence if it can fail. Each fault here is a :class:`~prefixflow.hooks.ScheduleHooks`
 object registered with :func:`prefixflow.add_hooks` on a PrefixFlow copy; the phases themselves carry no
-fault code. Table 3's negative-control rows (:mod:`prefixflow.alignment`) and the tests use them; nothing
+fault code. Table 3's negative-control rows (:mod:`prefixflow.checks.alignment`) and the tests use them; nothing
 else should.
 
 - :class:`ScalePrefixGradient` ``(factor)``: the prefix gradient Phase C delivers is scaled by ``factor``.
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .hooks import ScheduleHooks
+from ..hooks import ScheduleHooks
 
 __all__ = ["FAULTS", "ScalePrefixGradient", "ShiftSuffixPositions", "MicrobatchLossScale", "make_fault"]
 

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from .kv_cache import PrefixKVCache
-from .split_attention import split_attention, suffix_bias
+from ..state.kv_cache import PrefixKVCache
+from .split import split_attention, suffix_bias
 
 __all__ = [
     "AttentionState",
@@ -54,7 +54,7 @@ class AttentionState:
     def __init__(self) -> None:
         self.mode = None
         self.wrappers: list[PrefixAwareAttention] = []
-        self.state_layers: list = []  # recurrent layers' StatefulLayer (prefixflow.state_layers)
+        self.state_layers: list = []  # recurrent layers' StatefulLayer (prefixflow.state.layers)
 
     @contextlib.contextmanager
     def use(self, mode) -> Iterator[None]:
@@ -158,7 +158,7 @@ class AttendWithPrefix:
     no mask. ``variant="concat"`` runs one masked SDPA over ``[prefix ; suffix]`` K/V: ``torch.cat``
     materialises the cached prefix K/V once per sequence of the microbatch, in every layer, and the masked
     kernel computes every (query, key) pair including the suffix's causal upper triangle. ``"split"`` reads
-    the cache in place (:mod:`prefixflow.split_attention`) and needs at most the mask's suffix columns. Both
+    the cache in place (:mod:`prefixflow.attention.split`) and needs at most the mask's suffix columns. Both
     run under the model's ``sdpa_kernel`` backend list (:func:`sdpa_backends`).
     """
 
@@ -187,7 +187,7 @@ class AttendWithPrefix:
 
     def bind(self, wrappers: list[PrefixAwareAttention]) -> None:
         """Give each wrapped layer its prefix K/V view (in the compute dtype) for this phase; a lazy
-        :class:`~prefixflow.kv_cache.PrefixView` is read by each layer when its attention runs instead."""
+        :class:`~prefixflow.state.kv_cache.PrefixView` is read by each layer when its attention runs instead."""
         if not len(self.cache):
             return
         self.cache.view.begin(self.cache)
@@ -238,7 +238,7 @@ class AttendWithAncestors:
     ``read(layer, dtype)``: the K/V of the nodes this microbatch reads, concatenated along the keys
     (``[1, H_kv, U, D]``, differentiable w.r.t. each node's leaves), or None when it reads none. ``mask``: bool
     ``[b, 1, L, U + L]`` (None: no keys before the tokens, plain causal). ``capture``: a node's
-    :class:`~prefixflow.kv_cache.PrefixKVCache` that keeps this forward's live K/V (Phase A); None in Phase B
+    :class:`~prefixflow.state.kv_cache.PrefixKVCache` that keeps this forward's live K/V (Phase A); None in Phase B
     and when a checkpointed node block recomputes in Phase C. ``sequence``: the microbatch's sequence
     exchange when its tokens are spread over ranks (the mask then has this rank's query rows; a node captures
     its own K/V shard). ``read`` may have ``begin()``/``end()``, called around the phase's forward, and
