@@ -231,6 +231,12 @@ class RolloutGroup:
     def response_lens(self) -> list[int]:
         return [int(r.numel()) for r in self.responses]
 
+    @property
+    def path_lens(self) -> list[int]:
+        """Each full sequence's length ``|P| + |S_i|`` (as ``RolloutTree.path_lens``)."""
+        p = self.prompt_len
+        return [p + n for n in self.response_lens]
+
     def check_representable(self, dtype: torch.dtype) -> None:
         """Raise ValueError naming the field if a value becomes NaN/inf once cast to ``dtype`` (the loss's
         compute dtype): advantages of 1e308 are finite in fp64 but overflow fp32."""

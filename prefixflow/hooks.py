@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .runtime import runtime_of
+
 if TYPE_CHECKING:
     from .group import RolloutGroup
     from .state.kv_cache import PrefixView
@@ -181,11 +183,10 @@ class HookChain:
 
 def hooks_of(model: nn.Module) -> HookChain:
     """The model's hook chain (empty until something registers)."""
-    chain = getattr(model, "_prefixflow_hooks", None)
-    if chain is None:
-        chain = HookChain()
-        model._prefixflow_hooks = chain
-    return chain
+    runtime = runtime_of(model, create=True)
+    if runtime.hooks is None:
+        runtime.hooks = HookChain()
+    return runtime.hooks
 
 
 def add_hooks(model: nn.Module, hook: ScheduleHooks) -> ScheduleHooks:

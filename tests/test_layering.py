@@ -26,51 +26,44 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("prefixflow", "harness")
 
 PREFIXFLOW_LAYERS = [
-    # what a group is, what a model is, what attention caches
+    # what a model's PrefixFlow state is, what a group and a tree are, the loss, what a layer caches, memory
     [
-        "prefixflow.attention",
-        "prefixflow.checks",
-        "prefixflow.memory",
-        "prefixflow.model",
-        "prefixflow.schedule",
-        "prefixflow.state",
-        "prefixflow.memory.budget",
-        "prefixflow.model.dtypes",
-        "prefixflow.schedule.grad_guard",
+        "prefixflow.runtime",
         "prefixflow.group",
-        "prefixflow.state.kv_cache",
-        "prefixflow.tree.layouts",
-        "prefixflow.memory.live_bytes",
         "prefixflow.loss",
-        "prefixflow.memory.limit",
-        "prefixflow.model.models",
-        "prefixflow.attention.split",
-        "prefixflow.state.recurrent",
-        "prefixflow.state.layers",
         "prefixflow.tree",
-        "prefixflow.tree.build",
-        "prefixflow.tree.plan",
+        "prefixflow.attention",
+        "prefixflow.state",
+        "prefixflow.model",
+        "prefixflow.memory",
+        "prefixflow.checks",
+        "prefixflow.schedule",
     ],
-    # how the schedule reaches a model: adapters, the runtime, hooks, compile, offload
+    # how the schedule reaches a model: the registry, adapters, the transforms, hooks, offload, the guard
     [
         "prefixflow.model.adapters",
         "prefixflow.model.apply",
         "prefixflow.model.compile",
-        "prefixflow.schedule.stats",
         "prefixflow.hooks",
         "prefixflow.memory.offload",
         "prefixflow.memory.storage",
-        "prefixflow.schedule.stage",
-        "prefixflow.schedule.tree_phases",
-        "prefixflow.schedule.validation",
+        "prefixflow.schedule.grad_guard",
     ],
-    # the driver: the three phases and the per-group run
-    ["prefixflow.schedule.driver"],
-    # what plugs into the driver through hooks and build steps
+    # the schedule: GroupRun, the stage, the caches, the phase functions, validation, stats, the driver
+    [
+        "prefixflow.schedule.run",
+        "prefixflow.schedule.stage",
+        "prefixflow.schedule.caches",
+        "prefixflow.schedule.phases",
+        "prefixflow.schedule.stats",
+        "prefixflow.schedule.validation",
+        "prefixflow.schedule.driver",
+    ],
+    # what plugs into the schedule through hooks and build steps
     ["prefixflow.moe"],
     # checks: Table 3 alignment and its negative controls
     ["prefixflow.checks.alignment", "prefixflow.checks.faults"],
-    # parallelism, the PP stage program and split-DP groups included: it runs the driver's phases
+    # parallelism, the PP stage program and split-DP groups included: it runs the schedule's phases
     ["prefixflow.parallel"],
     ["prefixflow.rl"],
     # hf, trl and verl (verl imports verl only here; its tests run in .venv-verl)

@@ -23,7 +23,7 @@ class TreeInput:
         from prefixflow.loss import resolve_loss
         from prefixflow.model.adapters import adapter_for
         from prefixflow.model.apply import runtime_of
-        from prefixflow.tree.plan import TreePlan
+        from prefixflow.tree.plan import TreeRows
 
         if not isinstance(tree, RolloutTree):
             raise TypeError(f"tree must be a prefixflow.RolloutTree, got {type(tree).__name__}")
@@ -35,7 +35,7 @@ class TreeInput:
         self.losses = self.tree.path_losses()
         self.loss = loss
         self.cfg = resolve_loss(loss, loss_config, self.losses)
-        self.plan = TreePlan(self.tree)  # where each (path, slot) is scored: the library's own map
+        self.plan = TreeRows(self.tree)  # where each (path, slot) is scored: the library's own map
         self.model = model
 
     def logprobs(self, hidden_rows: torch.Tensor, targets: list[int]) -> torch.Tensor:

@@ -3,16 +3,15 @@
 TorchTitan's attention modules call ``self.inner_attention(q, k, v, scale=..., enable_gqa=...)`` with
 post-RoPE (and post qk-norm) ``[B, H, L, D]`` tensors. ``PrefixAwareAttention`` replaces that inner module.
 With no mode set it calls the original module unchanged, so ``model(tokens)`` stays the plain
-full-sequence forward. The schedule installs one of three modes for the duration of a phase:
+full-sequence forward. The schedule installs a mode for the duration of each forward:
 
-- ``CapturePrefix``  (Phase A): keep each layer's prefix K/V in the cache, attend causally as usual.
-- ``AttendWithPrefix`` (Phase B): suffix queries attend to ``[cached prefix K/V ; suffix K/V]`` under the
-  layout's mask (every prefix key, own suffix causally, never another suffix or a pad).
+- ``NodeAttention`` (every PrefixFlow phase): the rows attend to the cached K/V of the nodes they read and to
+  their own K/V under the layout's mask; in Phase A a node's forward also captures its live K/V.
 - ``MaskedAttention`` (baseline, packed layout): plain attention under a block-diagonal causal mask.
 
 When a microbatch's tokens are spread over ranks (context parallelism, ``Microbatch.sequence``), every mode
 first gathers the whole sequence's K/V (``sequence.gather``) and attends this rank's queries to them under
-the mask's local rows; the cached prefix view comes from the cache's ``PrefixView`` either way.
+the mask's local rows; a cached node's K/V come from its cache's ``PrefixView`` either way.
 """
 
 from __future__ import annotations
@@ -25,17 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from ..state.kv_cache import PrefixKVCache
 from .split import split_attention, suffix_bias
 
 __all__ = [
     "AttentionState",
     "PrefixAwareAttention",
-    "CapturePrefix",
     "PrefixCaptured",
-    "AttendWithPrefix",
+    "NodeAttention",
     "MaskedAttention",
-    "AttendWithAncestors",
     "ATTENTION_VARIANTS",
     "sdpa_backends",
 ]
@@ -85,7 +81,7 @@ class PrefixAwareAttention(nn.Module):
         self.inner = inner
         self.layer = layer
         self.state = state
-        # This layer's cached prefix K/V while Phase B runs (set by AttendWithPrefix.bind). Read as a module
+        # This layer's cached K/V while a forward reads them (set by NodeAttention.bind). Read as a module
         # attribute, a compiled block gets it as a graph input: one graph serves every layer, where a
         # lookup by the integer ``layer`` would specialise (and recompile) the block per layer.
         self.prefix_kv = None
@@ -99,38 +95,98 @@ class PrefixAwareAttention(nn.Module):
 
 
 class PrefixCaptured(Exception):
-    """Raised once the last layer's prefix K/V are captured: nothing after them is ever needed."""
+    """Raised once a node's last layer has captured its K/V: nothing after them is ever needed."""
 
 
-class CapturePrefix:
-    """Phase A: record the live prefix K/V of every layer, then attend exactly as the plain model does.
+class NodeAttention:
+    """Every phase's attention: queries attend to the cached K/V of the nodes their rows read and to their own
+    K/V, under the layout's mask (every key of the row's ancestors, its own tokens causally, never another
+    row's, never a pad).
 
-    ``stop_after``: a layer index; after capturing it, raise :class:`PrefixCaptured` instead of attending. The
-    prefix's outputs are never read (the loss lives on suffix tokens), so the last layer's attention output and
-    MLP over the prefix are dead work: the baseline computes them in every sequence, PrefixFlow skips them.
+    - ``keys``: the cached K/V the microbatch reads (``keys(layer, dtype)`` -> ``(k, v)`` ``[1, H_kv, U, D]``,
+      differentiable w.r.t. each node's leaves, or None when it reads none); it may have ``begin()``/``end()``
+      (around the forward), ``lazy`` (read when each layer runs, e.g. a gathering view; else every layer's
+      view is bound once per microbatch, so a compiled block gets it as a graph input) and
+      ``states(layer, parents)`` (recurrent layers: each row's parent node's end state).
+    - ``mask``: bool ``[b, 1, L, U + L]`` (None: no keys before the tokens, plain causal); ``rows``: the
+      microbatch's rows (``Microbatch.rows``); ``sequence``: the microbatch's sequence exchange when its tokens
+      are spread over ranks (the mask then has this rank's query rows; a node captures its own K/V shard).
+    - ``capture``: a node's cache that keeps this forward's live K/V (Phase A), None otherwise (Phase B, and a
+      checkpointed block recomputing in Phase C). ``stop_after``: after capturing that layer, raise
+      :class:`PrefixCaptured` (nothing the node scores needs its last layer's output).
+    - ``variant``: ``"concat"`` runs one masked SDPA over ``[cached ; own]`` K/V (``torch.cat`` copies the
+      cached K/V once per row, in every layer, and the masked kernel computes every pair); ``"split"`` reads
+      the cache in place (:mod:`prefixflow.attention.split`): a pass over the cached keys (maskless when every
+      row sees every key, ``keys_visible``) and one over the own keys (plain causal when ``causal_own``: the
+      padded layout, tokens not sharded), merged by log-sum-exp. Both run under the model's ``sdpa_kernel``
+      backend list (:func:`sdpa_backends`).
     """
 
     def __init__(
         self,
-        cache: PrefixKVCache,
-        stop_after: int | None = None,
+        keys,
+        mask: torch.Tensor | None,
         *,
-        mask: torch.Tensor | None = None,
+        rows: tuple = (),
         sequence=None,
+        capture=None,
+        stop_after: int | None = None,
+        variant: str = "concat",
+        causal_own: bool = False,
+        keys_visible: bool = True,
     ) -> None:
-        self.cache = cache
-        self.stop_after = stop_after
-        self.mask = mask  # None: plain causal over the whole prefix
-        self.sequence = sequence  # the prefix's sequence exchange when its tokens are sharded
+        if variant not in ATTENTION_VARIANTS:
+            raise ValueError(f"attention variant {variant!r} unknown; valid: {ATTENTION_VARIANTS}")
+        self.keys, self.mask, self.rows, self.sequence = keys, mask, rows, sequence
+        self.capture, self.stop_after, self.variant = capture, stop_after, variant
+        self.lazy = getattr(keys, "lazy", False)
+        self._own_mask = self._split_mask = self._keys_mask = None
+        if variant == "split" and mask is not None:
+            n_own = mask.shape[-2] if sequence is None else sequence.length
+            n_keys = mask.shape[-1] - n_own
+            causal = causal_own and sequence is None
+            if n_keys:
+                self._own_mask = None if causal else mask[..., n_keys:]
+                # Built once per microbatch, eagerly (it may inspect the mask), shared by every layer.
+                self._split_mask = suffix_bias(self._own_mask, _dtype_of(keys), causal=causal)
+                self._keys_mask = None if keys_visible else mask[..., :n_keys]
+
+    def bind(self, wrappers: list[PrefixAwareAttention]) -> None:
+        """Begin the keys' read; unless lazy, hand each wrapped layer its cached K/V for this forward."""
+        if hasattr(self.keys, "begin"):
+            self.keys.begin()
+        if not self.lazy:
+            for wrapper in wrappers:
+                wrapper.__dict__["prefix_kv"] = self.keys(wrapper.layer, None)
+
+    def unbind(self) -> None:
+        if hasattr(self.keys, "end"):
+            self.keys.end()
 
     def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
-        self.cache.capture(wrapper.layer, k, v)
-        if wrapper.layer == self.stop_after:
-            raise PrefixCaptured
-        if self.mask is None and self.sequence is None:
+        if self.capture is not None:
+            self.capture.capture(wrapper.layer, k, v)
+            if wrapper.layer == self.stop_after:
+                raise PrefixCaptured
+        cached = self.keys(wrapper.layer, None) if self.lazy else wrapper.prefix_kv
+        if cached is None and self.mask is None and self.sequence is None:
             return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
         k, v = _whole_sequence(self.sequence, k, v)
+        if cached is not None and self.variant == "split":
+            return split_attention(
+                q, k, v, *cached, self._own_mask, scale=scale, prepared=self._split_mask,
+                keys_mask=self._keys_mask, backends=sdpa_backends(wrapper),
+            )  # fmt: skip
+        if cached is not None:
+            b = q.shape[0]
+            k = torch.cat([cached[0].expand(b, -1, -1, -1), k], dim=2)  # b copies of the cached K/V
+            v = torch.cat([cached[1].expand(b, -1, -1, -1), v], dim=2)
         return _masked_sdpa(wrapper, q, k, v, self.mask, scale, enable_gqa)
+
+
+def _dtype_of(keys) -> torch.dtype | None:
+    """The dtype the cached K/V were computed in (the split bias's dtype), or None."""
+    return getattr(keys, "compute_dtype", None)
 
 
 def sdpa_backends(wrapper: PrefixAwareAttention) -> list | None:
@@ -149,74 +205,6 @@ def _masked_sdpa(wrapper: PrefixAwareAttention, q, k, v, mask, scale, enable_gqa
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
-class AttendWithPrefix:
-    """Phase B: suffix queries attend to the cached prefix K/V and their own K/V.
-
-    ``mask``: bool ``[b, 1, S, P_c + S]`` (True = may attend) from the suffix layout. ``causal_suffix``: the
-    layout guarantees that plain causal attention over the suffix columns is exact on every row that matters
-    (the padded layout, tokens not sharded), so split attention runs its suffix part with ``is_causal`` and
-    no mask. ``variant="concat"`` runs one masked SDPA over ``[prefix ; suffix]`` K/V: ``torch.cat``
-    materialises the cached prefix K/V once per sequence of the microbatch, in every layer, and the masked
-    kernel computes every (query, key) pair including the suffix's causal upper triangle. ``"split"`` reads
-    the cache in place (:mod:`prefixflow.attention.split`) and needs at most the mask's suffix columns. Both
-    run under the model's ``sdpa_kernel`` backend list (:func:`sdpa_backends`).
-    """
-
-    def __init__(
-        self,
-        cache: PrefixKVCache,
-        mask: torch.Tensor,
-        variant: str = "concat",
-        *,
-        sequence=None,
-        causal_suffix: bool = False,
-    ) -> None:
-        if variant not in ATTENTION_VARIANTS:
-            raise ValueError(f"attention variant {variant!r} unknown; valid: {ATTENTION_VARIANTS}")
-        self.cache = cache
-        self.mask = mask
-        self.variant = variant
-        self.sequence = sequence  # the microbatch's sequence exchange when its tokens are sharded
-        self._suffix_mask = self._split_mask = None
-        if variant == "split" and len(cache):
-            n_keys = mask.shape[-2] if sequence is None else sequence.length
-            causal = causal_suffix and sequence is None
-            self._suffix_mask = None if causal else mask[..., mask.shape[-1] - n_keys :]
-            # Built once per microbatch, eagerly (it may inspect the mask), shared by every layer.
-            self._split_mask = suffix_bias(self._suffix_mask, cache.compute_dtype, causal=causal)
-
-    def bind(self, wrappers: list[PrefixAwareAttention]) -> None:
-        """Give each wrapped layer its prefix K/V view (in the compute dtype) for this phase; a lazy
-        :class:`~prefixflow.state.kv_cache.PrefixView` is read by each layer when its attention runs instead."""
-        if not len(self.cache):
-            return
-        self.cache.view.begin(self.cache)
-        if not self.cache.view.lazy:
-            for wrapper in wrappers:
-                wrapper.__dict__["prefix_kv"] = self.cache.read(wrapper.layer, self.cache.compute_dtype)
-
-    def unbind(self) -> None:
-        if len(self.cache):
-            self.cache.view.end()
-
-    def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
-        cached = wrapper.prefix_kv  # set by bind() when AttentionState.use activated this mode
-        if cached is None and self.cache.view.lazy and len(self.cache):
-            cached = self.cache.read(wrapper.layer, self.cache.compute_dtype)
-        k, v = _whole_sequence(self.sequence, k, v)
-        if cached is not None and self.variant == "split":
-            return split_attention(
-                q, k, v, *cached, self._suffix_mask, scale=scale, prepared=self._split_mask,
-                backends=sdpa_backends(wrapper),
-            )  # fmt: skip
-        if cached is not None:
-            prefix_k, prefix_v = cached
-            b = q.shape[0]
-            k = torch.cat([prefix_k.expand(b, -1, -1, -1), k], dim=2)  # b copies of the prefix K/V
-            v = torch.cat([prefix_v.expand(b, -1, -1, -1), v], dim=2)
-        return _masked_sdpa(wrapper, q, k, v, self.mask, scale, enable_gqa)
-
-
 class MaskedAttention:
     """Plain attention under an explicit mask (the baseline's packed layout; under the model's backend list);
     with neither a mask nor a sequence exchange it is the wrapped module's own causal attention."""
@@ -229,52 +217,4 @@ class MaskedAttention:
         if self.mask is None and self.sequence is None:
             return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
         k, v = _whole_sequence(self.sequence, k, v)
-        return _masked_sdpa(wrapper, q, k, v, self.mask, scale, enable_gqa)
-
-
-class AttendWithAncestors:
-    """Prefix trees: queries attend to the cached K/V of their ancestor nodes and to their own K/V.
-
-    ``read(layer, dtype)``: the K/V of the nodes this microbatch reads, concatenated along the keys
-    (``[1, H_kv, U, D]``, differentiable w.r.t. each node's leaves), or None when it reads none. ``mask``: bool
-    ``[b, 1, L, U + L]`` (None: no keys before the tokens, plain causal). ``capture``: a node's
-    :class:`~prefixflow.state.kv_cache.PrefixKVCache` that keeps this forward's live K/V (Phase A); None in Phase B
-    and when a checkpointed node block recomputes in Phase C. ``sequence``: the microbatch's sequence
-    exchange when its tokens are spread over ranks (the mask then has this rank's query rows; a node captures
-    its own K/V shard). ``read`` may have ``begin()``/``end()``, called around the phase's forward, and
-    ``states(layer, parents)`` (recurrent layers: each row's parent node's end state). ``rows``: the
-    microbatch's tree rows (``Microbatch.tree_rows``), in row/packing order.
-    """
-
-    def __init__(
-        self,
-        read,
-        mask: torch.Tensor | None,
-        capture: PrefixKVCache | None = None,
-        *,
-        sequence=None,
-        rows: tuple = (),
-    ) -> None:
-        self.read, self.mask, self.capture, self.sequence = read, mask, capture, sequence
-        self.rows = rows
-
-    def bind(self, wrappers: list[PrefixAwareAttention]) -> None:
-        if hasattr(self.read, "begin"):
-            self.read.begin()
-
-    def unbind(self) -> None:
-        if hasattr(self.read, "end"):
-            self.read.end()
-
-    def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
-        if self.capture is not None:
-            self.capture.capture(wrapper.layer, k, v)
-        cached = self.read(wrapper.layer, k.dtype)
-        if cached is None and self.mask is None and self.sequence is None:
-            return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
-        k, v = _whole_sequence(self.sequence, k, v)
-        if cached is not None:
-            b = q.shape[0]
-            k = torch.cat([cached[0].expand(b, -1, -1, -1), k], dim=2)
-            v = torch.cat([cached[1].expand(b, -1, -1, -1), v], dim=2)
         return _masked_sdpa(wrapper, q, k, v, self.mask, scale, enable_gqa)

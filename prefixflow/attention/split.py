@@ -4,9 +4,10 @@ The ``"concat"`` variant builds ``[prefix ; suffix]`` K/V (a copy of the whole c
 and microbatch) and runs one masked SDPA. This module computes the same attention in two parts and merges them
 with their log-sum-exp, so the cached prefix is only *read*:
 
-- prefix part: suffix queries against the cached prefix K/V, no mask (every suffix query sees every prefix
-  key). The prefix is shared by the whole microbatch, so the ``b`` suffix rows are folded into the query
-  length (``[b, H, S, D] -> [1, H, b*S, D]``, free for ``b == 1``) and one attention runs against the
+- prefix part: suffix queries against the cached prefix K/V, no mask when every suffix query sees every
+  prefix key (else under a bias from the rows' key mask: a tree microbatch whose rows read different
+  ancestors). The prefix is shared by the whole microbatch, so the ``b`` suffix rows are folded into the
+  query length (``[b, H, S, D] -> [1, H, b*S, D]``, free for ``b == 1``) and one attention runs against the
   ``[1, H_kv, P, D]`` cache: no ``expand`` over the batch and a gK/gV of the cache's own shape.
 - suffix part: suffix queries against suffix K/V, plain causal (no mask at all) when the layout allows it,
   else under an additive bias built from the layout's suffix mask.
@@ -233,10 +234,12 @@ def _attend_backward(name: str, grad_out, q, k, v, bias, out, lse, is_causal, sc
 
 class _SplitAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, prefix_k, prefix_v, bias, is_causal, scale, prefix_kernel, suffix_kernel):
+    def forward(
+        ctx, q, k, v, prefix_k, prefix_v, bias, is_causal, scale, prefix_kernel, suffix_kernel, prefix_bias
+    ):
         b = q.shape[0]
         qf = _fold(q)
-        out_p, lse_p, state_p = _attend(prefix_kernel, qf, prefix_k, prefix_v, None, False, scale)
+        out_p, lse_p, state_p = _attend(prefix_kernel, qf, prefix_k, prefix_v, prefix_bias, False, scale)
         out_s, lse_s, state_s = _attend(suffix_kernel, q, k, v, bias, is_causal, scale)
         out_p, lse_p = _unfold(out_p, b), _unfold(lse_p, b)
         lse = torch.logaddexp(lse_p, lse_s)  # the kernels' lse dtype: fp32, or fp64 for fp64 inputs
@@ -244,25 +247,25 @@ class _SplitAttention(torch.autograd.Function):
         w_p = torch.exp(lse_p - lse).unsqueeze(-1).to(acc)
         w_s = torch.exp(lse_s - lse).unsqueeze(-1).to(acc)
         out = (out_p.to(acc) * w_p + out_s.to(acc) * w_s).to(q.dtype)
-        ctx.save_for_backward(q, k, v, prefix_k, prefix_v, bias, out, lse)
+        ctx.save_for_backward(q, k, v, prefix_k, prefix_v, bias, out, lse, prefix_bias)
         ctx.is_causal, ctx.scale = is_causal, scale
         ctx.kernels, ctx.states = (prefix_kernel, suffix_kernel), (state_p, state_s)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, prefix_k, prefix_v, bias, out, lse = ctx.saved_tensors
+        q, k, v, prefix_k, prefix_v, bias, out, lse, prefix_bias = ctx.saved_tensors
         (prefix_kernel, suffix_kernel), (state_p, state_s) = ctx.kernels, ctx.states
         b = q.shape[0]
         grad_out = grad_out.contiguous()
         gq_p, gk_p, gv_p = _attend_backward(
-            prefix_kernel, _fold(grad_out), _fold(q), prefix_k, prefix_v, None, _fold(out),
+            prefix_kernel, _fold(grad_out), _fold(q), prefix_k, prefix_v, prefix_bias, _fold(out),
             _fold(lse), False, ctx.scale, state_p,
         )  # fmt: skip
         gq_s, gk_s, gv_s = _attend_backward(
             suffix_kernel, grad_out, q, k, v, bias, out, lse, ctx.is_causal, ctx.scale, state_s
         )
-        return gq_s + _unfold(gq_p, b), gk_s, gv_s, gk_p, gv_p, None, None, None, None, None
+        return gq_s + _unfold(gq_p, b), gk_s, gv_s, gk_p, gv_p, None, None, None, None, None, None
 
 
 def split_attention(
@@ -275,16 +278,19 @@ def split_attention(
     *,
     scale: float | None = None,
     prepared: tuple[torch.Tensor | None, bool] | None = None,
+    keys_mask: torch.Tensor | None = None,
     backends: list[SDPBackend] | None = None,
 ) -> torch.Tensor:
     """Attention of suffix queries over ``[prefix ; suffix]`` keys without concatenating them.
 
     ``q``: ``[b, H, S, D]``; ``k``/``v``: ``[b, H_kv, S, D]``; ``prefix_k``/``prefix_v``: ``[1, H_kv, P, D]``
     (shared by the batch); ``suffix_mask``: bool ``[b, 1, S, S]`` over the suffix keys (None = causal);
-    every prefix key is visible to every query. Differentiable w.r.t. ``q, k, v, prefix_k, prefix_v``.
+    ``keys_mask``: bool ``[b, 1, S, P]`` over the prefix keys, None when every prefix key is visible to every
+    query. Differentiable w.r.t. ``q, k, v, prefix_k, prefix_v``.
     ``prepared``: ``suffix_bias(...)`` computed once and shared by every layer. ``backends``: the fused CUDA
     kernels allowed, in priority order (the model's ``sdpa_kernel`` list; None = flash, then efficient).
-    Equals ``sdpa(q, cat(prefix_k.expand(b), k), ..., mask=cat(ones, suffix_mask), enable_gqa=True)``.
+    Equals ``sdpa(q, cat(prefix_k.expand(b), k), ..., mask=cat(keys_mask or ones, suffix_mask),
+    enable_gqa=True)``.
     """
     if prefix_k.shape[0] != 1 or prefix_v.shape[0] != 1:
         raise ValueError(
@@ -292,13 +298,20 @@ def split_attention(
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     bias, is_causal = prepared if prepared is not None else suffix_bias(suffix_mask, q.dtype)
+    prefix_bias = None
+    if keys_mask is not None:
+        folded = _fold(keys_mask.expand(q.shape[0], 1, *keys_mask.shape[2:]))  # [1, 1, b*S, P]
+        prefix_bias = torch.zeros(folded.shape, dtype=q.dtype, device=q.device)
+        prefix_bias.masked_fill_(~folded, float("-inf"))
     same_device = all(t.device == q.device for t in (k, v, prefix_k, prefix_v))
-    prefix_kernel = _kernel_for(_fold(q), prefix_k, None, False, backends) if same_device else None
+    prefix_kernel = _kernel_for(_fold(q), prefix_k, prefix_bias, False, backends) if same_device else None
     suffix_kernel = _kernel_for(q, k, bias, is_causal, backends) if prefix_kernel is not None else None
     if suffix_kernel is None:
-        return split_attention_reference(q, k, v, prefix_k, prefix_v, suffix_mask, scale=scale)
+        return split_attention_reference(
+            q, k, v, prefix_k, prefix_v, suffix_mask, scale=scale, keys_mask=keys_mask
+        )
     return _SplitAttention.apply(
-        q, k, v, prefix_k, prefix_v, bias, is_causal, scale, prefix_kernel, suffix_kernel
+        q, k, v, prefix_k, prefix_v, bias, is_causal, scale, prefix_kernel, suffix_kernel, prefix_bias
     )
 
 
@@ -320,7 +333,9 @@ def _merge_weight(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(lse_part - safe).unsqueeze(-1)
 
 
-def split_attention_reference(q, k, v, prefix_k, prefix_v, suffix_mask, *, scale: float | None = None):
+def split_attention_reference(
+    q, k, v, prefix_k, prefix_v, suffix_mask, *, scale: float | None = None, keys_mask=None
+):
     """:func:`split_attention` in differentiable plain PyTorch ops (any device/dtype; materialises scores).
 
     GQA without copies: queries are viewed as ``[b, H_kv, n_rep, S, D]`` against ``[.., H_kv, L, D]`` keys.
@@ -332,7 +347,10 @@ def split_attention_reference(q, k, v, prefix_k, prefix_v, suffix_mask, *, scale
     qg = q.to(compute).view(b, h_kv, h // h_kv, s, d)
     # Prefix part: fold the batch into the query length, attend to the one shared cache.
     qp = qg.permute(1, 2, 0, 3, 4).reshape(1, h_kv, h // h_kv, b * s, d)
-    out_p, lse_p = _attend_lse(qp, prefix_k.to(compute), prefix_v.to(compute), None, scale)
+    fold = None
+    if keys_mask is not None:  # [b or 1, 1, S, P] -> [1, 1, 1, b*S, P], the queries' folded order
+        fold = keys_mask.expand(b, 1, s, keys_mask.shape[-1]).permute(1, 0, 2, 3).reshape(1, 1, 1, b * s, -1)
+    out_p, lse_p = _attend_lse(qp, prefix_k.to(compute), prefix_v.to(compute), fold, scale)
     out_p = out_p.view(h_kv, h // h_kv, b, s, d).permute(2, 0, 1, 3, 4)
     lse_p = lse_p.view(h_kv, h // h_kv, b, s).permute(2, 0, 1, 3)
     if suffix_mask is None:

@@ -35,6 +35,7 @@ class _PrefixFlowOnly(ScheduleHooks):
         self.model: nn.Module | None = None
         self.group_obj = None
         self.active = False
+        self.in_b = False  # Phase B is running: the microbatches are leaf (suffix) rows
 
     @contextlib.contextmanager
     def group(self, model, group, system) -> Iterator[None]:
@@ -43,6 +44,14 @@ class _PrefixFlowOnly(ScheduleHooks):
             yield
         finally:
             self.model, self.group_obj, self.active = None, None, False
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.in_b = name == "B"
+        try:
+            yield
+        finally:
+            self.in_b = False
 
 
 class ScalePrefixGradient(_PrefixFlowOnly):
@@ -79,7 +88,7 @@ class ShiftSuffixPositions(_PrefixFlowOnly):
 
     @contextlib.contextmanager
     def microbatch(self, mb) -> Iterator[None]:
-        if not self.active or mb.cached_prefix_len is None:
+        if not self.active or not self.in_b:
             yield
             return
         original = mb.positions
@@ -98,17 +107,18 @@ class MicrobatchLossScale(_PrefixFlowOnly):
     @contextlib.contextmanager
     def microbatch(self, mb) -> Iterator[None]:
         group = self.group_obj
-        if not self.active or group is None:
+        if not self.active or group is None or not self.in_b:
             yield
             return
-        original = group.advantages
+        advantages = group.advantages  # the tensor the loss reads (the tree's, shared with its PathLosses)
+        original = advantages.clone()
         scale = torch.ones_like(original)
         scale[list(mb.responses)] = group.n / len(mb.responses)
-        group.advantages = original * scale
+        advantages.mul_(scale)
         try:
             yield
         finally:
-            group.advantages = original
+            advantages.copy_(original)
 
 
 FAULTS = {

@@ -38,6 +38,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ..attention.modes import AttentionState, PrefixAwareAttention
 from ..model.adapters import ModelAdapter, register_adapter
+from ..runtime import runtime_of
 from .hf_configs import (
     DROPOUT_CONFIG_FIELDS,
     HF_MODELS,
@@ -171,12 +172,12 @@ class HFAdapter(ModelAdapter):
         return [m for kind, m, _, _ in layers if kind == "attention"]
 
     def check(self, model, group) -> None:
-        longest = group.prompt_len + max(group.response_lens)
+        longest = max(group.path_lens)
         for attention in self.attentions(model):
             window = getattr(attention, "sliding_window", getattr(model.config, "sliding_window", None))
             if window is not None and longest > window:
                 raise ValueError(
-                    f"prompt + longest response = {longest} tokens exceeds the model's sliding_window={window}; "
+                    f"the longest sequence has {longest} tokens, more than the model's sliding_window={window}; "
                     "PrefixFlow attends to the whole cached prefix (shorten the group or disable the window)"
                 )
         for field in DROPOUT_CONFIG_FIELDS:
@@ -259,5 +260,5 @@ def build_hf_model(
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.to(device)
-    model.prefixflow_name = f"hf:{name}"
+    runtime_of(model, create=True).name = f"hf:{name}"
     return model

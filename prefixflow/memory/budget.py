@@ -1,4 +1,4 @@
-"""Microbatch plans: fixed sizes, or ``microbatch="auto"``: the largest microbatches that fit a memory budget.
+"""Microbatch chunks: fixed sizes, or ``microbatch="auto"``: the largest microbatches that fit a memory budget.
 
 ``train_group(..., microbatch="auto")`` spends a device-memory budget (``PrefixFlowConfig.memory_budget_bytes``)
 on suffix wave size, the paper's relaxed suffix budget (§4.2): whatever the prefix state leaves free (less with
@@ -32,7 +32,7 @@ from torch import nn
 
 from prefixflow.memory.live_bytes import LiveBytesMeter
 
-__all__ = ["FixedPlan", "BudgetPlan", "AUTO", "OverBudgetWarning"]
+__all__ = ["FixedChunks", "BudgetChunks", "AUTO", "OverBudgetWarning"]
 
 AUTO = "auto"
 PROBES = 2  # microbatches of one response before the plan: warm-up (grads, gK/gV), then the measured one
@@ -42,7 +42,7 @@ class OverBudgetWarning(UserWarning):
     """``microbatch="auto"``: even one response exceeds the memory budget; the group still runs, over it."""
 
 
-class FixedPlan:
+class FixedChunks:
     """Microbatches of ``size`` of the given ``responses`` (None = all of them), in order: the one chunker of
     every schedule (a whole group's responses, or a split group's share)."""
 
@@ -66,7 +66,7 @@ class FixedPlan:
         return contextlib.nullcontext()
 
 
-class BudgetPlan:
+class BudgetChunks:
     """``microbatch="auto"``: one-response probes, then the largest microbatches that fit ``budget`` bytes.
 
     ``lengths``: the input tokens of each response's sequence (suffix or full sequence; a tree path's leaf

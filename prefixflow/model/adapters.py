@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..attention.modes import AttentionState, PrefixAwareAttention
+from ..runtime import HANDLE, unwrapped
 from ..state.layers import StateRule, state_rule_for
 from .models import rope_buffer
 
@@ -115,11 +116,13 @@ class TorchTitanAdapter(ModelAdapter):
         return all(hasattr(model, a) for a in ("model_args", "layers", "tok_embeddings", "output"))
 
     def hidden(self, model, tokens, positions, *, final_norm=True):
-        h = model.tok_embeddings(tokens)
+        # A pipeline stage (TorchTitan's split) lacks the embedding before its first stage (its input is the
+        # previous stage's hidden states) and the final norm after its last.
+        h = model.tok_embeddings(tokens) if model.tok_embeddings is not None else tokens
         rope = rope_buffer(model)
         for block in model.layers.values():
             h = block(h, rope, None, positions)
-        return model.norm(h) if final_norm else h
+        return model.norm(h) if final_norm and model.norm is not None else h
 
     def lm_head(self, model):
         return model.output
@@ -215,8 +218,8 @@ def _load_entry_points() -> None:
 def adapter_for(model: nn.Module) -> ModelAdapter:
     """The adapter of ``model``: the one ``apply_prefixflow`` chose, else the first registered one that
     matches. Raises ``TypeError`` naming the supported families."""
-    runtime = getattr(model, "_prefixflow", None)
-    if runtime is not None:
+    runtime = unwrapped(model).__dict__.get(HANDLE)
+    if runtime is not None and runtime.adapter is not None:
         return runtime.adapter
     for attempt in range(2):
         for adapter in _ADAPTERS:

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from ..attention.modes import ATTENTION_VARIANTS, AttentionState
-from ..schedule.stage import Stage
-from .adapters import ModelAdapter, adapter_for
+from ..runtime import PrefixFlowRuntime, runtime_of
+from .adapters import adapter_for
 
 __all__ = ["PrefixFlowConfig", "PrefixFlowRuntime", "apply_prefixflow", "runtime_of", "apply_ac", "AC_MODES"]
 
 AC_MODES = ("none", "selective", "full")
-PIPELINE_ATTR = "_prefixflow_pipeline"  # where apply_pp leaves a stage model's pipeline Stage
 
 
 @dataclass(frozen=True)
@@ -66,25 +65,6 @@ class PrefixFlowConfig:
         return "split" if device.type == "cpu" else "concat"
 
 
-@dataclass
-class PrefixFlowRuntime:
-    """What ``apply_prefixflow`` attaches to a model: the config, the shared attention state, the model's
-    adapter (:mod:`prefixflow.model.adapters`) and the :class:`~prefixflow.schedule.stage.Stage` its phases run on (this
-    device; ``apply_pp`` sets a pipeline stage)."""
-
-    config: PrefixFlowConfig
-    state: AttentionState
-    n_wrapped: int
-    adapter: ModelAdapter
-    stage: Stage = field(default_factory=Stage)
-
-    def grad_kv_dtype(self, model: nn.Module) -> torch.dtype:
-        if self.config.grad_kv_dtype is not None:
-            return self.config.grad_kv_dtype
-        dtype = next(model.parameters()).dtype
-        return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
 def apply_prefixflow(model: nn.Module, config: PrefixFlowConfig | None = None) -> nn.Module:
     """Wrap every attention layer of a model at its SDPA boundary (in place, idempotent).
 
@@ -97,27 +77,15 @@ def apply_prefixflow(model: nn.Module, config: PrefixFlowConfig | None = None) -
     config = config or PrefixFlowConfig()
     if not isinstance(config, PrefixFlowConfig):
         raise TypeError(f"config must be a PrefixFlowConfig, got {type(config).__name__}")
-    runtime = getattr(model, "_prefixflow", None)
-    if runtime is not None:
+    runtime = runtime_of(model, create=True)
+    if runtime.config is not None:
         runtime.config = replace(config)
         return model
     adapter = adapter_for(model)
     state = AttentionState()
-    n = adapter.wrap_attention(model, state)
-    stage = getattr(model, PIPELINE_ATTR, None) or Stage()  # a model cut by apply_pp before it was wrapped
-    model._prefixflow = PrefixFlowRuntime(
-        config=config, state=state, n_wrapped=n, adapter=adapter, stage=stage
-    )
+    runtime.n_wrapped = adapter.wrap_attention(model, state)
+    runtime.config, runtime.state, runtime.adapter = config, state, adapter
     return model
-
-
-def runtime_of(model: nn.Module) -> PrefixFlowRuntime:
-    runtime = getattr(model, "_prefixflow", None)
-    if runtime is None:
-        raise ValueError(
-            "this model has no PrefixFlow attention; call prefixflow.apply_prefixflow(model) first"
-        )
-    return runtime
 
 
 def apply_ac(model: nn.Module, mode: str = "selective") -> nn.Module:
@@ -129,5 +97,5 @@ def apply_ac(model: nn.Module, mode: str = "selective") -> nn.Module:
     if mode == "none":
         return model
     adapter_for(model).apply_ac(model, mode)
-    model.prefixflow_ac = mode
+    runtime_of(model, create=True).ac = mode
     return model

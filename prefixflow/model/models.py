@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..runtime import runtime_of
+
 __all__ = [
     "build_model",
     "check_model",
@@ -193,7 +195,7 @@ def build_model(
         _use_exact_rope(model)
     for step in _BUILD_STEPS:
         step(model)
-    model.prefixflow_name = name
+    runtime_of(model, create=True).name = name
     return model
 
 

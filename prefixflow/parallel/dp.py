@@ -29,7 +29,6 @@ from torch import nn
 from ..group import RolloutGroup
 from ..schedule.driver import GroupStats, train_group
 from ..schedule.grad_guard import keep_grads_on_failure
-from ..schedule.validation import run_input
 from ..tree.rollout_tree import RolloutTree
 from . import fsdp as fsdp_mod
 from . import parallel_state
@@ -142,7 +141,6 @@ def train_step(
     state = parallel_state(model)
     n_ranks = state.dims.batch if state is not None else 1
     me = state.coordinate("batch") if state is not None and n_ranks > 1 else 0
-    groups = [run_input(g) for g in groups]  # a group with loss_masks as its tree, built once
     trees = {g for g, group in enumerate(groups) if isinstance(group, RolloutTree)}
     costs = [group_costs(model, g, system) for g in groups]
     ep = state is not None and state.dims.ep > 1

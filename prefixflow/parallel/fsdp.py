@@ -44,6 +44,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from ..hooks import ScheduleHooks, add_hooks, hooks_of
 from ..model.adapters import adapter_for
+from ..runtime import runtime_of
 
 __all__ = [
     "FSDPConfig",
@@ -163,7 +164,7 @@ def apply_fsdp(
     # PrefixFlow runs the model piecewise (embedding, blocks, head), never through the root's forward: make
     # the root the root now, before a child's forward could claim it.
     _root_state(model)._lazy_init()
-    model.prefixflow_fsdp_counter = counter
+    runtime_of(model, create=True).fsdp = counter
     add_hooks(model, FSDPSchedule(model))
     return model
 
@@ -185,12 +186,12 @@ def _groups(model: nn.Module):
 
 def collective_counts(model: nn.Module) -> dict[str, dict[str, int]]:
     """Reduce-scatters and all-gathers per FSDP unit since the last :func:`reset_collective_counts`."""
-    counter: _Counter = model.prefixflow_fsdp_counter
+    counter: _Counter = runtime_of(model, create=True).fsdp
     return {"reduce_scatter": dict(counter.reduce_scatter), "all_gather": dict(counter.all_gather)}
 
 
 def reset_collective_counts(model: nn.Module) -> None:
-    counter: _Counter = model.prefixflow_fsdp_counter
+    counter: _Counter = runtime_of(model, create=True).fsdp
     counter.reduce_scatter.clear()
     counter.all_gather.clear()
     counter.reduce_scatter_bytes = 0

@@ -34,11 +34,11 @@ import contextlib
 from torch import nn
 
 from ..model.adapters import adapter_for
-from ..model.apply import PIPELINE_ATTR
-from .pp_program import SWITCHING, stage_hidden, stage_program
+from ..runtime import runtime_of
+from .pp_program import SWITCHING, stage_program
 from .pp_stage import Pipeline
 
-__all__ = ["SWITCHING", "Pipeline", "apply_pp", "stage_program", "stage_hidden", "switching"]
+__all__ = ["SWITCHING", "Pipeline", "apply_pp", "stage_program", "switching"]
 
 
 def apply_pp(
@@ -55,7 +55,7 @@ def apply_pp(
     TorchTitan's order: PP first, then TP/AC/compile/FSDP. It may come before or after ``apply_prefixflow``
     (a wrapped model's stage renumbers its attention layers from 0). ``train_group`` on the returned stage runs
     the pipelined schedule (the stage is the runtime's :class:`~prefixflow.schedule.stage.Stage`). ``switching``: ``"stage_local"`` or
-    ``"barrier"`` (changeable later through ``model._prefixflow_pipeline.switching``)."""
+    ``"barrier"`` (changeable later through ``runtime_of(model).stage.switching``)."""
     from torchtitan.distributed.pipeline_parallel import (
         generate_llm_fqn_per_model_part,
         pipeline_module_split,
@@ -83,16 +83,14 @@ def apply_pp(
     pipe = Pipeline(
         stage=stages[0].stage_index,
         n_stages=stages[0].num_stages,
-        group=pp_mesh.get_group(),
+        process_group=pp_mesh.get_group(),
         switching=switching,
     )
-    setattr(stage, PIPELINE_ATTR, pipe)  # apply_prefixflow puts it on the runtime when it wraps later
-    if getattr(stage, "_prefixflow", None) is not None:
+    runtime = runtime_of(stage, create=True)  # the split copies the model, and its runtime with it
+    if runtime.config is not None:
         _renumber_attention(stage)
-        stage._prefixflow.schedule.stage = pipe
-    for attr in ("prefixflow_name",):
-        if hasattr(model, attr):
-            setattr(stage, attr, getattr(model, attr))
+    runtime.stage = pipe
+    runtime.name = runtime_of(model, create=True).name
     return stage
 
 
@@ -101,7 +99,7 @@ def _renumber_attention(stage: nn.Module) -> None:
     layer order (the cache's layer keys are per stage)."""
     from ..attention.modes import AttentionState, PrefixAwareAttention
 
-    runtime = stage._prefixflow
+    runtime = runtime_of(stage)
     state = AttentionState()
     for i, wrapper in enumerate(m for m in stage.modules() if isinstance(m, PrefixAwareAttention)):
         wrapper.layer, wrapper.state = i, state
@@ -112,7 +110,7 @@ def _renumber_attention(stage: nn.Module) -> None:
 @contextlib.contextmanager
 def switching(model: nn.Module, value: str):
     """Run with another phase switching for a while (e.g. to compare ``barrier`` with ``stage_local``)."""
-    pipe = getattr(model, PIPELINE_ATTR, None)
+    pipe = runtime_of(model, create=True).stage
     if pipe is None:
         raise ValueError("this model is not a pipeline stage (apply_pp / parallelize with pp > 1 first)")
     if value not in SWITCHING:

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..runtime import runtime_of
+
 __all__ = ["NonFiniteError", "keep_grads_on_failure", "check_finite_loss", "all_finite"]
 
 
@@ -45,9 +47,10 @@ def check_finite_loss(value: torch.Tensor, where: str, model: nn.Module | None =
     """Raise NonFiniteError naming ``where`` if the scalar loss ``value`` is not finite (before its backward).
     On a parallelized ``model`` inside its guard, note it instead: the guard refuses the step on every rank."""
     if not bool(torch.isfinite(value.detach())):
-        if model is not None and getattr(model, _ACTIVE, False) and _mesh_size(model) > 1:
-            if getattr(model, _BAD_LOSS, None) is None:
-                setattr(model, _BAD_LOSS, f"{where} has a non-finite loss ({float(value.detach())})")
+        guard = None if model is None else runtime_of(model, create=True).guard
+        if guard is not None and guard.get("active") and _mesh_size(model) > 1:
+            if guard.get("bad_loss") is None:
+                guard["bad_loss"] = f"{where} has a non-finite loss ({float(value.detach())})"
             return
         raise NonFiniteError(
             f"{where} has a non-finite loss ({float(value.detach())}); its backward was not run and param.grad "
@@ -63,12 +66,8 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     return not bounds or bool(torch.isfinite(torch.stack([b.double() for b in bounds])).all())
 
 
-_ACTIVE = "_prefixflow_grad_guard_active"  # set on the model while its outermost guard's body runs
-_BAD_LOSS = "_prefixflow_grad_guard_bad_loss"  # a parallel model's first non-finite loss in the guard's body
-
-
 def _mesh_size(model: nn.Module) -> int:
-    state = getattr(model, "prefixflow_parallel", None)  # what prefixflow.parallel.parallelize attaches
+    state = runtime_of(model, create=True).parallel  # what prefixflow.parallel.parallelize set up
     return 1 if state is None else state.mesh.size()
 
 
@@ -81,7 +80,7 @@ def _agreed(model: nn.Module, finite: bool) -> bool:
     """``finite`` on every rank of a parallelized ``model``'s mesh (one all-reduce), else this rank's own."""
     if _mesh_size(model) == 1:
         return finite
-    state = model.prefixflow_parallel
+    state = runtime_of(model, create=True).parallel
     flag = torch.tensor([0 if finite else 1], dtype=torch.int32, device=state.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.model_group)
     return not bool(flag.item())
@@ -92,19 +91,19 @@ def keep_grads_on_failure(model: nn.Module) -> Iterator[None]:
     """Run the body into fresh ``.grad`` tensors; merge them into the previous ones only if all are finite.
     On an exception, or a non-finite new gradient (NonFiniteError), the previous gradients are restored.
     Nested on the same model, only the outermost guard acts (see the module docstring)."""
-    if getattr(model, _ACTIVE, False):
+    guard = runtime_of(model, create=True).guard  # active: the outermost guard's body runs; bad_loss: a
+    if guard.get("active"):  # parallel model's first non-finite loss in it
         yield
         return
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     before = [p.grad for _, p in named]
     for _, p in named:
         p.grad = None
-    setattr(model, _ACTIVE, True)
-    setattr(model, _BAD_LOSS, None)
+    guard.update(active=True, bad_loss=None)
     try:
         yield
         new = [(name, _local(p.grad)) for name, p in named if p.grad is not None]
-        bad_loss = getattr(model, _BAD_LOSS, None)
+        bad_loss = guard.get("bad_loss")
         local = bad_loss is None and all_finite([g for _, g in new])
         if not _agreed(model, local):
             bad = next((name for name, g in new if not bool(torch.isfinite(g).all())), None)
@@ -123,8 +122,7 @@ def keep_grads_on_failure(model: nn.Module) -> Iterator[None]:
             p.grad = old
         raise
     finally:
-        setattr(model, _ACTIVE, False)
-        setattr(model, _BAD_LOSS, None)
+        guard.update(active=False, bad_loss=None)
     for (_, p), old in zip(named, before, strict=True):
         if old is None:
             continue

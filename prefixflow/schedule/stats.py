@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..group import RolloutGroup
 from ..memory.offload import OffloadStats
-from . import tree_phases
+
+if TYPE_CHECKING:
+    from .run import GroupRun
 
 
 @dataclass
@@ -32,31 +34,37 @@ class GroupStats:
     plan: dict | None = (
         None  # microbatch="auto": budget, measured footprint, chosen sizes (prefixflow.memory.budget)
     )
-    tree: dict | None = None  # a prefix tree: nodes, unique tokens, per-node times (tree_phases.tree_summary)
+    tree: dict | None = None  # a prefix tree: nodes, unique tokens, per-node times, peak live nodes
 
     @property
     def total_s(self) -> float:
         return sum(self.phase_times.values())
 
 
-def group_stats(run, share, value: float, times, offload: OffloadStats | None) -> GroupStats:
-    """The :class:`GroupStats` of a finished ``run_group`` (``run``: its ``GroupRun``; ``share``: its ``GroupShare``)."""
-    group, chunks = run.group, run.plan.chunks
-    n_microbatches, tree = len(chunks), None
-    if run.tree_plan is not None:
-        tree = tree_phases.tree_summary(run)
-        n_microbatches, prefix, suffix_tokens, trunk = tree_phases.tree_counts(run)
-    elif run.system == "baseline":
-        suffix_tokens = sum(group.response_lens[i] for i in share.responses(group))
-        prefix, trunk = 0, trunk_tokens(group, chunks, run.layout, group.prompt_len)
-    else:
-        suffix_tokens = sum(group.response_lens[i] for i in share.responses(group))
-        prefix = group.prompt_len - 1 if share.computes_prefix() else 0
-        trunk = prefix + trunk_tokens(group, chunks, run.layout, 1)
+def group_stats(run: GroupRun, share, value: float, times, offload: OffloadStats | None, *, tree: bool):
+    """The :class:`GroupStats` of a finished call (``run``: its ``GroupRun``; ``share``: its ``GroupShare``;
+    ``tree``: whether the input was a ``RolloutTree``, whose nodes and per-node times ``GroupStats.tree``
+    reports)."""
+    rows, counters = run.rows, run.counters
+    n_microbatches = len(run.chunks.chunks)
+    prefix = 0
+    if run.system != "baseline":
+        prefix = rows.prefix_tokens if share.computes_prefix() else 0
+        n_microbatches += counters.leafless_units  # objective-only microbatches of the paths with no leaf row
+    suffix = sum(run.loss_data.response_lens[i] for i in share.paths(run.tree.n))
+    summary = None
+    if tree:
+        summary = {
+            "nodes": run.tree.n_nodes,
+            "cached_nodes": len(rows.cached),
+            "unique_tokens": run.tree.unique_tokens,
+            "node_times": {j: dict(t) for j, t in counters.node_times.items()},
+            "peak_live_nodes": counters.peak_live_nodes,
+            "peak_cache_bytes": counters.peak_cache_bytes,
+        }
     return GroupStats(
-        run.system, run.layout, value, n_microbatches, prefix, suffix_tokens, trunk, times,
-        offload,
-        hooks={**run.hooks.stats(), **run.stage.stats()}, plan=run.plan.stats, tree=tree,
+        run.system, run.layout, value, n_microbatches, prefix, suffix, counters.trunk_tokens, times,
+        offload, hooks={**run.hooks.stats(), **run.stage.stats()}, plan=run.chunks.stats, tree=summary,
     )  # fmt: skip
 
 
@@ -84,11 +92,3 @@ class PhaseClock:
             self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
             if self.observer is not None:
                 self.observer.exit(phase)
-
-
-def trunk_tokens(group: RolloutGroup, chunks, layout: str, lead: int) -> int:
-    """Token slots the trunk runs: each sequence is ``lead`` context tokens + its response minus one."""
-    lens = [lead + s - 1 for s in group.response_lens]
-    if layout == "packed":
-        return sum(lens[i] for c in chunks for i in c)
-    return sum(len(c) * max(lens[i] for i in c) for c in chunks)

@@ -14,18 +14,10 @@ from ..model.apply import runtime_of
 from ..model.compile import is_compiled
 from ..tree.layouts import LAYOUTS
 from ..tree.rollout_tree import RolloutTree
-from .stage import Stage
 
-__all__ = ["SYSTEMS", "validate_call", "compute_dtype", "check_group", "run_input"]
+__all__ = ["SYSTEMS", "validate_call", "compute_dtype", "check_group"]
 
 SYSTEMS = ("prefixflow", "baseline")
-
-
-def run_input(group):
-    """What ``train_group`` runs for ``group``: a ``RolloutGroup`` with ``loss_masks`` as its tree."""
-    if isinstance(group, RolloutGroup) and group.loss_masks is not None:
-        return group.as_tree()
-    return group
 
 
 def check_group(
@@ -41,14 +33,15 @@ def check_group(
     """Everything ``train_group`` validates, without training: raises ``ValueError``/``TypeError`` naming the
     field. Lets a caller validate several groups before the first one changes any gradient."""
     runtime_of(model)
-    group = run_input(group)
     validate_call(model, group, system, layout, microbatch)
-    return resolve_loss(loss, loss_config, group.path_losses() if isinstance(group, RolloutTree) else group)
+    losses = group.path_losses() if isinstance(group, RolloutTree) else group
+    return resolve_loss(loss, loss_config, losses)
 
 
-def validate_call(model: nn.Module, group: RolloutGroup, system: str, layout: str, microbatch) -> None:
+def validate_call(model: nn.Module, group, system: str, layout: str, microbatch, hooks=None) -> None:
     """Raise ``ValueError``/``TypeError`` naming the field for input ``train_group`` cannot run: the system,
-    layout and microbatch, what the model's stage, adapter and hooks refuse, and the group's fit."""
+    layout and microbatch, what the model's stage, adapter and hooks (``hooks``: the call's, default the
+    model's) refuse, and the group's fit."""
     if not isinstance(group, (RolloutGroup, RolloutTree)):
         raise TypeError(f"group must be a prefixflow.RolloutGroup or RolloutTree, got {type(group).__name__}")
     if system not in SYSTEMS:
@@ -56,8 +49,6 @@ def validate_call(model: nn.Module, group: RolloutGroup, system: str, layout: st
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} unknown; valid layouts: {LAYOUTS}")
     runtime = runtime_of(model)
-    if isinstance(group, RolloutTree):
-        _check_tree_call(model, group)
     if microbatch == AUTO:
         if runtime.config.memory_budget_bytes is None:
             raise ValueError(
@@ -78,16 +69,17 @@ def validate_call(model: nn.Module, group: RolloutGroup, system: str, layout: st
     if runtime.state.state_layers and is_compiled(model):
         kinds = sorted({layer.layer_type for layer in runtime.state.state_layers})
         raise ValueError(f"compiled blocks do not run recurrent layers ({kinds}) yet; drop apply_compile")
-    runtime.stage.check(model, system, microbatch)
+    if runtime.stage is not None:
+        runtime.stage.check(model, system, microbatch)
     if isinstance(group, RolloutTree):
-        return
+        _check_recurrent_nodes(model, group)
     adapter = adapter_for(model)
     group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model), adapter.max_seq_len_field)
     group.check_representable(compute_dtype(model))
     adapter.check(model, group)
-    if group.routing is not None and getattr(model, "_prefixflow_moe", None) is None:
+    if group.routing is not None and runtime.moe is None:
         raise ValueError("group.routing replays MoE expert choices, but this model has no MoE layers")
-    hooks_of(model).check(model, group, system)
+    (hooks_of(model) if hooks is None else hooks).check(model, group, system)
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype:
@@ -95,36 +87,16 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
     return torch.promote_types(next(model.parameters()).dtype, torch.float32)
 
 
-def _check_tree_call(model: nn.Module, tree: RolloutTree) -> None:
-    """What a prefix tree cannot run yet (pipeline stages, hooks that do not take trees, compiled blocks,
-    recurrent states), and the tree's fit."""
-    runtime = runtime_of(model)
-    if type(runtime.stage) is not Stage:
+def _check_recurrent_nodes(model: nn.Module, tree: RolloutTree) -> None:
+    """A recurrent layer cannot keep its end state after one token run from its parent's state yet."""
+    if not runtime_of(model).state.state_layers:
+        return
+    short = [
+        j for j in range(tree.n_nodes) if tree.node_len(j) == 1 and tree.parents[j] >= 0 and tree.children[j]
+    ]
+    if short:
         raise ValueError(
-            "prefix trees run on one process; a pipeline stage (apply_pp) does not take them yet"
+            f"node {short[0]} is one token long and has children: a recurrent layer cannot keep its end "
+            "state after one token run from its parent's state yet; build the tree with "
+            "build_tree(..., min_shared_tokens=2)"
         )
-    if tree.routing is not None and getattr(model, "_prefixflow_moe", None) is None:
-        raise ValueError("tree.routing replays MoE expert choices, but this model has no MoE layers")
-    for hook in hooks_of(model).hooks:
-        if not hook.runs_trees:
-            raise ValueError(
-                f"prefix trees do not run under {type(hook).__name__} yet; train them without it"
-            )
-    if is_compiled(model):
-        raise ValueError("prefix trees do not run compiled blocks yet; drop apply_compile for trees")
-    if runtime.state.state_layers:
-        short = [
-            j
-            for j in range(tree.n_nodes)
-            if tree.node_len(j) == 1 and tree.parents[j] >= 0 and tree.children[j]
-        ]
-        if short:
-            raise ValueError(
-                f"node {short[0]} is one token long and has children: a recurrent layer cannot keep its end "
-                "state after one token run from its parent's state yet; build the tree with "
-                "build_tree(..., min_shared_tokens=2)"
-            )
-    adapter = adapter_for(model)
-    tree.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model), adapter.max_seq_len_field)
-    tree.check_representable(compute_dtype(model))
-    hooks_of(model).check(model, tree, "prefixflow")

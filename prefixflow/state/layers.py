@@ -4,11 +4,11 @@ An attention layer meets the schedule at its SDPA boundary (:class:`~prefixflow.
 A recurrent token mixer (gated DeltaNet, Mamba-2) meets it at its own forward: a :class:`StatefulLayer` runs
 the layer's :class:`StateRule` under the phase that is running, reading the same attention modes:
 
-- no mode (generation, evaluation, a checkpointed prefix block recomputing in Phase C): the layer's own forward;
-- ``CapturePrefix`` (Phase A): run the prefix from the zero state, keep the live end state in the cache's
-  :class:`~prefixflow.state.recurrent.StateCache` (and stop the prefix forward after the last boundary layer);
-- ``AttendWithPrefix`` (Phase B): every sequence starts from the cached state's leaves, expanded over the
-  batch (never repeated);
+- no mode (generation, evaluation): the layer's own forward;
+- ``NodeAttention`` (every PrefixFlow phase): each row starts from its parent node's cached end state (its
+  leaves; the zero state for a row with no parent); a node's forward in Phase A also keeps its live end state
+  in the node's :class:`~prefixflow.state.recurrent.StateCache` (and stops after the last boundary layer
+  when the node scores nothing);
 - ``MaskedAttention`` (the baseline's packed rows): every sequence starts from the zero state.
 
 In a packed row every segment restarts: where a query may not see the key just before it (the layout's mask),
@@ -26,14 +26,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..attention.modes import (
-    AttendWithAncestors,
-    AttendWithPrefix,
-    AttentionState,
-    CapturePrefix,
-    MaskedAttention,
-    PrefixCaptured,
-)
+from ..attention.modes import AttentionState, MaskedAttention, NodeAttention, PrefixCaptured
 
 __all__ = ["StateRule", "StatefulLayer", "register_state_rule", "state_rule_for", "segment_lengths"]
 
@@ -92,7 +85,7 @@ def segment_lengths(mask: torch.Tensor | None, hidden: torch.Tensor) -> list[int
 class StatefulLayer:
     """One recurrent layer's phase dispatch (held by the layer as a plain attribute; shares the model's
     :class:`~prefixflow.attention.AttentionState`). ``layer``: its index among the model's boundary layers
-    (attention and recurrent, in forward order), the index ``CapturePrefix.stop_after`` names."""
+    (attention and recurrent, in forward order), the index ``NodeAttention.stop_after`` names."""
 
     def __init__(self, rule: StateRule, layer: int, state: AttentionState, layer_type: str) -> None:
         self.rule, self.layer, self.state, self.layer_type = rule, layer, state, layer_type
@@ -108,19 +101,13 @@ class StatefulLayer:
                 "parallelism) yet"
             )
         initial, capture, mask = None, None, None
-        if isinstance(mode, CapturePrefix):
-            if mode.mask is not None:
-                raise ValueError(f"a {self.layer_type} layer caches only an unmasked, one-row prefix")
-            capture = mode.cache.states
-        elif isinstance(mode, AttendWithPrefix):
-            initial, mask = mode.cache.states.read(self.layer), mode.mask
-        elif isinstance(mode, MaskedAttention):
-            mask = mode.mask
-        elif isinstance(mode, AttendWithAncestors):  # a prefix tree: each row starts at its parent's end
+        if isinstance(mode, NodeAttention):  # each row starts at its parent node's end state
             parents = [r.ancestors[-1] if r.ancestors else None for r in mode.rows]
-            initial, mask = mode.read.states(self.layer, parents), mode.mask
+            initial, mask = mode.keys.states(self.layer, parents), mode.mask
             if mode.capture is not None:
                 capture = mode.capture.states
+        elif isinstance(mode, MaskedAttention):
+            mask = mode.mask
         else:
             raise ValueError(
                 f"a {self.layer_type} layer ({type(module).__name__}) does not run under "
@@ -136,7 +123,7 @@ class StatefulLayer:
             out = torch.cat([out[i, :n] for i, n in enumerate(lengths)]).unsqueeze(0)
         if capture is not None:
             capture.capture(self.layer, final)
-            if isinstance(mode, CapturePrefix) and self.layer == mode.stop_after:
+            if self.layer == mode.stop_after:
                 raise PrefixCaptured
         return out
 

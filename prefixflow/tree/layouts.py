@@ -1,10 +1,9 @@
-"""Padded and packed microbatches: tokens, RoPE positions, attention masks and loss positions.
+"""Padded and packed microbatches of rows: tokens, RoPE positions, attention masks and loss positions.
 
-Both systems describe their work as *segments*, one per response, and share the layout code:
-
-- baseline:   input ``[P, S_1 .. S_{n-1}]`` at positions ``0 ..``, loss from position ``|P|-1``
-- PrefixFlow: the cache holds ``P[:-1]``; input ``[P[-1], S_1 .. S_{n-1}]`` at positions ``|P|-1 ..``,
-  loss from its first token (the last prompt token predicts the first response token).
+Every shape lays out the same thing: :class:`Row` s, each a run of tokens at its positions that reads the
+cached K/V of some nodes (its ancestors) and scores some of its positions (:mod:`prefixflow.tree.plan` makes
+them: a cached node's Phase-A row, a path's leaf row, a path's full-sequence row for the baseline). A row
+sees every key of its ancestors, its own tokens causally, never another row's tokens, never a pad.
 """
 
 from __future__ import annotations
@@ -13,41 +12,46 @@ from dataclasses import dataclass
 
 import torch
 
-from ..group import RolloutGroup
-
-__all__ = [
-    "Segment",
-    "Microbatch",
-    "full_sequence_segments",
-    "suffix_segments",
-    "build_microbatch",
-    "prefix_microbatch",
-    "LAYOUTS",
-]
+__all__ = ["Row", "Microbatch", "lay_out", "LAYOUTS"]
 
 LAYOUTS = ("padded", "packed")
 
 
-@dataclass
-class Segment:
-    response: int  # index of the response in the group
-    tokens: torch.Tensor  # input token ids, 1-D
-    first_position: int  # RoPE position of tokens[0]
-    loss_from: int  # index in tokens whose prediction is the first response token
+@dataclass(frozen=True)
+class Row:
+    """One sequence of a microbatch: ``tokens`` at positions ``first_position ..``, reading the cached K/V of
+    ``ancestors`` (nodes, root first). ``cols``/``targets``/``slots`` (LongTensors): its scored positions, the
+    tokens they predict and the loss slots of ``path`` they fill (a cached node's row: the index of each score
+    in the node's scores). ``nodes``: the nodes whose tokens it holds, in order (MoE routing replay reads their
+    masks); ``weights``: how many full-sequence tokens each of its tokens stands for (the logical token
+    accounting of MoE load counters)."""
+
+    path: int  # the path it trains; -1 for a cached node's row
+    tokens: torch.Tensor
+    first_position: int
+    ancestors: tuple[int, ...]
+    cols: torch.Tensor
+    targets: torch.Tensor
+    slots: torch.Tensor
+    nodes: tuple[int, ...] = ()
+    weights: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
 
 
 @dataclass
 class Microbatch:
     tokens: torch.Tensor  # [b, L]
     positions: torch.Tensor | None  # [1 or b, L]; None = 0..L-1 (the plain model's default)
-    mask: torch.Tensor | None  # bool [b, 1, L, P_c + L]; None = plain causal
-    loss_rows: torch.Tensor  # [T] row of each loss position
-    loss_cols: torch.Tensor  # [T] column of each loss position
-    targets: torch.Tensor  # [T] token each loss position predicts
-    response_ids: torch.Tensor  # [T] response index of each loss position
-    token_ids: torch.Tensor  # [T] index of the predicted token within its response
-    responses: tuple[int, ...] = ()  # the group's responses in this microbatch, in row/packing order
-    cached_prefix_len: int | None = None  # keys before the tokens (PrefixFlow); None = full sequences
+    mask: torch.Tensor | None  # bool [b, 1, L, U + L] (U cached keys); None = plain causal
+    loss_rows: torch.Tensor  # [T] row of each scored position
+    loss_cols: torch.Tensor  # [T] column of each scored position
+    targets: torch.Tensor  # [T] token each scored position predicts
+    response_ids: torch.Tensor  # [T] path of each scored position
+    token_ids: torch.Tensor  # [T] loss slot of each scored position within its path
+    responses: tuple[int, ...] = ()  # the paths of the rows, in row/packing order
+    cached_keys: int = 0  # U: cached keys before the tokens (the key nodes' tokens)
     # When the tokens are spread over ranks (context parallelism): an object whose ``gather(k, v)`` returns
     # the K/V of the whole sequence in token order, differentiably; ``length`` = that sequence's length. The
     # mask then has this rank's query rows over every key. None: every token of the microbatch is here.
@@ -55,118 +59,76 @@ class Microbatch:
     # Plain causal attention over the tokens is exact on every row that carries loss (padded: a real query's
     # visible own keys are exactly its causal predecessors; pad rows feed nothing real).
     causal_suffix: bool = False
-    # Prefix trees: log-probs of this microbatch's paths' trained tokens that ancestor nodes scored in Phase A,
-    # as ``(logprobs, path ids, loss slots)``; the loss joins them to the tokens scored here.
+    # Every row sees every cached key (a flat group's suffixes; a tree microbatch whose rows share ancestors).
+    keys_visible: bool = True
+    # Log-probs of this microbatch's paths' trained tokens that cached nodes scored in Phase A, as
+    # ``(logprobs, path ids, loss slots)``; the loss joins them to the tokens scored here.
     shared_logprobs: tuple | None = None
-    # Prefix trees: the rows (``prefixflow.tree.plan.TreeRow``) this microbatch lays out, in row/packing order.
-    tree_rows: tuple | None = None
+    rows: tuple[Row, ...] = ()  # the rows it lays out, in row/packing order
 
     @property
     def n_tokens(self) -> int:
         return int(self.tokens.numel())
 
 
-def full_sequence_segments(group: RolloutGroup) -> list[Segment]:
-    """The baseline's ``[P || S_i]`` sequences (last response token dropped: it predicts nothing)."""
-    p = group.prompt_len
-    return [Segment(i, torch.cat([group.prompt, r[:-1]]), 0, p - 1) for i, r in enumerate(group.responses)]
-
-
-def suffix_segments(group: RolloutGroup) -> list[Segment]:
-    """PrefixFlow's suffix inputs ``[P[-1], S_1 .. S_{n-1}]`` after a cached prefix of ``|P|-1`` tokens."""
-    p = group.prompt_len
-    return [
-        Segment(i, torch.cat([group.prompt[-1:], r[:-1]]), p - 1, 0) for i, r in enumerate(group.responses)
-    ]
-
-
-def _loss_index(group: RolloutGroup, segments: list[Segment], row_of, col_of):
-    rows, cols, targets, resp, tok = [], [], [], [], []
-    for j, seg in enumerate(segments):
-        n = group.response_lens[seg.response]
-        idx = torch.arange(n)
-        rows.append(torch.full((n,), row_of(j), dtype=torch.long))
-        cols.append(col_of(j) + seg.loss_from + idx)
-        targets.append(group.responses[seg.response])
-        resp.append(torch.full((n,), seg.response, dtype=torch.long))
-        tok.append(idx)
-    return [torch.cat(x) for x in (rows, cols, targets, resp, tok)]
-
-
-def prefix_microbatch(group: RolloutGroup, device: torch.device) -> Microbatch:
-    """Phase A's input: the cached prefix ``P[:-1]`` as one causal row at positions ``0 ..`` (no loss)."""
-    empty = torch.zeros(0, dtype=torch.long, device=device)
-    return Microbatch(
-        tokens=group.prompt[:-1].unsqueeze(0).to(device),
-        positions=None,
-        mask=None,
-        loss_rows=empty,
-        loss_cols=empty,
-        targets=empty,
-        response_ids=empty,
-        token_ids=empty,
-    )
-
-
-def build_microbatch(
-    group: RolloutGroup,
-    segments: list[Segment],
-    layout: str,
-    *,
-    cached_prefix_len: int | None,
-    device: torch.device,
+def lay_out(
+    rows: list[Row], key_nodes: list[int], node_lens: list[int], layout: str, device: torch.device
 ) -> Microbatch:
-    """Lay ``segments`` out as one microbatch.
-
-    ``cached_prefix_len``: ``None`` for the baseline (no cache; padded needs no mask at all), else the number
-    of cached prefix keys every query may see (0 for a one-token prompt).
-    """
-    lens = [int(s.tokens.numel()) for s in segments]
-    n_prefix = cached_prefix_len or 0
+    """Lay ``rows`` out as one microbatch over the concatenated cached K/V of ``key_nodes`` (every node some row
+    reads, in key order; ``node_lens``: the tokens of every node of the tree)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} unknown; valid layouts: {LAYOUTS}")
+    starts, n_keys = {}, 0
+    for j in key_nodes:
+        starts[j], n_keys = n_keys, n_keys + node_lens[j]
+    visible = torch.zeros(len(rows), n_keys, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        for j in r.ancestors:
+            visible[b, starts[j] : starts[j] + node_lens[j]] = True
+    lens = [len(r) for r in rows]
+    firsts = {r.first_position for r in rows}
     if layout == "padded":
         width = max(lens)
-        tokens = torch.zeros(len(segments), width, dtype=torch.long)
-        for j, seg in enumerate(segments):
-            tokens[j, : lens[j]] = seg.tokens
-        firsts = {s.first_position for s in segments}
-        positions = None
-        if firsts != {0}:
-            # Every suffix starts at the same position, so one row serves the batch.
-            positions = (torch.arange(width) + firsts.pop()).unsqueeze(0)
-        mask = None
-        if cached_prefix_len is not None:
-            q = torch.arange(width)
-            key_ok = q.unsqueeze(0) < torch.tensor(lens).unsqueeze(1)  # [b, L] real (non-pad) keys
-            own = (q.view(1, -1, 1) >= q.view(1, 1, -1)) & key_ok.unsqueeze(1)  # [b, L, L]
-            prefix = torch.ones(len(segments), width, n_prefix, dtype=torch.bool)
-            mask = torch.cat([prefix, own], dim=2).unsqueeze(1)
-        index = _loss_index(group, segments, lambda j: j, lambda j: 0)
-    elif layout == "packed":
-        starts = torch.tensor([0] + lens).cumsum(0)
-        tokens = torch.cat([s.tokens for s in segments]).unsqueeze(0)
-        positions = torch.cat(
-            [s.first_position + torch.arange(n) for s, n in zip(segments, lens, strict=True)]
-        )
-        positions = positions.unsqueeze(0)
-        seg_id = torch.repeat_interleave(torch.arange(len(segments)), torch.tensor(lens))
-        q = torch.arange(int(starts[-1]))
-        own = (seg_id.view(-1, 1) == seg_id.view(1, -1)) & (q.view(-1, 1) >= q.view(1, -1))
-        prefix = torch.ones(own.shape[0], n_prefix, dtype=torch.bool)
-        mask = torch.cat([prefix, own], dim=1).view(1, 1, own.shape[0], -1)
-        index = _loss_index(group, segments, lambda j: 0, lambda j: int(starts[j]))
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, r in enumerate(rows):
+            tokens[b, : lens[b]] = r.tokens
+        q = torch.arange(width)
+        if len(firsts) == 1:  # one row of positions serves the batch
+            positions = (q + firsts.pop()).unsqueeze(0)
+        else:
+            positions = torch.zeros(len(rows), width, dtype=torch.long)  # pads sit at position 0
+            for b, r in enumerate(rows):
+                positions[b, : lens[b]] = r.first_position + q[: lens[b]]
+        real = q.unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+        own = (q.view(1, -1, 1) >= q.view(1, 1, -1)) & real.unsqueeze(1)
+        mask = torch.cat([visible.unsqueeze(1).expand(-1, width, -1), own], dim=2).unsqueeze(1)
+        offsets = [0] * len(rows)
+        row_of = list(range(len(rows)))
+        if n_keys == 0 and all(r.first_position == 0 for r in rows):
+            positions, mask = None, None  # full sequences: the plain causal forward
     else:
-        raise ValueError(f"layout {layout!r} unknown; valid layouts: {LAYOUTS}")
-    rows, cols, targets, resp, tok = (t.to(device) for t in index)
+        tokens = torch.cat([r.tokens for r in rows]).unsqueeze(0)
+        positions = torch.cat([r.first_position + torch.arange(n) for r, n in zip(rows, lens, strict=True)])
+        positions = positions.unsqueeze(0)
+        seg = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lens))
+        q = torch.arange(int(seg.numel()))
+        own = (seg.view(-1, 1) == seg.view(1, -1)) & (q.view(-1, 1) >= q.view(1, -1))
+        mask = torch.cat([visible[seg], own], dim=1).view(1, 1, own.shape[0], -1)
+        offsets = torch.tensor([0, *lens]).cumsum(0).tolist()
+        row_of = [0] * len(rows)
+    index = [
+        torch.cat([torch.full((len(r.cols),), row_of[b], dtype=torch.long) for b, r in enumerate(rows)]),
+        torch.cat([r.cols + offsets[b] for b, r in enumerate(rows)]),
+        torch.cat([r.targets for r in rows]),
+        torch.cat([torch.full((len(r.cols),), r.path, dtype=torch.long) for r in rows]),
+        torch.cat([r.slots for r in rows]),
+    ]
+    loss_rows, cols, targets, paths, slots = (t.to(device) for t in index)
     return Microbatch(
         tokens=tokens.to(device),
         positions=None if positions is None else positions.to(device),
         mask=None if mask is None else mask.to(device),
-        loss_rows=rows,
-        loss_cols=cols,
-        targets=targets,
-        response_ids=resp,
-        token_ids=tok,
-        responses=tuple(s.response for s in segments),
-        cached_prefix_len=cached_prefix_len,
-        causal_suffix=layout == "padded",
-    )
+        loss_rows=loss_rows, loss_cols=cols, targets=targets, response_ids=paths, token_ids=slots,
+        responses=tuple(r.path for r in rows), cached_keys=n_keys, causal_suffix=layout == "padded",
+        keys_visible=bool(visible.all()), rows=tuple(rows),
+    )  # fmt: skip

@@ -32,6 +32,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ... import PrefixFlowConfig, apply_prefixflow, train_group
 from ...parallel import ParallelDims, parallelize
+from ...runtime import runtime_of
 from ...schedule.driver import check_group
 from .. import hf
 from . import sharding
@@ -98,7 +99,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         self.verify_first_step = bool(verify_first_step)
         self.verify_tolerance = verify_tolerance
         self._prefixflow_verified = False
-        if prefixflow_config is not None or getattr(inner, "_prefixflow", None) is None:
+        if prefixflow_config is not None or runtime_of(inner, create=True).config is None:
             apply_prefixflow(inner, prefixflow_config)
         if dims is not None:
             parallelize(inner, dims)

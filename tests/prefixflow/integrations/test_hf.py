@@ -236,8 +236,7 @@ def test_entry_point_finds_the_adapter_without_an_import():
     from importlib import metadata
 
     if not any(
-        e.value == "prefixflow.integrations.hf"
-        for e in metadata.entry_points(group="prefixflow.adapters")
+        e.value == "prefixflow.integrations.hf" for e in metadata.entry_points(group="prefixflow.adapters")
     ):
         pytest.skip("the installed prefixflow metadata predates the entry point: reinstall (make setup)")
     code = (
