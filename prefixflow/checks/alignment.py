@@ -47,6 +47,8 @@ __all__ = [
     "AlignmentRow",
     "CONTROLS",
     "run_alignment",
+    "alignment_rows",
+    "GroupDraw",
     "passes",
     "tolerances",
     "normwise",
@@ -183,43 +185,91 @@ def run_alignment(
         apply_prefixflow(m)
         if fault is not None:
             add_hooks(m, make_fault(fault))
-        start = [p.detach().clone() for p in m.parameters()]
-        copies[run] = (m, torch.optim.AdamW(m.parameters(), lr=lr), start)
-    names = [name for name, _ in copies["baseline"][0].named_parameters()]
-    vocab = model_args(copies["baseline"][0]).vocab_size
-    moe = is_moe(copies["baseline"][0])
-    gen = torch.Generator().manual_seed(seed)
-    rows: list[AlignmentRow] = []
-    for step in range(1, steps + 1):
-        lens = torch.randint(max(1, suffix_len // 2), suffix_len + 1, (n,), generator=gen).tolist()
-        group = synthetic_group(
-            vocab, prefix_len, lens, seed=seed * 100_003 + step, with_logprobs=loss == "grpo"
-        )
-        if moe:
-            base = copies["baseline"][0]
+        copies[run] = m
+    base = copies["baseline"]
+    draw = GroupDraw(model_args(base).vocab_size, prefix_len, suffix_len, n, seed, loss == "grpo")
+
+    def groups_of(step: int) -> list:
+        (group,) = draw(step, 1)
+        if is_moe(base):  # the rollout's masks: the baseline copy records them, every copy replays them
             with torch.autocast(next(base.parameters()).device.type, dtype=dtype, enabled=autocast):
                 group = replace(group, routing=record_routing(base, group))
-        tau = tolerances(dtype, sum(prefix_len + s - 1 for s in lens))
-        state = {}
-        for run, (m, opt, start) in copies.items():
+        return [group]
+
+    def train(m, groups: list, system: str):
+        (group,) = groups
+        return train_group(
+            m, group, system=system, layout=layout, microbatch=microbatch, loss=loss, loss_config=loss_config
+        )
+
+    return alignment_rows(copies, groups_of, train, steps=steps, report=report, dtype=dtype, lr=lr)
+
+
+class GroupDraw:
+    """The synthetic groups of every alignment run: group ``g`` of step ``s`` (response lengths in
+    ``[suffix_len // 2, suffix_len]``), the same for one process and a parallel layout (its group 0)."""
+
+    def __init__(self, vocab: int, prefix_len: int, suffix_len: int, n: int, seed: int, logprobs: bool):
+        self.vocab, self.prefix_len, self.suffix_len, self.n = vocab, prefix_len, suffix_len, n
+        self.seed, self.logprobs = seed, logprobs
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __call__(self, step: int, k: int) -> list:
+        groups = []
+        for g in range(k):
+            lens = torch.randint(
+                max(1, self.suffix_len // 2), self.suffix_len + 1, (self.n,), generator=self.gen
+            ).tolist()
+            seed = self.seed * 100_003 + step + 1_000_003 * g
+            groups.append(
+                synthetic_group(self.vocab, self.prefix_len, lens, seed=seed, with_logprobs=self.logprobs)
+            )
+        return groups
+
+
+def alignment_rows(
+    copies: dict,
+    groups_of,
+    train,
+    *,
+    steps: int,
+    report: set[int],
+    dtype: torch.dtype,
+    lr: float,
+    full=lambda t: t,
+) -> list[AlignmentRow]:
+    """The one alignment loop (one process or a parallel layout): ``copies`` (run name -> model: the
+    baseline, the correct PrefixFlow copy, the controls) each take ``steps`` AdamW steps on ``groups_of(step)``
+    (``train(model, groups, system)`` trains one step's groups into ``.grad``); at the ``report`` steps each
+    PrefixFlow copy is compared with the baseline. ``full``: a parameter or gradient as the full tensor (a
+    sharded one gathered)."""
+    autocast = dtype in _MIXED
+    names = [_name(n) for n, _ in copies["baseline"].named_parameters()]
+    state = {
+        run: (m, torch.optim.AdamW(m.parameters(), lr=lr), [full(p.detach()).clone() for p in m.parameters()])
+        for run, m in copies.items()
+    }
+    rows: list[AlignmentRow] = []
+    for step in range(1, steps + 1):
+        groups = groups_of(step)
+        tau = tolerances(dtype, sum(g.prompt_len + s - 1 for g in groups for s in g.response_lens))
+        seen = {}
+        for run, (m, opt, start) in state.items():
             opt.zero_grad(set_to_none=True)
             device_type = next(m.parameters()).device.type
             with torch.autocast(device_type, dtype=dtype, enabled=autocast):
-                stats = train_group(
-                    m,
-                    group,
-                    system="baseline" if run == "baseline" else "prefixflow",
-                    layout=layout,
-                    microbatch=microbatch,
-                    loss=loss,
-                    loss_config=loss_config,
-                )
-            grads = [p.grad.detach().clone() for p in m.parameters()] if step in report else None
+                stats = train(m, groups, "baseline" if run == "baseline" else "prefixflow")
+            grads = [full(p.grad).detach().clone() for p in m.parameters()] if step in report else None
             opt.step()
-            state[run] = (grads, torch.tensor(stats.loss, dtype=torch.float64), m, start)
+            weights = [full(p.detach()) for p in m.parameters()] if step in report else None
+            seen[run] = (grads, torch.tensor(stats.loss, dtype=torch.float64), weights, start)
         if step in report:
-            rows += _step_rows(step, state, names, tau, dtype_name(dtype))
+            rows += _step_rows(step, seen, names, tau, dtype_name(dtype))
     return rows
+
+
+def _name(n: str) -> str:
+    return n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 # Per trained copy: weights, their start, AdamW's two moments, .grad and its reported clone.
@@ -250,13 +300,11 @@ def _check_memory(model: str, overrides: dict | None, dtype: torch.dtype, copies
 
 
 def _step_rows(step, state, names, tau, dtype) -> list[AlignmentRow]:
-    base_g, base_l, base_m, base_w0 = state["baseline"]
-    base_w = [p.detach() for p in base_m.parameters()]
+    base_g, base_l, base_w, base_w0 = state["baseline"]
     out, correct_g = [], None
-    for run, (g, loss_value, m, w0) in state.items():
+    for run, (g, loss_value, w, w0) in state.items():
         if run == "baseline":
             continue
-        w = [p.detach() for p in m.parameters()]
         rows = [
             _compare(step, "G", base_g, g, names, tau, dtype, run, rule_norm=True),
             _compare(step, "L", [base_l], [loss_value], ["loss"], tau, dtype, run, rule_norm=False),
