@@ -19,7 +19,8 @@ from .model.apply import AC_MODES, PrefixFlowConfig, apply_ac, apply_prefixflow
 from .model.compile import apply_compile
 from .model.models import build_model, list_models, model_args
 from .moe import MoEConfig, RoutingMasks, apply_moe, record_routing, update_expert_bias
-from .schedule.driver import SYSTEMS, GroupStats, train_group
+from .runtime import PrefixFlowRuntime, runtime_of
+from .schedule.driver import SYSTEMS, GroupStats, score_group, train_group
 from .schedule.grad_guard import NonFiniteError
 from .state.kv_cache import PrefixKVCache
 from .tree.build import build_tree
@@ -40,6 +41,7 @@ __all__ = [
     "PrefixFlowConfig",
     "PrefixKVCache",
     "PrefixOffload",
+    "PrefixFlowRuntime",
     "RolloutGroup",
     "RolloutTree",
     "TorchTitanAdapter",
@@ -58,6 +60,8 @@ __all__ = [
     "register_adapter",
     "record_routing",
     "remove_hooks",
+    "runtime_of",
+    "score_group",
     "synthetic_group",
     "train_group",
     "update_expert_bias",
