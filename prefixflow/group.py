@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import RolloutTree, check_loss_mask
+from .tree.rollout_tree import RolloutTree, check_loss_mask
 
 __all__ = ["RolloutGroup", "RoutingMasks", "check_routing_masks", "synthetic_group"]
 
@@ -230,6 +230,12 @@ class RolloutGroup:
     @property
     def response_lens(self) -> list[int]:
         return [int(r.numel()) for r in self.responses]
+
+    @property
+    def path_lens(self) -> list[int]:
+        """Each full sequence's length ``|P| + |S_i|`` (as ``RolloutTree.path_lens``)."""
+        p = self.prompt_len
+        return [p + n for n in self.response_lens]
 
     def check_representable(self, dtype: torch.dtype) -> None:
         """Raise ValueError naming the field if a value becomes NaN/inf once cast to ``dtype`` (the loss's

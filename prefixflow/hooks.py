@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .runtime import runtime_of
+
 if TYPE_CHECKING:
     from .group import RolloutGroup
-    from .kv_cache import PrefixView
-    from .layouts import Microbatch
+    from .state.kv_cache import PrefixView
+    from .tree.layouts import Microbatch
 
 __all__ = ["ScheduleHooks", "HookChain", "add_hooks", "remove_hooks", "hooks_of"]
 
@@ -57,7 +59,7 @@ class ScheduleHooks:
       that this rank computes; it may set ``mb.sequence``, which gathers the K/V of the tokens other ranks hold.
     - ``prefix_view(model, length)``: how each layer's attention reads the full K/V of a cached run of
       ``length`` tokens (a flat group's prefix; each node of a prefix tree) and where gK/gV go back (a
-      :class:`~prefixflow.kv_cache.PrefixView`; ``None`` = the cache's own leaves).
+      :class:`~prefixflow.state.kv_cache.PrefixView`; ``None`` = the cache's own leaves).
     - ``reduce_loss(value)``: the group loss every rank reports, from this rank's share.
 
     ``stats()`` returns counters of the last group; they land in ``GroupStats.hooks``. ``runs_trees``: whether
@@ -181,11 +183,10 @@ class HookChain:
 
 def hooks_of(model: nn.Module) -> HookChain:
     """The model's hook chain (empty until something registers)."""
-    chain = getattr(model, "_prefixflow_hooks", None)
-    if chain is None:
-        chain = HookChain()
-        model._prefixflow_hooks = chain
-    return chain
+    runtime = runtime_of(model, create=True)
+    if runtime.hooks is None:
+        runtime.hooks = HookChain()
+    return runtime.hooks
 
 
 def add_hooks(model: nn.Module, hook: ScheduleHooks) -> ScheduleHooks:

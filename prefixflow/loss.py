@@ -42,7 +42,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .group import RolloutGroup
-from .layouts import Microbatch
+from .tree.layouts import Microbatch
 
 __all__ = [
     "LOSSES",

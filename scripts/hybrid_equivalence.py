@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from support import hybrid as H  # noqa: E402
 
 import prefixflow as pf  # noqa: E402
-from prefixflow import state_layers  # noqa: E402
 from prefixflow.integrations import hf_state  # noqa: E402
-from prefixflow.state_cache import StateCache  # noqa: E402
+from prefixflow.state import layers as state_layers  # noqa: E402
+from prefixflow.state.recurrent import StateCache  # noqa: E402
 
 LIN, FULL = "linear_attention", "full_attention"
 MODELS = {

@@ -75,7 +75,7 @@ def worst(model, got, want) -> tuple[float, str]:
 
 
 def _fp64_leaves(patch: Patch) -> None:
-    from prefixflow.state_cache import LayerState, StateCache
+    from prefixflow.state.recurrent import LayerState, StateCache
 
     def capture(self, layer, live):
         leaves = {n: t.detach().to(torch.float64).requires_grad_(True) for n, t in live.items()}

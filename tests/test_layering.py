@@ -8,7 +8,7 @@ first), except the importer's own packages; a name taken from a package counts a
 that defines it, so a re-export (``from .x import y`` in an ``__init__``) hides no upward import.
 
 Also: prefixflow/ never imports harness/, and the core never imports prefixflow/integrations/ (HF and TRL
-reach the core through prefixflow.adapters).
+reach the core through prefixflow.model.adapters).
 
 A table entry is a module name and covers that module and every module under it; the longest entry that
 covers a module gives its layer. A top-level package's entry (``prefixflow``, ``harness``) covers only its
@@ -26,46 +26,44 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("prefixflow", "harness")
 
 PREFIXFLOW_LAYERS = [
-    # what a group is, what a model is, what attention caches
+    # what a model's PrefixFlow state is, what a group and a tree are, the loss, what a layer caches, memory
     [
-        "prefixflow.attention",
-        "prefixflow.budget",
-        "prefixflow.dtypes",
-        "prefixflow.grad_guard",
+        "prefixflow.runtime",
         "prefixflow.group",
-        "prefixflow.kv_cache",
-        "prefixflow.layouts",
-        "prefixflow.live_bytes",
         "prefixflow.loss",
-        "prefixflow.memory_limit",
-        "prefixflow.models",
-        "prefixflow.split_attention",
-        "prefixflow.state_cache",
-        "prefixflow.state_layers",
         "prefixflow.tree",
-        "prefixflow.tree_build",
-        "prefixflow.tree_layouts",
+        "prefixflow.attention",
+        "prefixflow.state",
+        "prefixflow.model",
+        "prefixflow.memory",
+        "prefixflow.checks",
+        "prefixflow.schedule",
     ],
-    # how the schedule reaches a model: adapters, the runtime, hooks, compile, offload
+    # how the schedule reaches a model: the registry, adapters, the transforms, hooks, offload, the guard
     [
-        "prefixflow.adapters",
-        "prefixflow.apply",
-        "prefixflow.compile",
-        "prefixflow.group_stats",
+        "prefixflow.model.adapters",
+        "prefixflow.model.apply",
+        "prefixflow.model.compile",
         "prefixflow.hooks",
-        "prefixflow.offload",
-        "prefixflow.offload_storage",
-        "prefixflow.stage",
-        "prefixflow.tree_phases",
-        "prefixflow.validation",
+        "prefixflow.memory.offload",
+        "prefixflow.memory.storage",
+        "prefixflow.schedule.grad_guard",
     ],
-    # the driver: the three phases and the per-group run
-    ["prefixflow.schedule"],
-    # what plugs into the driver through hooks and build steps
+    # the schedule: GroupRun, the stage, the caches, the phase functions, validation, stats, the driver
+    [
+        "prefixflow.schedule.run",
+        "prefixflow.schedule.stage",
+        "prefixflow.schedule.caches",
+        "prefixflow.schedule.phases",
+        "prefixflow.schedule.stats",
+        "prefixflow.schedule.validation",
+        "prefixflow.schedule.driver",
+    ],
+    # what plugs into the schedule through hooks and build steps
     ["prefixflow.moe"],
     # checks: Table 3 alignment and its negative controls
-    ["prefixflow.alignment", "prefixflow.faults"],
-    # parallelism, the PP stage program and split-DP groups included: it runs the driver's phases
+    ["prefixflow.checks.alignment", "prefixflow.checks.faults"],
+    # parallelism, the PP stage program and split-DP groups included: it runs the schedule's phases
     ["prefixflow.parallel"],
     ["prefixflow.rl"],
     # hf, trl and verl (verl imports verl only here; its tests run in .venv-verl)
@@ -372,7 +370,7 @@ def test_prefixflow_never_imports_harness_and_core_never_imports_integrations():
 def test_the_checks_see_planted_imports(tmp_path, monkeypatch):
     """Each kind of import the checks must see, planted in a throwaway package (and the real tree is read)."""
     assert {(i.target, i.kind) for i in _all_imports() if i.module == "prefixflow.integrations.hf"} >= {
-        ("prefixflow.adapters", "module-level")
+        ("prefixflow.model.adapters", "module-level")
     }
     package = tmp_path / "prefixflow"
     (package / "sub").mkdir(parents=True)

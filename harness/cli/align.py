@@ -73,7 +73,7 @@ def align(
     """Table 3: gradients (G), loss (L) and weights (W) of PrefixFlow vs the baseline over STEPS steps."""
     import torch
 
-    from prefixflow.alignment import CONTROLS, CORRECT, AlignmentRow, format_alignment, run_alignment
+    from prefixflow.checks.alignment import CONTROLS, CORRECT, AlignmentRow, format_alignment, run_alignment
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
     try:

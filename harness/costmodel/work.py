@@ -60,13 +60,16 @@ def suffix_pairs(T: int, widths: list[int], layout: str, attention: str) -> int:
     """Attention pairs of one Phase-B suffix microbatch (``widths``: its suffix lengths) per layer, after ``T``
     cached prefix keys. ``split``: the prefix part is one unmasked call over ``rows·T`` pairs; the suffix part
     is causal when its mask is lower-triangular (padded, or a packed row of one response), else every pair of
-    its masked call (a packed row's block-diagonal mask). ``concat``: one masked call over ``[prefix ; suffix]``."""
+    its masked call (a packed row's block-diagonal mask). ``concat``: one masked call over ``[prefix ; suffix]``.
+    With no cached key (a one-token prompt) a padded microbatch is full sequences: the plain causal forward."""
     if layout == "packed":
         rows = sum(widths)
         if attention == "split" and T > 0 and len(widths) == 1:
             return rows * T + causal_pairs(rows)
         return rows * T + rows * rows
     b, w = len(widths), max(widths)
-    if attention == "split" and T > 0:
+    if T == 0:
+        return b * causal_pairs(w)
+    if attention == "split":
         return b * w * T + b * causal_pairs(w)
     return b * w * (T + w)

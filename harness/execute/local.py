@@ -174,7 +174,7 @@ def _align_main(job_path: str, out_path: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from prefixflow.dtypes import DTYPES
+    from prefixflow.model.dtypes import DTYPES
     from prefixflow.parallel import init_distributed
     from prefixflow.parallel.align import run_parallel_alignment
 

@@ -49,7 +49,7 @@ class _Relay:
         self.forwards = 0
 
     def forward(self, j: int, read, capture=None):
-        from prefixflow.stage import forward_hidden
+        from prefixflow.schedule.stage import forward_hidden
 
         tree = self.inp.tree
         tokens = tree.segments[j].view(1, -1)
@@ -106,7 +106,8 @@ class _Relay:
         internal = bool(tree.children[j])
         ending = [i for i in range(tree.n) if tree.path_ends[i] == j]
         total = 0.0
-        rows, targets = plan.scores.get(j, ([], []))
+        scorer = plan.node_rows.get(j)
+        rows, targets = ([], []) if scorer is None else (scorer.cols.tolist(), scorer.targets.tolist())
         if internal:
             self.kv[j] = {}
             with torch.no_grad():
@@ -132,9 +133,9 @@ class _Relay:
         else:  # the leaf scores its own tokens for the paths ending here
             for i in ending:
                 if (row := plan.leaf_rows.get(i)) is not None:
-                    own.append(inp.logprobs(hidden[0, row.cols], row.targets))
+                    own.append(inp.logprobs(hidden[0, row.cols], row.targets.tolist()))
                     own_ids += [i] * len(row.cols)
-                    own_slots += row.slots
+                    own_slots += row.slots.tolist()
         if ending:  # these paths' losses: their own scores and the leaves of the scores above them
             shared, ids, slots = self.shared_entries(ending)
             value = path_loss(inp, torch.cat(own + shared), own_ids + ids, own_slots + slots)

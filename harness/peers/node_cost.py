@@ -8,7 +8,7 @@ with two trained leaves of ``--leaf`` tokens. For each ``l`` the same sequences 
 node's tokens copied into its two leaves). PrefixFlow trains both, alternating, warm, ``--repeats`` each,
 one thread; the median ``merged / split`` above 1 means splitting the node out paid. With two heirs a merge
 recomputes ``l`` tokens, so the crossover length is the node's fixed cost in tokens
-(``prefixflow.tree_build.AUTO_NODE_COST_TOKENS``). Prints one JSON line per length and the crossover.
+(``prefixflow.tree.build.AUTO_NODE_COST_TOKENS``). Prints one JSON line per length and the crossover.
 """
 
 from __future__ import annotations

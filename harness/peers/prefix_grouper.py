@@ -12,7 +12,7 @@ outputs back. Everything the two systems do not share with our baseline is Prefi
   calls run SDPA under PrefixGrouper's 2-D key-padding mask plus *bottom-right* causal alignment (SDPA's
   ``is_causal`` is top-left when ``Lq != Lk``). Both run under the model's ``sdpa_kernel`` backend list;
 - positions: ours, every suffix restarts at ``|P|``;
-- loss: ``prefixflow.loss`` on a ``prefixflow.layouts.Microbatch`` loss index over ``split_output(...,
+- loss: ``prefixflow.loss`` on a ``prefixflow.tree.layouts.Microbatch`` loss index over ``split_output(...,
   include_prefix_last=1)``; the LM head runs only at response-predicting positions, as in our baseline.
 
 Installed with the PrefixFlow wrapper mechanism: :class:`GroupedAttention` is a mode on
@@ -97,7 +97,7 @@ class GroupedAttention:
         }
 
     def __call__(self, wrapper, q, k, v, *, scale, enable_gqa):
-        from prefixflow.attention import sdpa_backends
+        from prefixflow.attention.modes import sdpa_backends
 
         out = self.pg.forward(
             grouped_attention_func, q, k, v, scale=scale, enable_gqa=enable_gqa, masks=self.masks,
@@ -109,13 +109,13 @@ class GroupedAttention:
 def pack_group(group, device: torch.device):
     """PrefixGrouper's packed input for one group: ``(pg, tokens [1, L], positions [1, L], loss index)``.
 
-    The loss index is a ``prefixflow.layouts.Microbatch`` over ``split_output(hidden,
+    The loss index is a ``prefixflow.tree.layouts.Microbatch`` over ``split_output(hidden,
     include_prefix_last=1)``: response ``i``'s token ``t`` is predicted at row ``i``, column ``t`` (column 0 is
     the prompt's last token).
     """
     from prefix_grouper import PrefixGrouper
 
-    from prefixflow.layouts import Microbatch
+    from prefixflow.tree.layouts import Microbatch
 
     p, n = group.prompt_len, group.n
     inputs = [r[:-1] for r in group.responses]
@@ -158,10 +158,10 @@ def train_group_prefix_grouper(model: nn.Module, group, *, loss: str = "pg", los
     ``|P|`` (the prefix runs once, shared in the packed graph); ``trunk_tokens`` is the packed length.
     """
     from prefixflow import GroupStats, RolloutGroup
-    from prefixflow.adapters import adapter_for
-    from prefixflow.apply import runtime_of
     from prefixflow.loss import microbatch_loss, resolve_loss, token_logprobs
-    from prefixflow.schedule import forward_hidden
+    from prefixflow.model.adapters import adapter_for
+    from prefixflow.model.apply import runtime_of
+    from prefixflow.schedule.driver import forward_hidden
 
     runtime = runtime_of(model)
     if not isinstance(group, RolloutGroup):

@@ -20,10 +20,10 @@ class TreeInput:
 
     def __init__(self, model, tree, loss: str, loss_config) -> None:
         from prefixflow import RolloutTree
-        from prefixflow.adapters import adapter_for
-        from prefixflow.apply import runtime_of
         from prefixflow.loss import resolve_loss
-        from prefixflow.tree_layouts import TreePlan
+        from prefixflow.model.adapters import adapter_for
+        from prefixflow.model.apply import runtime_of
+        from prefixflow.tree.plan import TreeRows
 
         if not isinstance(tree, RolloutTree):
             raise TypeError(f"tree must be a prefixflow.RolloutTree, got {type(tree).__name__}")
@@ -35,7 +35,7 @@ class TreeInput:
         self.losses = self.tree.path_losses()
         self.loss = loss
         self.cfg = resolve_loss(loss, loss_config, self.losses)
-        self.plan = TreePlan(self.tree)  # where each (path, slot) is scored: the library's own map
+        self.plan = TreeRows(self.tree)  # where each (path, slot) is scored: the library's own map
         self.model = model
 
     def logprobs(self, hidden_rows: torch.Tensor, targets: list[int]) -> torch.Tensor:
@@ -53,8 +53,8 @@ def prepare_tree(model, tree, loss: str = "pg", loss_config=None) -> TreeInput:
 
 def path_loss(inp: TreeInput, logp: torch.Tensor, paths: list[int], slots: list[int]) -> torch.Tensor:
     """The group objective's share of the loss entries ``(paths[t], slots[t])`` with log-probs ``logp[t]``."""
-    from prefixflow.layouts import Microbatch
     from prefixflow.loss import microbatch_loss
+    from prefixflow.tree.layouts import Microbatch
 
     long = dict(dtype=torch.long, device=inp.device)
     empty = torch.zeros(0, **long)
@@ -67,7 +67,7 @@ def path_loss(inp: TreeInput, logp: torch.Tensor, paths: list[int], slots: list[
 
 def masked_sdpa(wrapper, q, k, v, mask, scale, enable_gqa):
     """SDPA under ``mask`` restricted to the model's own backend list (the kernels its causal call may run)."""
-    from prefixflow.attention import sdpa_backends
+    from prefixflow.attention.modes import sdpa_backends
 
     backends = sdpa_backends(wrapper)
     scope = sdpa_kernel(backends, set_priority=True) if backends else contextlib.nullcontext()

@@ -55,13 +55,14 @@ def pack_paths(inp, paths: list[int]):
     index: dict[tuple[int, int], int] = {}
     entries = []
     for i in paths:
-        scored = [(start[node] + plan.scores[node][0][k], plan.scores[node][1][k], slot)
-                  for node, k, slot in plan.shared[i]]  # fmt: skip
+        scored = [
+            (start[node] + int(plan.node_rows[node].cols[k]), int(plan.node_rows[node].targets[k]), slot)
+            for node, k, slot in plan.shared[i]
+        ]
         if (row := plan.leaf_rows.get(i)) is not None:
             leaf = tree.path_ends[i]
-            scored += [
-                (start[leaf] + c, t, s) for c, t, s in zip(row.cols, row.targets, row.slots, strict=True)
-            ]
+            cols, targets, slots = row.cols.tolist(), row.targets.tolist(), row.slots.tolist()
+            scored += [(start[leaf] + c, t, s) for c, t, s in zip(cols, targets, slots, strict=True)]
         for pos, target, slot in scored:
             entries.append((index.setdefault((pos, target), len(index)), i, slot))
     rows = [p for p, _ in index]
@@ -74,7 +75,7 @@ def train_tree_mask(model, tree, *, microbatch=None, loss: str = "pg", loss_conf
 
     Returns ``prefixflow.GroupStats`` (``trunk_tokens``: the packed rows' lengths summed; one phase ``full``)."""
     from prefixflow import GroupStats
-    from prefixflow.stage import forward_hidden
+    from prefixflow.schedule.stage import forward_hidden
 
     inp = prepare_tree(model, tree, loss, loss_config)
     n = inp.tree.n

@@ -42,7 +42,7 @@ from harness.rl.ranks import Ranks
 from harness.rl.spec import MULTITURN_FIELDS, RLSpec
 from harness.rl.task import EOS, RetrievalTask
 from harness.rl.trainers import trainer_inputs
-from prefixflow.dtypes import DTYPES
+from prefixflow.model.dtypes import DTYPES
 from prefixflow.parallel import parallel_state
 from prefixflow.rl import (
     actor_update,

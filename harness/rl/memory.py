@@ -1,6 +1,6 @@
 """`pf-bench rl` before any work: the spec's model built on the meta device, its sequences against the model's
 positions (the prompt and ``max_new_tokens`` must fit ``max_seq_len``), and a floor on the memory its runs hold
-at once, refused in one line when it exceeds what this process may take (``prefixflow.memory_limit``).
+at once, refused in one line when it exceeds what this process may take (``prefixflow.memory.limit``).
 
 Per run: the actor in fp32 with its gradients and AdamW's two moments (16 bytes a parameter), the rollout
 replica and (``kl_coef`` > 0) the reference in the compute dtype; one group's activations. ``lockstep`` holds
@@ -16,8 +16,8 @@ import torch
 from harness.rl.loop import model_overrides, task_of
 from harness.rl.spec import RLSpec
 from harness.run.memory import MetaShape, check_sequence, meta_shape
-from prefixflow.dtypes import DTYPES
-from prefixflow.memory_limit import MemoryRefusal, check_fits, gib
+from prefixflow.memory.limit import MemoryRefusal, check_fits, gib
+from prefixflow.model.dtypes import DTYPES
 
 __all__ = ["rl_need", "check_rl_spec"]
 

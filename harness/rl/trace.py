@@ -315,7 +315,7 @@ def replay_trace(
     source run's own fp32 rounding, amplified by the optimizer as any fp32 trainer's would be (the floor
     against which another fp32 trainer's replay is read). ``ranks`` (``harness.rl.ranks.Ranks``): replay
     on the loop's parallel layout, every rank calling this (each returns the same rows)."""
-    from prefixflow.dtypes import DTYPES
+    from prefixflow.model.dtypes import DTYPES
 
     m = trace.manifest
     if system not in TRAINERS:

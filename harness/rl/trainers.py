@@ -27,7 +27,7 @@ from harness.peers.tree_flat import flatten_tree
 __all__ = ["TRAINERS", "system_of", "group_tree", "trainer_inputs"]
 
 TRAINERS = {"baseline": "baseline", "prefixflow": "prefixflow", "prefixflow_tree": "prefixflow"}
-TREE_MIN_SHARED = "auto"  # the tree trainer's build_tree rule (prefixflow.tree_build.AUTO_NODE_COST_TOKENS)
+TREE_MIN_SHARED = "auto"  # the tree trainer's build_tree rule (prefixflow.tree.build.AUTO_NODE_COST_TOKENS)
 
 
 def system_of(trainer: str) -> str:

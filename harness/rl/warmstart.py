@@ -15,7 +15,7 @@ from harness.rl.loop import build_model_for, task_of
 from harness.rl.ranks import Ranks
 from harness.rl.spec import RLSpec
 from harness.rl.task import mean_reward, warm_start
-from prefixflow.dtypes import DTYPES
+from prefixflow.model.dtypes import DTYPES
 from prefixflow.rl import sync_weights
 
 __all__ = ["warm_start_state"]

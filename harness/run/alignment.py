@@ -11,7 +11,7 @@ import torch.distributed as dist
 from harness.run.columns import base_record, classify, failed_records
 from harness.run.setup import resolve_device
 from harness.spec.cell import Cell, report_steps_for
-from prefixflow.memory_limit import MemoryRefusal
+from prefixflow.memory.limit import MemoryRefusal
 
 __all__ = ["ALIGNMENT_KEYS", "alignment_rows", "run_alignment_cell"]
 
@@ -19,7 +19,7 @@ __all__ = ["ALIGNMENT_KEYS", "alignment_rows", "run_alignment_cell"]
 def run_alignment_cell(cell: Cell) -> list[dict[str, Any]] | None:
     """An alignment cell: Table 3 rows (one record per run, step and quantity) of PrefixFlow vs the baseline
     in the cell's layout, on this rank (of a multi-rank cell: rank 0 returns the rows, the others None)."""
-    from prefixflow.dtypes import DTYPES
+    from prefixflow.model.dtypes import DTYPES
 
     settings = cell.alignment
     kwargs = dict(
@@ -39,7 +39,7 @@ def run_alignment_cell(cell: Cell) -> list[dict[str, Any]] | None:
     )
     try:
         if cell.parallel == type(cell.parallel)() and cell.groups in (None, 1):
-            from prefixflow.alignment import run_alignment
+            from prefixflow.checks.alignment import run_alignment
 
             rows = run_alignment(cell.model.name, device=resolve_device(cell.device), **kwargs)
         else:

@@ -2,7 +2,7 @@
 
 * :class:`PhaseMeter` — the ``observer`` that ``train_group`` calls around each phase: CUDA events and
   ``torch.cuda.max_memory_allocated`` (reset per phase) on GPU, ``perf_counter`` and a
-  ``prefixflow.live_bytes.LiveBytesMeter`` (peak reset per phase) on CPU.
+  ``prefixflow.memory.live_bytes.LiveBytesMeter`` (peak reset per phase) on CPU.
 * :func:`rank_max` — element-wise MAX of a dict of numbers across ranks.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from prefixflow.live_bytes import LiveBytesMeter
+from prefixflow.memory.live_bytes import LiveBytesMeter
 
 __all__ = ["PhaseMeter", "rank_max"]
 

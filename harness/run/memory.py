@@ -1,7 +1,7 @@
 """Before a cell or an RL run allocates anything: its model built on the meta device (no memory, no init), its
 sequences checked against the model's ``max_seq_len``, and a lower bound on the memory it needs (weights, their
 gradients, optimizer state, one microbatch's activations) refused in one line when it exceeds what this process
-may take (``prefixflow.memory_limit``: MemAvailable, ``ulimit -v``, the cgroup, ``$PF_MEMORY_LIMIT``).
+may take (``prefixflow.memory.limit``: MemAvailable, ``ulimit -v``, the cgroup, ``$PF_MEMORY_LIMIT``).
 
 The bound is a floor, not a forecast: what it refuses cannot fit; what it passes may still run out (then the
 record says ``oom``).
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from harness.spec.cell import Cell
-from prefixflow.dtypes import DTYPES
-from prefixflow.memory_limit import MemoryRefusal, check_fits, gib
+from prefixflow.memory.limit import MemoryRefusal, check_fits, gib
+from prefixflow.model.dtypes import DTYPES
 
 __all__ = [
     "MetaShape",
@@ -88,7 +88,7 @@ def _meta_shape(name: str, overrides_json: str) -> MetaShape:
             layers_field="num_hidden_layers",
             seq_field="max_position_embeddings",
         )
-    from prefixflow.models import count_parameters, resolve_model_args
+    from prefixflow.model.models import count_parameters, resolve_model_args
 
     args = resolve_model_args(name, overrides)
     return MetaShape(

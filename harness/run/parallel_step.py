@@ -59,7 +59,7 @@ def _build(name: str, cell: Cell, device: torch.device, dims, mesh):
 
         apply_ac(model, cell.ac)
         if cell.compile:
-            from prefixflow.compile import apply_compile
+            from prefixflow.model.compile import apply_compile
 
             apply_compile(model)
     return model, contender
@@ -93,7 +93,9 @@ _HOOK_MAX = ("pp_stage", "pp_span_s", "pp_bubble_s", "pp_bubble_mean_s", "pp_bub
 
 def _timelines(model) -> str | None:
     """A pipeline stage's timelines of its last group, every stage's (JSON), or None."""
-    pipeline = getattr(model, "_prefixflow_pipeline", None)
+    from prefixflow.runtime import runtime_of
+
+    pipeline = runtime_of(model, create=True).stage
     return json.dumps(pipeline.timelines) if pipeline is not None and pipeline.timelines else None
 
 

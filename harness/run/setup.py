@@ -9,7 +9,7 @@ import torch
 
 from harness.contenders import get_contender
 from harness.spec.cell import Cell
-from prefixflow.dtypes import DTYPES
+from prefixflow.model.dtypes import DTYPES
 
 HF_PREFIX = "hf:"
 
@@ -83,7 +83,7 @@ def build_for(name: str, cell: Cell, device: torch.device):
     apply_ac(model, cell.ac)
     model = contender.prepare(model, cell)
     if cell.compile:
-        from prefixflow.compile import apply_compile
+        from prefixflow.model.compile import apply_compile
 
         apply_compile(
             model

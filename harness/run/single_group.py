@@ -207,8 +207,9 @@ def _set_budget(models: dict, budget: int) -> None:
     from dataclasses import replace
 
     from prefixflow import apply_prefixflow
+    from prefixflow.runtime import runtime_of
 
     for model in models.values():
-        runtime = getattr(model, "_prefixflow", None)
-        if model is not None and runtime is not None:
+        runtime = None if model is None else runtime_of(model, create=True)
+        if runtime is not None and runtime.config is not None:
             apply_prefixflow(model, replace(runtime.config, memory_budget_bytes=budget))

@@ -78,7 +78,7 @@ def check_model_spec(model: ModelSpec) -> None:
         if model.lora is not None:
             check_lora_targets(config, model.lora)
         return
-    from prefixflow.models import check_model
+    from prefixflow.model.models import check_model
 
     check_model(model.name, model.overrides)
 

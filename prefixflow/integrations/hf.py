@@ -2,7 +2,7 @@
 
 Importing this module registers an attention implementation named ``"prefixflow"`` (and, for the model's own
 mask construction, sdpa's mask function under the same name) and :class:`HFAdapter` in
-:mod:`prefixflow.adapters`. ``apply_prefixflow(model)`` then switches the model to ``attn_implementation=
+:mod:`prefixflow.model.adapters`. ``apply_prefixflow(model)`` then switches the model to ``attn_implementation=
 "prefixflow"`` and hands each attention layer a :class:`~prefixflow.attention.PrefixAwareAttention`:
 
 - with no PrefixFlow phase running (generation, evaluation, TRL's own forwards), the registered function is
@@ -36,8 +36,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "prefixflow.integrations.hf needs Hugging Face transformers: pip install 'prefixflow[hf]'"
     ) from exc
 
-from ..adapters import ModelAdapter, register_adapter
-from ..attention import AttentionState, PrefixAwareAttention
+from ..attention.modes import AttentionState, PrefixAwareAttention
+from ..model.adapters import ModelAdapter, register_adapter
+from ..runtime import runtime_of
 from .hf_configs import (
     DROPOUT_CONFIG_FIELDS,
     HF_MODELS,
@@ -171,12 +172,12 @@ class HFAdapter(ModelAdapter):
         return [m for kind, m, _, _ in layers if kind == "attention"]
 
     def check(self, model, group) -> None:
-        longest = group.prompt_len + max(group.response_lens)
+        longest = max(group.path_lens)
         for attention in self.attentions(model):
             window = getattr(attention, "sliding_window", getattr(model.config, "sliding_window", None))
             if window is not None and longest > window:
                 raise ValueError(
-                    f"prompt + longest response = {longest} tokens exceeds the model's sliding_window={window}; "
+                    f"the longest sequence has {longest} tokens, more than the model's sliding_window={window}; "
                     "PrefixFlow attends to the whole cached prefix (shorten the group or disable the window)"
                 )
         for field in DROPOUT_CONFIG_FIELDS:
@@ -259,5 +260,5 @@ def build_hf_model(
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.to(device)
-    model.prefixflow_name = f"hf:{name}"
+    runtime_of(model, create=True).name = f"hf:{name}"
     return model

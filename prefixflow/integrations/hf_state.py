@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionState
-from ..state_layers import StatefulLayer, StateRule, register_state_rule, state_rule_for
+from ..attention.modes import AttentionState
+from ..state.layers import StatefulLayer, StateRule, register_state_rule, state_rule_for
 
 __all__ = [
     "BoundaryCache",

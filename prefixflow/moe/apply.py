@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..hooks import add_hooks
-from ..models import register_build_step
+from ..model.models import register_build_step
+from ..runtime import runtime_of
 from .layers import CountingReorderer, PortableExperts, ReplayMoE, ReplayRouter, swap_class
 from .schedule_hooks import MoEScheduleHooks
 
@@ -81,17 +82,17 @@ def apply_moe(model: nn.Module, config: MoEConfig | None = None) -> nn.Module:
         swap_class(moe.reorderer, CountingReorderer)
         swap_class(moe.experts, PortableExperts)
         moe.capacity_factor = config.capacity_factor
-    hooks = getattr(model, "_prefixflow_moe", None)
-    if hooks is None:
-        model._prefixflow_moe = add_hooks(model, MoEScheduleHooks(config))
+    runtime = runtime_of(model, create=True)
+    if runtime.moe is None:
+        runtime.moe = add_hooks(model, MoEScheduleHooks(config))
     else:
-        hooks.config = config
+        runtime.moe.config = config
     return model
 
 
 def moe_hooks_of(model: nn.Module) -> MoEScheduleHooks:
     """The MoE schedule hooks ``apply_moe`` registered (``.config``, ``.aux_loss`` of the last group)."""
-    hooks = getattr(model, "_prefixflow_moe", None)
+    hooks = runtime_of(model, create=True).moe
     if hooks is None:
         raise ValueError("this model has no MoE hooks; call prefixflow.moe.apply_moe(model) first")
     return hooks

@@ -1,22 +1,13 @@
 """How MoE routing enters the three phases: one :class:`~prefixflow.hooks.ScheduleHooks` object.
 
-Around each unit of work the hook hands every MoE layer a :class:`RoutePlan` for the tokens that unit feeds
-the model, in the order the layer sees them (``bs * slen``):
-
-==========================  ============================================  ================
-unit                        tokens                                         accounting weight
-==========================  ============================================  ================
-Phase A, Phase C (recompute) ``P[:-1]``: the prefix mask's first ``P-1`` rows  ``N`` each
-Phase B microbatch           per suffix ``[P[-1], S_i[:-1]]``: the prefix mask's last row + its suffix mask  1 (pads 0)
-baseline microbatch          per sequence ``[P, S_i[:-1]]``: prefix mask + its suffix mask  1 (pads 0)
-==========================  ============================================  ================
-
-So both systems replay the same expert ids for the same logical tokens, and count every prefix token ``N``
-times (logical prefix-token accounting), which keeps the load counters and the auxiliary balance loss
-identical. Pads are routed live (their output reaches nothing) and count 0.
-
-A prefix tree (``RolloutTree.routing``: one mask per node) replays per row (:mod:`.tree_routing`): each row
-reads the masks of the nodes it holds, and a token counts once per full sequence (path) that feeds it.
+Around each microbatch (a cached node's Phase-A row and its Phase-C recomputation, a Phase-B microbatch of
+leaf rows, a baseline microbatch of full sequences) the hook hands every MoE layer a :class:`RoutePlan` for
+the tokens it feeds the model, in the order the layer sees them (``bs * slen``). Every call runs a tree (a
+flat group is its one-cached-node tree, its routing one mask per node), and each row reads the masks of the
+nodes it holds (:mod:`.tree_routing`): both systems replay the same expert ids for the same logical tokens,
+and a token counts once per full sequence that feeds it (a flat group's prefix token ``N`` times), which
+keeps the load counters and the auxiliary balance loss identical. Pads are routed live (their output reaches
+nothing) and count 0.
 """
 
 from __future__ import annotations
@@ -26,9 +17,9 @@ import contextlib
 import torch
 from torch import nn
 
-from ..group import RoutingMasks, check_routing_masks
+from ..group import check_routing_masks
 from ..hooks import ScheduleHooks
-from ..tree import RolloutTree
+from ..tree.rollout_tree import RolloutTree
 from . import tree_routing
 from .layers import ReplayMoE, RoutePlan
 
@@ -50,6 +41,7 @@ class MoEScheduleHooks(ScheduleHooks):
         self.config = config
         self.layers: list[nn.Module] = []
         self.group_ = None
+        self.phase_ = None
         self.routing = None  # the group's routing masks of this model's MoE layers (a pipeline stage's own)
         self.system = None
         self.aux_coef: list[torch.Tensor] | None = None
@@ -84,8 +76,7 @@ class MoEScheduleHooks(ScheduleHooks):
     @contextlib.contextmanager
     def group(self, model, group, system):
         self.layers, self.group_, self.system = moe_layers(model), group, system
-        tree = isinstance(group, RolloutTree)
-        self.routing = group.routing if tree else _routing_of(group.routing, self.layers)
+        self.routing = _routing_of(group.routing, self.layers)
         self.aux_coef = self._aux_coefficients(group) if self.config.aux_loss_coef else None
         self.aux_terms, self.aux_loss = [], 0.0
         try:
@@ -97,29 +88,22 @@ class MoEScheduleHooks(ScheduleHooks):
 
     @contextlib.contextmanager
     def phase(self, name):
-        if name not in ("A", "C") or isinstance(self.group_, RolloutTree):  # a tree plans per row
-            yield
-            return
-        plans = self._set(self._prefix_plan())
+        self.phase_ = name
         try:
             yield
         finally:
-            self._set(None)
-        if name == "A":
-            self._count_skipped(plans)
+            self.phase_ = None
 
     @contextlib.contextmanager
     def microbatch(self, mb):
-        if mb.tree_rows is not None:
-            experts, weight = tree_routing.plan(self.routing, mb, len(self.layers))
-            plans = self._plans(experts, weight)
-        else:
-            plans = self._microbatch_plan(mb)
-        self._set(plans)
+        experts, weight = tree_routing.plan(self.routing, mb, len(self.layers))
+        plans = self._set(self._plans(experts, weight))
         try:
             yield
         finally:
             self._set(None)
+        if self.phase_ == "A":  # a node's forward may stop after its last K/V
+            self._count_skipped(plans)
 
     def full_prefix_forward(self) -> bool:
         """Phase A may not stop at the last K/V when the last MoE layer's prefix routing is needed: for the
@@ -156,39 +140,8 @@ class MoEScheduleHooks(ScheduleHooks):
             for i in range(len(self.layers))
         ]
 
-    def _prefix_plan(self) -> list[RoutePlan]:
-        group = self.group_
-        experts = None if self.routing is None else self.routing.prefix[:, None, :-1]
-        weight = torch.full((1, group.prompt_len - 1), float(group.n), device=group.prompt.device)
-        return self._plans(experts, weight)
-
-    def _sequence_masks(self, response: int, full: bool) -> torch.Tensor | None:
-        routing = self.routing
-        if routing is None:
-            return None
-        prefix = routing.prefix if full else routing.prefix[:, -1:]
-        return torch.cat([prefix, routing.suffixes[response]], dim=1)
-
-    def _microbatch_plan(self, mb) -> list[RoutePlan]:
-        group, full = self.group_, mb.cached_prefix_len is None
-        lens = [(group.prompt_len if full else 1) + group.response_lens[r] - 1 for r in mb.responses]
-        rows, width = mb.tokens.shape
-        slots = [(j * width if rows == len(lens) else sum(lens[:j]), n) for j, n in enumerate(lens)]
-        weight = torch.zeros(mb.tokens.numel(), device=mb.tokens.device)
-        experts = None
-        if self.routing is not None:
-            k = self.routing.top_k
-            experts = torch.full((len(self.layers), mb.tokens.numel(), k), -1, device=mb.tokens.device)
-        for (start, n), r in zip(slots, mb.responses, strict=True):
-            weight[start : start + n] = 1.0
-            if experts is not None:
-                experts[:, start : start + n] = self._sequence_masks(r, full)
-        if experts is not None:
-            experts = experts.view(len(self.layers), rows, width, -1)
-        return self._plans(experts, weight.view(rows, width))
-
     def _count_skipped(self, plans: list[RoutePlan]) -> None:
-        """A layer Phase A stopped before (after the last K/V) counts its replayed prefix routing here."""
+        """A layer a node's forward stopped before (after its last K/V) counts its replayed routing here."""
         for layer, plan in zip(self.layers, plans, strict=True):
             if plan.ran or plan.experts is None or plan.experts.numel() == 0:
                 continue
@@ -198,25 +151,14 @@ class MoEScheduleHooks(ScheduleHooks):
                 counts.index_add_(0, plan.experts.reshape(-1), weights.to(counts.dtype))
                 layer.tokens_per_expert.add_(counts)
 
-    def _aux_coefficients(self, group) -> list[torch.Tensor]:
-        """Per layer ``alpha * E * f_e / T``: ``f_e`` the fraction of the group's routed slots on expert e, over
-        the ``T`` logical tokens of the N full sequences (the prefix counted N times)."""
-        routing, router = self.routing, self.layers[0].router
-        num_experts, k = router.num_experts, router.top_k
-        if isinstance(group, RolloutTree):
-            return [
-                self.config.aux_loss_coef * num_experts * fraction
-                for fraction in tree_routing.fractions(group, routing, num_experts, k)
-            ]
-        tokens = group.n * group.prompt_len + sum(n - 1 for n in group.response_lens)
-        coefs = []
-        for layer in range(routing.n_layers):
-            counts = group.n * torch.bincount(routing.prefix[layer].reshape(-1), minlength=num_experts)
-            for suffix in routing.suffixes:
-                counts = counts + torch.bincount(suffix[layer].reshape(-1), minlength=num_experts)
-            fraction = counts.double() / (tokens * k)
-            coefs.append(self.config.aux_loss_coef * num_experts * fraction / tokens)
-        return coefs
+    def _aux_coefficients(self, tree) -> list[torch.Tensor]:
+        """Per layer ``alpha * E * f_e / T``: ``f_e`` the fraction of the tree's routed slots on expert e, over
+        the ``T`` logical tokens of its full sequences (a shared token counted once per path)."""
+        router = self.layers[0].router
+        return [
+            self.config.aux_loss_coef * router.num_experts * fraction
+            for fraction in tree_routing.fractions(tree, self.routing, router.num_experts, router.top_k)
+        ]
 
 
 def _moe_count(layers: list[nn.Module]) -> int:
@@ -224,12 +166,12 @@ def _moe_count(layers: list[nn.Module]) -> int:
     return getattr(layers[0], "moe_count", len(layers))
 
 
-def _routing_of(routing: RoutingMasks | None, layers: list[nn.Module]) -> RoutingMasks | None:
-    """The masks of ``layers``, by each layer's place among the whole model's MoE layers (``apply_moe``
-    numbers them before a pipeline split), so a stage replays its own layers' routing."""
+def _routing_of(routing: list[torch.Tensor] | None, layers: list[nn.Module]) -> list[torch.Tensor] | None:
+    """Each node's masks of ``layers``, by each layer's place among the whole model's MoE layers
+    (``apply_moe`` numbers them before a pipeline split), so a stage replays its own layers' routing."""
     if routing is None:
         return None
     index = [getattr(layer, "moe_index", i) for i, layer in enumerate(layers)]
-    if index == list(range(routing.n_layers)):
+    if index == list(range(routing[0].shape[0])):
         return routing
-    return RoutingMasks(routing.prefix[index], [s[index] for s in routing.suffixes])
+    return [m[index] for m in routing]

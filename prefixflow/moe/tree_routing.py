@@ -1,11 +1,12 @@
 """MoE routing replay on prefix trees: per-row route plans from one recorded mask per node.
 
 A tree's routing is one ``LongTensor[n_moe_layers, node_len, k]`` per node (``RolloutTree.routing``). A
-microbatch row holds the tokens of some nodes (``TreeRow.nodes``: a cached node's Phase-A row, a path's leaf
+microbatch row holds the tokens of some nodes (``Row.nodes``: a cached node's Phase-A row, a path's leaf
 row, or a baseline path of all its nodes but the last token), so its expert ids are those nodes' masks
-concatenated. Each token counts once per full sequence that feeds it (``TreeRow.weights``): a cached node's
-token once per path through the node (its last token not for paths that end there), a leaf row's last token
-0 (no full sequence feeds it), so the load counters and the balance loss match the baseline's.
+concatenated. Each token counts once per full sequence that feeds it (``Row.weights``): a cached node's
+token once per path through the node (its last token not for paths that end there); a leaf row leaves out
+the leaf's last token (no full sequence feeds it), so the load counters and the balance loss match the
+baseline's.
 """
 
 from __future__ import annotations
@@ -34,16 +35,16 @@ def plan(routing, mb, n_layers: int) -> tuple[torch.Tensor | None, torch.Tensor]
     """``(experts [n_layers, b, L, k] or None, weight [b, L])`` for a tree microbatch (pads: -1 and 0)."""
     rows, width = mb.tokens.shape
     device = mb.tokens.device
-    lens = [int(r.tokens.numel()) for r in mb.tree_rows]
-    padded = rows == len(lens)  # one row per TreeRow; packed: all of them in one row
+    lens = [int(r.tokens.numel()) for r in mb.rows]
+    padded = rows == len(lens)  # one row per Row; packed: all of them in one row
     starts = [j * width for j in range(len(lens))] if padded else [sum(lens[:j]) for j in range(len(lens))]
     weight = torch.zeros(rows * width, device=device)
     experts = None
     if routing is not None:
         k = routing[0].shape[2]
         experts = torch.full((n_layers, rows * width, k), -1, dtype=torch.long, device=device)
-    for row, start, n in zip(mb.tree_rows, starts, lens, strict=True):
-        weight[start : start + n] = torch.tensor(row.weights, device=device)
+    for row, start, n in zip(mb.rows, starts, lens, strict=True):
+        weight[start : start + n] = row.weights.to(device)
         if experts is not None:
             masks = torch.cat([routing[j] for j in row.nodes], dim=1)[:, :n]
             experts[:, start : start + n] = masks.to(device)

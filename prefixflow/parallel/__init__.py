@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..apply import AC_MODES, apply_ac, runtime_of
+from ..model.apply import AC_MODES, apply_ac, runtime_of
 from ..moe import is_moe
 from .mesh import MESH_DIMS, ParallelDims, backend_for, build_mesh, init_distributed
 
@@ -48,7 +48,7 @@ SUPPORTED_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 
 @dataclass
 class ParallelState:
-    """What ``parallelize`` attaches to the model (``model.prefixflow_parallel``)."""
+    """What ``parallelize`` records on the model's runtime (``runtime_of(model).parallel``)."""
 
     dims: ParallelDims
     mesh: DeviceMesh
@@ -69,7 +69,7 @@ class ParallelState:
 
 def parallel_state(model: nn.Module) -> ParallelState | None:
     """The model's ``ParallelState`` (None for a single-process model)."""
-    return getattr(model, "prefixflow_parallel", None)
+    return runtime_of(model, create=True).parallel
 
 
 def _model_group(mesh: DeviceMesh) -> dist.ProcessGroup:
@@ -161,7 +161,7 @@ def parallelize(
         apply_cp(model, mesh["cp"], prefetch=cp_prefetch, reduce_grads=not fsdp_over_cp)
     apply_ac(model, ac)
     if compile:
-        from ..compile import apply_compile
+        from ..model.compile import apply_compile
 
         apply_compile(model)
     if dims.dp_shard > 1:
@@ -175,7 +175,7 @@ def parallelize(
         raise ValueError("an FSDP config needs dp_shard > 1")
     param_dtype = getattr(fsdp, "param_dtype", None) if dims.dp_shard > 1 else None
     compute_dtype = param_dtype or next(model.parameters()).dtype
-    model.prefixflow_parallel = ParallelState(
+    runtime_of(model, create=True).parallel = ParallelState(
         dims, mesh, device, dims.dp_shard > 1, expert_mesh, compute_dtype, _model_group(mesh)
     )
     return model

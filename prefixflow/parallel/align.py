@@ -1,6 +1,6 @@
 """Table 3 under a parallel layout: baseline and PrefixFlow copies, both parallelized the same way.
 
-Same protocol as :func:`prefixflow.alignment.run_alignment` (same seeds, groups, AdamW settings, tolerances
+Same protocol as :func:`prefixflow.checks.alignment.run_alignment` (same seeds, groups, AdamW settings, tolerances
 and rows), with each copy built on every rank, wrapped by ``apply_prefixflow`` and ``parallelize``-d over
 the same mesh, and each step trained by :func:`prefixflow.parallel.dp.train_step` over ``groups_per_step``
 groups (default: one per data-parallel rank). Gradients and weights are gathered to full tensors before
@@ -13,11 +13,9 @@ from collections.abc import Iterable
 
 import torch
 
-from ..alignment import CORRECT, AlignmentRow, _step_rows, tolerances
-from ..apply import apply_prefixflow
-from ..dtypes import dtype_name
-from ..group import synthetic_group
-from ..models import build_model, model_args
+from ..checks.alignment import CORRECT, AlignmentRow, GroupDraw, alignment_rows
+from ..model.apply import apply_prefixflow
+from ..model.models import build_model, model_args
 from . import ParallelDims, build_mesh, parallelize
 from .dp import train_step
 
@@ -28,20 +26,6 @@ _MIXED = (torch.bfloat16, torch.float16)
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-class _Gathered:
-    """What ``alignment._step_rows`` reads of a model (``parameters()``), as full tensors."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def parameters(self):
-        return iter(self.tensors)
-
-
-def _name(n: str) -> str:
-    return n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def run_parallel_alignment(
@@ -65,8 +49,10 @@ def run_parallel_alignment(
     groups_per_step: int | None = None,
     split_threshold: float | None = 0.25,
 ) -> list[AlignmentRow]:
-    """G/L/W rows of PrefixFlow vs the baseline, both under ``dims`` (see the module doc). Group ``g`` of
-    step ``s`` is drawn as ``run_alignment`` draws step ``s``'s group when ``g`` is 0."""
+    """G/L/W rows of PrefixFlow vs the baseline, both under ``dims`` (see the module doc): the one alignment
+    loop (:func:`~prefixflow.checks.alignment.alignment_rows`) with parallelized copies, ``train_step`` and
+    gathered tensors. Group ``g`` of step ``s`` is drawn as ``run_alignment`` draws step ``s``'s group when
+    ``g`` is 0."""
     dims = ParallelDims.of(dims)
     report = set(report_steps)
     if steps < 1 or not report or min(report) < 1 or max(report) > steps:
@@ -86,50 +72,20 @@ def run_parallel_alignment(
         m = build_model(
             model, dtype=torch.float32 if autocast else dtype, seed=seed, overrides=overrides, device=device
         )
-        m = parallelize(apply_prefixflow(m), dims, ac=ac, mesh=mesh)  # with pp > 1: this rank's stage
-        start = [_full(p.detach()).clone() for p in m.parameters()]
-        copies[run] = (m, torch.optim.AdamW(m.parameters(), lr=lr), start)
-    names = [_name(n) for n, _ in copies["baseline"][0].named_parameters()]
-    vocab = model_args(copies["baseline"][0]).vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    rows: list[AlignmentRow] = []
-    for step in range(1, steps + 1):
-        groups = []
-        for g in range(k):
-            lens = torch.randint(max(1, suffix_len // 2), suffix_len + 1, (n,), generator=gen).tolist()
-            groups.append(
-                synthetic_group(
-                    vocab,
-                    prefix_len,
-                    lens,
-                    seed=seed * 100_003 + step + 1_000_003 * g,
-                    with_logprobs=loss == "grpo",
-                )
-            )
-        tau = tolerances(dtype, sum(prefix_len + s - 1 for gr in groups for s in gr.response_lens))
-        state = {}
-        for run, (m, opt, start) in copies.items():
-            opt.zero_grad(set_to_none=True)
-            device_type = next(m.parameters()).device.type
-            with torch.autocast(device_type, dtype=dtype, enabled=autocast):
-                stats = train_step(
-                    m,
-                    groups,
-                    system="baseline" if run == "baseline" else "prefixflow",
-                    layout=layout,
-                    microbatch=microbatch,
-                    loss=loss,
-                    loss_config=loss_config,
-                    split_threshold=split_threshold,
-                )
-            grads = None
-            if step in report:
-                grads = [_full(p.grad).detach().clone() for p in m.parameters()]
-            opt.step()
-            weights = _Gathered([_full(p.detach()) for p in m.parameters()]) if step in report else None
-            state[run] = (grads, torch.tensor(stats.loss, dtype=torch.float64), weights, start)
-        if step in report:
-            rows += _step_rows(step, state, names, tau, dtype_name(dtype))
+        copies[run] = parallelize(apply_prefixflow(m), dims, ac=ac, mesh=mesh)  # with pp > 1: this stage
+    draw = GroupDraw(
+        model_args(copies["baseline"]).vocab_size, prefix_len, suffix_len, n, seed, loss == "grpo"
+    )
+
+    def train(m, groups: list, system: str):
+        return train_step(
+            m, groups, system=system, layout=layout, microbatch=microbatch, loss=loss,
+            loss_config=loss_config, split_threshold=split_threshold,
+        )  # fmt: skip
+
+    rows = alignment_rows(
+        copies, lambda step: draw(step, k), train, steps=steps, report=report, dtype=dtype, lr=lr, full=_full
+    )
     return _merge_stages(rows) if dims.pp > 1 else rows
 
 

@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..hooks import ScheduleHooks, add_hooks
-from ..kv_cache import PrefixKVCache, PrefixView
-from ..layouts import Microbatch
+from ..model.compile import is_compiled
+from ..state.kv_cache import PrefixKVCache, PrefixView
+from ..tree.layouts import Microbatch
 from .sequence import Blocked, Collectives, CommStats, SequenceLayout, _wide, _wire, shard_microbatch
 
 __all__ = [
@@ -191,7 +192,7 @@ class ContextParallel(ScheduleHooks):
     shards_sequences = True
 
     def check(self, model: nn.Module, group, system: str) -> None:
-        if getattr(model, "prefixflow_compiled", None) is not None:
+        if is_compiled(model):
             raise ValueError("context parallelism runs eager blocks; build the model without compile")
 
     @contextlib.contextmanager

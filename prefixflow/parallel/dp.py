@@ -26,11 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..grad_guard import keep_grads_on_failure
 from ..group import RolloutGroup
-from ..schedule import GroupStats, train_group
-from ..tree import RolloutTree
-from ..validation import run_input
+from ..schedule.driver import GroupStats, train_group
+from ..schedule.grad_guard import keep_grads_on_failure
+from ..tree.rollout_tree import RolloutTree
 from . import fsdp as fsdp_mod
 from . import parallel_state
 from .dp_placement import Placement, Work, group_costs, place_groups
@@ -142,7 +141,6 @@ def train_step(
     state = parallel_state(model)
     n_ranks = state.dims.batch if state is not None else 1
     me = state.coordinate("batch") if state is not None and n_ranks > 1 else 0
-    groups = [run_input(g) for g in groups]  # a group with loss_masks as its tree, built once
     trees = {g for g, group in enumerate(groups) if isinstance(group, RolloutTree)}
     costs = [group_costs(model, g, system) for g in groups]
     ep = state is not None and state.dims.ep > 1

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..group import RolloutGroup
-from ..models import head_dim_of, hidden_dim_of, model_args
-from ..tree import RolloutTree
-from ..tree_layouts import TreePlan
+from ..model.models import head_dim_of, hidden_dim_of, model_args
+from ..tree.plan import TreeRows, group_tree
+from ..tree.rollout_tree import RolloutTree
 
 __all__ = ["Work", "Placement", "group_costs", "place_groups"]
 
@@ -66,23 +66,14 @@ def group_costs(
     if system not in ("prefixflow", "baseline"):
         raise ValueError(f"system {system!r} unknown; valid: ('prefixflow', 'baseline')")
     row = _RowCost(model)
-    if isinstance(group, RolloutTree):
-        return _tree_costs(row, group, system)
-    p = group.prompt_len
-    if system == "prefixflow":
-        c = p - 1
-        return row(c, 0, 0), [row(s, c, s) for s in group.response_lens]
-    return 0.0, [row(p + s - 1, 0, s) for s in group.response_lens]
-
-
-def _tree_costs(row: _RowCost, tree: RolloutTree, system: str) -> tuple[float, list[float]]:
-    plan = TreePlan(tree)
+    tree = group_tree(group) if isinstance(group, RolloutGroup) else group
+    rows = TreeRows(tree)
     if system == "baseline":
-        return 0.0, [row(len(r.tokens), 0, len(r.cols)) for r in map(plan.full_row, range(tree.n))]
-    nodes = sum(row(tree.node_len(j), tree.first_position[j], len(plan.scores[j][0])) for j in plan.cached)
+        return 0.0, [row(len(r), 0, len(r.cols)) for r in map(rows.full_row, range(tree.n))]
+    nodes = sum(row(tree.node_len(j), tree.first_position[j], rows.scores(j)) for j in rows.cached)
     paths = [0.0] * tree.n
-    for i, r in plan.leaf_rows.items():
-        paths[i] = row(len(r.tokens), r.first_position, len(r.cols))
+    for i, r in rows.leaf_rows.items():
+        paths[i] = row(len(r), r.first_position, len(r.cols))
     return nodes, paths
 
 

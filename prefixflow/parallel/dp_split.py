@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..attention import PrefixAwareAttention
+from ..attention.modes import PrefixAwareAttention
 from ..group import RolloutGroup
-from ..kv_cache import PrefixKVCache
-from ..models import head_dim_of, model_args
-from ..schedule import GroupShare, GroupStats, run_group
+from ..model.models import head_dim_of, model_args
+from ..schedule.driver import GroupShare, GroupStats, train_share
+from ..state.kv_cache import PrefixKVCache
 from . import parallel_state
 from .dp_placement import Work
 from .sequence import SequenceLayout
@@ -168,25 +168,30 @@ class SplitShare(GroupShare):
         self.helpers = [r for r in work.ranks if r != work.owner]
         self.geometry = prefix_kv_geometry(model, group)
 
-    def responses(self, group: RolloutGroup) -> list[int]:
+    def paths(self, n: int) -> list[int]:
         return list(self.work.responses)
 
     def computes_prefix(self) -> bool:
         return self.owner
 
-    def prefix_forward(self, run, cache: PrefixKVCache, compute):
+    def prefix_forward(self, run, caches, compute) -> None:
+        cache = caches.only()
         if not self.owner:
-            self.exchange.receive_prefix(cache, self.geometry, self.work.owner, run.device)
-            return None
-        prefix = compute()
-        self.exchange.send_prefix(cache, self.geometry, self.helpers)
-        return prefix
-
-    def prefix_backward(self, run, cache: PrefixKVCache, compute) -> None:
-        if not self.owner:
-            self.exchange.send_grad_kv(cache, self.work.owner)
+            if cache is not None:
+                self.exchange.receive_prefix(cache, self.geometry, self.work.owner, run.device)
             return
-        self.exchange.receive_grad_kv(cache, self.helpers)
+        compute()
+        if cache is not None:
+            self.exchange.send_prefix(cache, self.geometry, self.helpers)
+
+    def prefix_backward(self, run, caches, compute) -> None:
+        cache = caches.only()
+        if not self.owner:
+            if cache is not None:
+                self.exchange.send_grad_kv(cache, self.work.owner)
+            return
+        if cache is not None:
+            self.exchange.receive_grad_kv(cache, self.helpers)
         compute()
 
 
@@ -194,4 +199,4 @@ def train_split_part(
     model, group: RolloutGroup, work: Work, me: int, exchange: PrefixExchange, **kwargs
 ) -> GroupStats:
     """This rank's part of a split group through the one driver (``kwargs``: ``train_group``'s)."""
-    return run_group(model, group, SplitShare(model, group, work, me, exchange), **kwargs)
+    return train_share(model, group, SplitShare(model, group, work, me, exchange), **kwargs)

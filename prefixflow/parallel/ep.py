@@ -41,8 +41,10 @@ from torchtitan.distributed.expert_parallel import (
     TensorParallel,
 )
 
+from ..group import RolloutGroup
 from ..hooks import ScheduleHooks, add_hooks
 from ..moe import moe_layers
+from ..tree.plan import group_tree
 from .mesh import ParallelDims
 
 __all__ = [
@@ -161,13 +163,20 @@ class EPSchedule(ScheduleHooks):
         self.ep_mesh = ep_mesh
 
     def check(self, model, group, system) -> None:
-        mine = torch.tensor([int(system == "prefixflow"), group.n, int(group.prompt_len > 1)])
-        everyone = [torch.empty_like(mine) for _ in range(self.ep_mesh.size())]
-        dist.all_gather(everyone, mine, group=self.ep_mesh.get_group())
+        tree = group_tree(group) if isinstance(group, RolloutGroup) else group
+        shape = [int(system == "prefixflow"), tree.n, *tree.parents, *tree.path_ends]
+        mine = torch.tensor([len(shape), *shape])
+        width = [torch.zeros(1, dtype=mine.dtype) for _ in range(self.ep_mesh.size())]
+        dist.all_gather(width, mine[:1], group=self.ep_mesh.get_group())
+        widest = max(int(w) for w in width) + 1
+        padded = torch.full((widest,), -2, dtype=mine.dtype)
+        padded[: len(mine)] = mine
+        everyone = [torch.empty_like(padded) for _ in range(self.ep_mesh.size())]
+        dist.all_gather(everyone, padded, group=self.ep_mesh.get_group())
         if any(not torch.equal(other, everyone[0]) for other in everyone):
-            seen = [tuple(t.tolist()) for t in everyone]
+            seen = [tuple(t[1:3].tolist()) for t in everyone]
             raise ValueError(
                 "expert parallelism runs the EP ranks' MoE layers in lockstep: every EP rank must train the "
-                f"same system on a group with the same number of responses and a prompt of >1 token on all "
-                f"or none; got (prefixflow?, n, prefix?) = {seen}"
+                "same system on a group (or tree) of the same shape: the same number of responses and prompt "
+                f"of >1 token on all or none, the same tree nodes and paths; got (prefixflow?, paths) = {seen}"
             )

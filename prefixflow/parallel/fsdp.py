@@ -3,7 +3,7 @@
 ``apply_fsdp`` shards like TorchTitan's ``apply_fsdp`` (``fully_shard`` on the embedding, on every block, on
 ``[norm, output]``, then the root; a tied embedding/LM head is one unit), with SUM reductions and no gradient
 division: every rank's groups add up, so the gradients equal one process training all the groups. The units
-come from the model's adapter (:meth:`~prefixflow.adapters.ModelAdapter.fsdp_units`): TorchTitan's names, or
+come from the model's adapter (:meth:`~prefixflow.model.adapters.ModelAdapter.fsdp_units`): TorchTitan's names, or
 for a Hugging Face model ``embed_tokens``, each decoder layer, ``[norm, lm_head]``.
 
 PrefixFlow's schedule calls FSDP's own hooks in an order FSDP was not written for, so ``FSDPSchedule`` (a
@@ -42,8 +42,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-from ..adapters import adapter_for
 from ..hooks import ScheduleHooks, add_hooks, hooks_of
+from ..model.adapters import adapter_for
+from ..runtime import runtime_of
 
 __all__ = [
     "FSDPConfig",
@@ -102,7 +103,7 @@ class _CountedAllGather(AllGather):
 
 
 def _units(model: nn.Module) -> list[tuple[str, nn.Module | list[nn.Module]]]:
-    """The model family's sharding units (:meth:`prefixflow.adapters.ModelAdapter.fsdp_units`), checked to
+    """The model family's sharding units (:meth:`prefixflow.model.adapters.ModelAdapter.fsdp_units`), checked to
     cover every parameter: PrefixFlow runs the model piecewise, so a parameter left to the root would never
     be gathered."""
     units = adapter_for(model).fsdp_units(model)
@@ -163,7 +164,7 @@ def apply_fsdp(
     # PrefixFlow runs the model piecewise (embedding, blocks, head), never through the root's forward: make
     # the root the root now, before a child's forward could claim it.
     _root_state(model)._lazy_init()
-    model.prefixflow_fsdp_counter = counter
+    runtime_of(model, create=True).fsdp = counter
     add_hooks(model, FSDPSchedule(model))
     return model
 
@@ -185,12 +186,12 @@ def _groups(model: nn.Module):
 
 def collective_counts(model: nn.Module) -> dict[str, dict[str, int]]:
     """Reduce-scatters and all-gathers per FSDP unit since the last :func:`reset_collective_counts`."""
-    counter: _Counter = model.prefixflow_fsdp_counter
+    counter: _Counter = runtime_of(model, create=True).fsdp
     return {"reduce_scatter": dict(counter.reduce_scatter), "all_gather": dict(counter.all_gather)}
 
 
 def reset_collective_counts(model: nn.Module) -> None:
-    counter: _Counter = model.prefixflow_fsdp_counter
+    counter: _Counter = runtime_of(model, create=True).fsdp
     counter.reduce_scatter.clear()
     counter.all_gather.clear()
     counter.reduce_scatter_bytes = 0

@@ -16,7 +16,7 @@ program of operations; activations and their gradients travel between neighbouri
 and before ``C`` (A | B | C): the pipeline drains after the prefix forward and refills around the prefix
 backward. Both run the same operations on the same data; only the waiting differs. :func:`stage_program` is
 the one definition of both orders (``pp_program.py``; the simulator in ``harness/`` replays it). The stage
-runtime that executes it, ``pp_stage.Pipeline``, is the model's :class:`~prefixflow.stage.Stage`: the one driver
+runtime that executes it, ``pp_stage.Pipeline``, is the model's :class:`~prefixflow.schedule.stage.Stage`: the one driver
 (``train_group``) runs its phases on it, with the same guard, hooks and loss as on one device.
 
 Why not ``torch.distributed.pipelining``'s schedules: they run one stage function over equal-shaped chunks of
@@ -33,12 +33,12 @@ import contextlib
 
 from torch import nn
 
-from ..adapters import adapter_for
-from ..apply import PIPELINE_ATTR
-from .pp_program import SWITCHING, stage_hidden, stage_program
+from ..model.adapters import adapter_for
+from ..runtime import runtime_of
+from .pp_program import SWITCHING, stage_program
 from .pp_stage import Pipeline
 
-__all__ = ["SWITCHING", "Pipeline", "apply_pp", "stage_program", "stage_hidden", "switching"]
+__all__ = ["SWITCHING", "Pipeline", "apply_pp", "stage_program", "switching"]
 
 
 def apply_pp(
@@ -54,8 +54,8 @@ def apply_pp(
 
     TorchTitan's order: PP first, then TP/AC/compile/FSDP. It may come before or after ``apply_prefixflow``
     (a wrapped model's stage renumbers its attention layers from 0). ``train_group`` on the returned stage runs
-    the pipelined schedule (the stage is the runtime's :class:`~prefixflow.stage.Stage`). ``switching``: ``"stage_local"`` or
-    ``"barrier"`` (changeable later through ``model._prefixflow_pipeline.switching``)."""
+    the pipelined schedule (the stage is the runtime's :class:`~prefixflow.schedule.stage.Stage`). ``switching``: ``"stage_local"`` or
+    ``"barrier"`` (changeable later through ``runtime_of(model).stage.switching``)."""
     from torchtitan.distributed.pipeline_parallel import (
         generate_llm_fqn_per_model_part,
         pipeline_module_split,
@@ -83,25 +83,23 @@ def apply_pp(
     pipe = Pipeline(
         stage=stages[0].stage_index,
         n_stages=stages[0].num_stages,
-        group=pp_mesh.get_group(),
+        process_group=pp_mesh.get_group(),
         switching=switching,
     )
-    setattr(stage, PIPELINE_ATTR, pipe)  # apply_prefixflow puts it on the runtime when it wraps later
-    if getattr(stage, "_prefixflow", None) is not None:
+    runtime = runtime_of(stage, create=True)  # the split copies the model, and its runtime with it
+    if runtime.config is not None:
         _renumber_attention(stage)
-        stage._prefixflow.stage = pipe
-    for attr in ("prefixflow_name",):
-        if hasattr(model, attr):
-            setattr(stage, attr, getattr(model, attr))
+    runtime.stage = pipe
+    runtime.name = runtime_of(model, create=True).name
     return stage
 
 
 def _renumber_attention(stage: nn.Module) -> None:
     """A stage cut from a PrefixFlow-wrapped model: its wrappers get a state of their own, numbered 0.. in
     layer order (the cache's layer keys are per stage)."""
-    from ..attention import AttentionState, PrefixAwareAttention
+    from ..attention.modes import AttentionState, PrefixAwareAttention
 
-    runtime = stage._prefixflow
+    runtime = runtime_of(stage)
     state = AttentionState()
     for i, wrapper in enumerate(m for m in stage.modules() if isinstance(m, PrefixAwareAttention)):
         wrapper.layer, wrapper.state = i, state
@@ -112,7 +110,7 @@ def _renumber_attention(stage: nn.Module) -> None:
 @contextlib.contextmanager
 def switching(model: nn.Module, value: str):
     """Run with another phase switching for a while (e.g. to compare ``barrier`` with ``stage_local``)."""
-    pipe = getattr(model, PIPELINE_ATTR, None)
+    pipe = runtime_of(model, create=True).stage
     if pipe is None:
         raise ValueError("this model is not a pipeline stage (apply_pp / parallelize with pp > 1 first)")
     if value not in SWITCHING:

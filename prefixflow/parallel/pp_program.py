@@ -6,12 +6,7 @@ the stage runtime (:mod:`prefixflow.parallel.pp_stage`) executes it and the simu
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from ..models import rope_buffer
-
-__all__ = ["SWITCHING", "stage_program", "stage_hidden"]
+__all__ = ["SWITCHING", "stage_program"]
 
 SWITCHING = ("stage_local", "barrier")
 
@@ -37,13 +32,3 @@ def stage_program(
             ops.append(("barrier",))
         ops.append(("C",))
     return ops
-
-
-def stage_hidden(model: nn.Module, inputs: torch.Tensor, positions, *, final_norm: bool = True):
-    """A TorchTitan stage's forward without the LM head: embeddings on the first stage (else ``inputs`` are the
-    previous stage's hidden states), this stage's blocks, the final norm on the last stage."""
-    h = model.tok_embeddings(inputs) if model.tok_embeddings is not None else inputs
-    rope = rope_buffer(model)
-    for block in model.layers.values():
-        h = block(h, rope, None, positions)
-    return model.norm(h) if final_norm and model.norm is not None else h

@@ -1,9 +1,11 @@
-"""The stage runtime of pipeline parallelism: :class:`Pipeline`, a stage model's :class:`~prefixflow.stage.Stage`.
+"""The stage runtime of pipeline parallelism: :class:`Pipeline`, a stage model's :class:`~prefixflow.schedule.stage.Stage`.
 
-The one driver (``prefixflow.schedule``) runs its phases on it. Phase A's prefix forward receives the previous
-stage's prefix output and sends its own on; Phase B (and the baseline's phase) runs the microbatches in the
-stage program's 1F1B order (``pp_program.stage_program``), the last stage computing the shared microbatch
-objective; Phase C seeds the prefix backward with the next stage's gradient and sends its own back.
+The phase functions (``prefixflow.schedule.phases``) run on it, node by node and wave by wave, as on one
+device. A cached node's Phase-A forward receives the previous stage's output for the node and sends its own
+on (the last stage scores the node's tokens); Phase B (and the baseline's phase) runs each wave's
+microbatches in the stage program's 1F1B order (``pp_program.stage_program``), the last stage computing the
+shared microbatch objective; a node's Phase-C backward is seeded with the gradient the next stage sent back
+for its output, and sends its input's gradient on.
 Activations and their gradients travel between neighbouring stages by ``torch.distributed`` P2P (gloo and
 NCCL), each tensor preceded by a small shape header. Each operation is recorded with the moment it began
 waiting for its input, started and ended; after the group every stage's timeline is gathered onto one clock
@@ -20,9 +22,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..dtypes import DTYPES
-from ..stage import Stage, attention_mode, microbatch_objective
-from .pp_program import stage_hidden, stage_program
+from ..model.dtypes import DTYPES
+from ..runtime import runtime_of
+from ..schedule.stage import Stage, attention_mode, forward_hidden, microbatch_objective
+from .pp_program import stage_program
 
 __all__ = ["Pipeline"]
 
@@ -44,15 +47,15 @@ class _P2P:
         header[2 : 2 + t.dim()] = torch.tensor(t.shape)
         dst = self.pipe.peer(offset)
         for x in (header, t):
-            self.pending.append((dist.isend(x, dst, group=self.pipe.group, tag=tag), x))
+            self.pending.append((dist.isend(x, dst, group=self.pipe.process_group, tag=tag), x))
 
     def recv(self, offset: int, tag: int) -> torch.Tensor:
         src = self.pipe.peer(offset)
         header = torch.empty(8, dtype=torch.long, device=self.device)
-        dist.recv(header, src, group=self.pipe.group, tag=tag)
+        dist.recv(header, src, group=self.pipe.process_group, tag=tag)
         ndim, dtype = int(header[0]), _WIRE_DTYPES[int(header[1])]
         t = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=self.device)
-        dist.recv(t, src, group=self.pipe.group, tag=tag)
+        dist.recv(t, src, group=self.pipe.process_group, tag=tag)
         return t
 
     def flush(self) -> None:
@@ -68,7 +71,7 @@ class Pipeline(Stage):
 
     stage: int
     n_stages: int
-    group: dist.ProcessGroup
+    process_group: dist.ProcessGroup
     switching: str = "stage_local"
     timeline: list[dict] = field(default_factory=list)  # this stage's events of the last group
     timelines: list[list[dict]] = field(default_factory=list)  # every stage's, on one clock (after the group)
@@ -86,14 +89,14 @@ class Pipeline(Stage):
         return self.last
 
     def peer(self, offset: int) -> int:
-        return dist.get_global_rank(self.group, self.stage + offset)
+        return dist.get_global_rank(self.process_group, self.stage + offset)
 
     # --- the Stage interface ------------------------------------------------------------------------------
 
     def check(self, model, system: str, microbatch) -> None:
         if microbatch == "auto":
             raise ValueError("microbatch='auto' is not supported under pipeline parallelism; pass an int")
-        if model._prefixflow.config.offload:
+        if runtime_of(model).config.offload:
             raise ValueError(
                 "PrefixFlowConfig.offload is not supported under pipeline parallelism; set it False"
             )
@@ -101,66 +104,64 @@ class Pipeline(Stage):
     @contextlib.contextmanager
     def running(self, run):
         self.device = run.device
-        self.p2p, self.events, self.prefix = _P2P(self, run.device), [], None
-        self.has_prefix = run.system == "prefixflow" and run.group.prompt_len > 1
-        dist.barrier(group=self.group)
+        self.p2p, self.events, self.nodes = _P2P(self, run.device), [], {}
+        dist.barrier(group=self.process_group)
         self.t0, self.wall_t0 = time.perf_counter(), time.time()
         try:
             yield
             self.p2p.flush()  # sends complete once their receivers posted; nothing waits on them earlier
         finally:
-            self.prefix = None
+            self.nodes = {}
 
-    def prefix_forward(self, run, mb) -> None:
+    def node_forward(self, run, j: int, mb):
         waited = time.perf_counter()
         inp = self._input(mb.tokens)
         started = time.perf_counter()
-        self.prefix = (inp, None)
+        self.nodes[j] = [inp, None, None]
         try:
-            out = stage_hidden(run.model, inp, _positions(mb), final_norm=False)
+            out = forward_hidden(run.model, inp, _positions(mb), final_norm=run.rows.scores(j) > 0)
         finally:
             self._event("A", None, waited, started)  # the last stage may stop early (PrefixCaptured)
-        self.prefix = (inp, out)
+        self.nodes[j][1] = out
         if not self.last:
             self.p2p.send(out, +1, _FWD)
+            return None
+        return out
 
     def microbatches(self, run, build, chunks=None) -> float:
-        if chunks is not None:  # prefix trees are refused on pipeline stages (validation)
-            raise ValueError("a pipeline stage runs a whole group's microbatches, not a tree's wave")
-        work = [build(chunk) for chunk in run.plan]
-        program = stage_program(self.switching, self.n_stages, self.stage, len(work), self.has_prefix)
+        chunks = list(enumerate(run.chunks)) if chunks is None else chunks
+        work = [(index, *build(chunk)) for index, chunk in chunks]
+        prefix = run.system == "prefixflow" and bool(run.rows.cached)
+        program = stage_program(self.switching, self.n_stages, self.stage, len(work), prefix)
         saved: dict[int, tuple] = {}
         total = 0.0
         for op in program:
             if op[0] == "barrier":
                 start = time.perf_counter()
-                dist.barrier(group=self.group)
+                dist.barrier(group=self.process_group)
                 self._event("barrier", None, start, start)
             elif op[0] == "F":
-                total += self._forward(run, op[1], *work[op[1]], saved)
+                total += self._forward(run, *work[op[1]], saved)
             elif op[0] == "B":
-                self._backward(run, op[1], work[op[1]][0], saved)
+                self._backward(run, work[op[1]][0], work[op[1]][1], saved)
         return total
 
-    def prefix_backward(self, run, cache) -> None:
-        if self.prefix is None:
-            return
-        inp, out = self.prefix
+    def node_seeds(self, run, j: int):
         waited = time.perf_counter()
-        roots, grads = [], []
-        if not self.last:
-            roots, grads = [out], [self.p2p.recv(+1, _BWD)]
-        started = time.perf_counter()
-        cache.backward_prefix(roots, grads)
+        roots, grads = ([], []) if self.last else ([self.nodes[j][1]], [self.p2p.recv(+1, _BWD)])
+        self.nodes[j][2] = (waited, time.perf_counter())
+        return roots, grads
+
+    def node_backward_done(self, run, j: int) -> None:
+        inp, _, (waited, started) = self.nodes.pop(j)
         self._event("C", None, waited, started)
         if not self.first:
             self.p2p.send(_grad_or_zeros(inp), -1, _BWD)
-        self.prefix = None
 
     def report_loss(self, value: float) -> float:
         """The loss lives on the last stage; every stage reports it."""
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.broadcast(t, src=self.peer(self.n_stages - 1 - self.stage), group=self.group)
+        dist.broadcast(t, src=self.peer(self.n_stages - 1 - self.stage), group=self.process_group)
         return float(t.item())
 
     def stats(self) -> dict[str, float]:
@@ -193,7 +194,7 @@ class Pipeline(Stage):
         started = time.perf_counter()
         value = 0.0
         with attention_mode(run, mode), run.hooks.microbatch(mb):
-            out = stage_hidden(run.model, inp, _positions(mb))
+            out = forward_hidden(run.model, inp, _positions(mb))
             if self.last:
                 value, out = microbatch_objective(run, mb, out)
             roots, grads = [out], [None]
@@ -230,7 +231,7 @@ class Pipeline(Stage):
         from the wall clock (NTP-synchronised hosts)."""
         every: list = [None] * self.n_stages
         me = (self.events, socket.gethostname(), self.t0, self.wall_t0)
-        dist.all_gather_object(every, me, group=self.group)
+        dist.all_gather_object(every, me, group=self.process_group)
         one_host = len({host for _, host, _, _ in every}) == 1
         origin = 2 if one_host else 3
         shifts = [stage[origin] - every[0][origin] for stage in every]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 import torch.distributed as dist
 
-from ..layouts import Microbatch
+from ..tree.layouts import Microbatch
 
 __all__ = ["SequenceLayout", "CommStats", "Blocked", "Collectives", "SequenceExchange", "shard_microbatch"]
 

@@ -31,15 +31,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..attention import PrefixAwareAttention
-from ..models import hidden_dim_of, model_args
+from ..attention.modes import PrefixAwareAttention
+from ..model.models import hidden_dim_of, model_args
+from ..runtime import runtime_of
 
 __all__ = ["apply_tp", "model_family", "check_tp_degree"]
 
 
 def model_family(model: nn.Module) -> str:
     """``"llama3"`` or ``"qwen3"`` (from ``build_model``'s name, else from the class)."""
-    name = getattr(model, "prefixflow_name", "")
+    name = runtime_of(model, create=True).name
     if ":" in name:
         return name.split(":")[0]
     return {"Transformer": "llama3", "Qwen3Model": "qwen3"}.get(type(model).__name__, type(model).__name__)
@@ -114,7 +115,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         # weight; both plans shard it the same way (Shard(0) over the vocabulary), so tie it again.
         model.output.weight = model.tok_embeddings.weight
     _install_length_hooks(model, tp_mesh, tp)
-    model.prefixflow_tp = tp
+    runtime_of(model, create=True).tp = tp
     return model
 
 

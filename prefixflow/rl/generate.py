@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..apply import runtime_of
-from ..models import model_args
-from ..stage import forward_hidden
+from ..model.apply import runtime_of
+from ..model.models import model_args
+from ..schedule.stage import forward_hidden
 
 __all__ = ["DecodeCache", "Rollout", "sample_responses"]
 

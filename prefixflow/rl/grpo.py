@@ -16,14 +16,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..grad_guard import keep_grads_on_failure
 from ..group import RolloutGroup
-from ..hooks import hooks_of
-from ..layouts import build_microbatch, full_sequence_segments
-from ..loss import LossConfig, token_logprobs
+from ..loss import LossConfig
 from ..parallel import parallel_state
-from ..schedule import train_group
-from ..stage import forward_hidden
+from ..schedule.driver import score_group, train_group
+from ..schedule.grad_guard import keep_grads_on_failure
 
 _AC_PREFIX = "_checkpoint_wrapped_module."
 
@@ -57,27 +54,15 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: bool = Tru
     return centred / (r.std() + eps)
 
 
-@torch.no_grad()
 def response_logprobs(
     model: nn.Module, prompt: torch.Tensor, responses: list[torch.Tensor], *, microbatch: int | None = None
 ) -> list[torch.Tensor]:
-    """Per-token ``log pi(s_it | P, s_<t)`` of each response under ``model``: full sequences, forward only,
-    LM head at response positions only (policy evaluation; the same for every trainer)."""
+    """Per-token ``log pi(s_it | P, s_<t)`` of each response under ``model`` (fp32): full sequences, forward
+    only, the model's LM head at response positions only (policy evaluation; the same for every trainer),
+    through the baseline's own phase (:func:`~prefixflow.schedule.driver.score_group`)."""
     probe = RolloutGroup(prompt, list(responses), torch.zeros(len(responses)))
-    device = next(model.parameters()).device
-    probe = probe.to(device)
-    segments = full_sequence_segments(probe)
-    size = probe.n if microbatch is None else microbatch
-    flat = []
-    with hooks_of(model).forward_only():  # e.g. FSDP2 reshards everything after it
-        for start in range(0, probe.n, size):
-            mb = build_microbatch(
-                probe, segments[start : start + size], "padded", cached_prefix_len=None, device=device
-            )
-            hidden = forward_hidden(model, mb.tokens, mb.positions)
-            flat.append(token_logprobs(model.output(hidden[mb.loss_rows, mb.loss_cols]), mb.targets))
-    out = torch.cat(flat).float()
-    return [t.clone() for t in torch.split(out, probe.response_lens)]
+    logprobs = score_group(model, probe, system="baseline", layout="padded", microbatch=microbatch)
+    return [t.float() for t in logprobs]
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from harness.run.measure import PhaseMeter, rank_max
-from prefixflow.live_bytes import LiveBytesMeter
+from prefixflow.memory.live_bytes import LiveBytesMeter
 
 MIB4 = 1024 * 1024 * 4  # 1024 x 1024 fp32
 

@@ -19,7 +19,7 @@ from harness.cli import app
 from harness.records import read_records
 from harness.run.memory import cell_need, meta_shape, preflight_cell
 from harness.spec.load import expand, load_spec
-from prefixflow import memory_limit as ml
+from prefixflow.memory import limit as ml
 
 runner = CliRunner()
 SMALL = ["--prefix-len", "8", "--suffix-len", "4", "--n", "2", "--warmup", "0", "--repeats", "1"]
@@ -85,7 +85,7 @@ def test_run_refuses_hf_models_and_huge_layer_counts(monkeypatch):
     one_line_error(invoke("run", "--model", "hf:llama3-8b", *SMALL, env=env), "8030M parameters")
     res = invoke("run", "--model", "hf:llama-tiny", "--override", "num_hidden_layers=100000", *SMALL, env=env)
     one_line_error(res, "num_hidden_layers=2")
-    from prefixflow.models import count_parameters
+    from prefixflow.model.models import count_parameters
 
     many = {"dim": 32, "n_heads": 2, "vocab_size": 128, "n_layers": 100}
     assert meta_shape("llama3:debugmodel", many).n_params == count_parameters("llama3:debugmodel", many)
@@ -171,7 +171,7 @@ def test_no_committed_spec_at_its_default_scale_is_refused():
 
 def test_alignment_uses_the_shared_limit(monkeypatch):
     """`align` keeps its own count (6 tensors per parameter and copy) against the same limit."""
-    from prefixflow import alignment
+    from prefixflow.checks import alignment
 
     monkeypatch.setattr(alignment, "memory_limit", lambda: ml.Limit(2**20, "test"))
     with pytest.raises(ml.MemoryRefusal, match="more than the 0.0 GiB available"):

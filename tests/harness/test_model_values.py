@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from harness.cli import app
 from harness.cli.common import parse_overrides
 from harness.spec.checks import hf_model_config
-from prefixflow.models import check_model
+from prefixflow.model.models import check_model
 
 runner = CliRunner()
 SMALL = ["--prefix-len", "8", "--suffix-len", "4", "--n", "2", "--warmup", "0", "--repeats", "1"]
@@ -99,7 +99,7 @@ def test_sequences_beyond_max_seq_len_are_refused_before_the_cell(no_build):
 
 def test_every_builtin_hf_config_and_titan_flavor_still_passes():
     from prefixflow.integrations.hf import HF_MODELS
-    from prefixflow.models import list_models
+    from prefixflow.model.models import list_models
 
     for name in HF_MODELS:
         hf_model_config(name)

@@ -7,7 +7,7 @@ import torch
 from conftest import TINY
 
 import prefixflow as pf
-from prefixflow import adapters
+from prefixflow.model import adapters
 
 
 def test_torchtitan_models_get_the_core_adapter():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import prefixflow as pf
-from prefixflow.alignment import (
+from prefixflow.checks.alignment import (
     CONTROLS,
     CORRECT,
     format_alignment,
@@ -16,7 +16,7 @@ from prefixflow.alignment import (
     run_alignment,
     tolerances,
 )
-from prefixflow.faults import MicrobatchLossScale, ScalePrefixGradient, ShiftSuffixPositions
+from prefixflow.checks.faults import MicrobatchLossScale, ScalePrefixGradient, ShiftSuffixPositions
 
 TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256}
 
@@ -126,7 +126,7 @@ def test_scale_prefix_gradient_is_exactly_scaled_gkv():
     """Scaling Phase C's contribution equals scaling the accumulated gK/gV (linearity, fp64)."""
     from conftest import tiny_model
 
-    from prefixflow.kv_cache import PrefixKVCache
+    from prefixflow.state.kv_cache import PrefixKVCache
 
     group = pf.synthetic_group(97, 12, [5, 4], seed=2)
     model = tiny_model("llama3")

@@ -1,4 +1,4 @@
-"""microbatch="auto" (prefixflow.budget): the largest suffix microbatches that fit a memory budget, measured."""
+"""microbatch="auto" (prefixflow.memory.budget): the largest suffix microbatches that fit a memory budget, measured."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_auto_fills_the_budget_without_exceeding_it(system, layout):
 
 def test_a_budget_below_one_response_runs_one_at_a_time():
     """... and says so (issue 26, defect 9: it ran over the budget silently)."""
-    from prefixflow.budget import OverBudgetWarning
+    from prefixflow.memory.budget import OverBudgetWarning
 
     model = pf.apply_prefixflow(tiny_model("llama3"), pf.PrefixFlowConfig(memory_budget_bytes=1))
     with pytest.warns(

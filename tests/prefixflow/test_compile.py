@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import prefixflow as pf
-from prefixflow.compile import apply_compile, first_call_seconds, is_compiled
+from prefixflow.model.compile import apply_compile, first_call_seconds, is_compiled
 
 TINY = {"dim": 32, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 97}
 

@@ -7,26 +7,45 @@ import torch
 from conftest import tiny_model
 
 import prefixflow as pf
-from prefixflow.attention import CapturePrefix
-from prefixflow.kv_cache import PrefixKVCache
-from prefixflow.layouts import build_microbatch, full_sequence_segments, suffix_segments
-from prefixflow.stage import forward_hidden
+from prefixflow.attention.modes import NodeAttention
+from prefixflow.schedule.caches import CachedKeys
+from prefixflow.schedule.stage import forward_hidden
+from prefixflow.state.kv_cache import PrefixKVCache
+from prefixflow.tree.layouts import lay_out
+from prefixflow.tree.plan import TreeRows, group_tree
 
 GROUP = pf.synthetic_group(97, 6, [3, 1, 4], seed=0)
+ROWS = TreeRows(group_tree(GROUP))  # one cached node P[:-1] (5 tokens), a leaf [P[-1], S_i] per response
+
+
+def _layout(rows, layout):
+    lens = [ROWS.tree.node_len(j) for j in range(ROWS.tree.n_nodes)]
+    return lay_out(rows, ROWS.key_nodes(rows), lens, layout, torch.device("cpu"))
+
+
+def suffix_microbatch(layout):
+    return _layout([ROWS.leaf_rows[i] for i in range(GROUP.n)], layout)
+
+
+def full_microbatch(layout):
+    return _layout([ROWS.full_row(i) for i in range(GROUP.n)], layout)
+
+
+def capture(cache):
+    """Phase A's attention for a prefix with no ancestors: capture every layer's K/V into ``cache``."""
+    return NodeAttention(CachedKeys([], []), None, capture=cache)
 
 
 def test_suffix_inputs_start_with_last_prompt_token_at_its_position():
-    segs = suffix_segments(GROUP)
-    for seg, resp in zip(segs, GROUP.responses, strict=True):
-        assert seg.tokens[0] == GROUP.prompt[-1]
-        assert torch.equal(seg.tokens[1:], resp[:-1])
-        assert seg.first_position == GROUP.prompt_len - 1
+    for i, resp in enumerate(GROUP.responses):
+        row = ROWS.leaf_rows[i]
+        assert row.tokens[0] == GROUP.prompt[-1]
+        assert torch.equal(row.tokens[1:], resp[:-1])
+        assert row.first_position == GROUP.prompt_len - 1
 
 
 def test_padded_suffix_positions_continue_after_cached_prefix():
-    mb = build_microbatch(
-        GROUP, suffix_segments(GROUP), "padded", cached_prefix_len=5, device=torch.device("cpu")
-    )
+    mb = suffix_microbatch("padded")
     assert mb.positions.tolist() == [[5, 6, 7, 8]]
     # Loss positions: each response's tokens, in order, from column 0.
     assert mb.loss_cols.tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
@@ -34,21 +53,15 @@ def test_padded_suffix_positions_continue_after_cached_prefix():
 
 
 def test_packed_positions_restart_at_prefix_length_per_suffix():
-    mb = build_microbatch(
-        GROUP, suffix_segments(GROUP), "packed", cached_prefix_len=5, device=torch.device("cpu")
-    )
+    mb = suffix_microbatch("packed")
     assert mb.positions.tolist() == [[5, 6, 7, 5, 5, 6, 7, 8]]
-    base = build_microbatch(
-        GROUP, full_sequence_segments(GROUP), "packed", cached_prefix_len=None, device=torch.device("cpu")
-    )
+    base = full_microbatch("packed")
     assert base.positions[0, :8].tolist() == list(range(8))  # first [P || S_1] sequence from 0
     assert base.positions[0, 8] == 0  # the next sequence restarts
 
 
 def test_packed_mask_sees_prefix_own_suffix_causally_never_another_suffix():
-    mb = build_microbatch(
-        GROUP, suffix_segments(GROUP), "packed", cached_prefix_len=5, device=torch.device("cpu")
-    )
+    mb = suffix_microbatch("packed")
     mask = mb.mask[0, 0]
     assert mask.shape == (8, 13)
     assert mask[:, :5].all()  # every query sees every cached prefix key
@@ -60,9 +73,7 @@ def test_packed_mask_sees_prefix_own_suffix_causally_never_another_suffix():
 
 
 def test_padded_mask_hides_pads_and_the_future():
-    mb = build_microbatch(
-        GROUP, suffix_segments(GROUP), "padded", cached_prefix_len=5, device=torch.device("cpu")
-    )
+    mb = suffix_microbatch("padded")
     own = mb.mask[:, 0, :, 5:]
     lens = [3, 1, 4]
     for b, n in enumerate(lens):
@@ -72,9 +83,7 @@ def test_padded_mask_hides_pads_and_the_future():
 
 
 def test_baseline_padded_uses_the_plain_causal_path():
-    mb = build_microbatch(
-        GROUP, full_sequence_segments(GROUP), "padded", cached_prefix_len=None, device=torch.device("cpu")
-    )
+    mb = full_microbatch("padded")
     assert mb.mask is None and mb.positions is None
     assert mb.loss_cols[:3].tolist() == [5, 6, 7]  # the last prompt token (index 5) predicts S_1
 
@@ -83,7 +92,7 @@ def test_cache_keeps_kv_heads_and_leaves_are_detached(family):
     model = tiny_model(family)
     cache = PrefixKVCache()
     prefix = GROUP.prompt[:-1].unsqueeze(0)
-    with model._prefixflow.state.use(CapturePrefix(cache)):
+    with model._prefixflow.state.use(capture(cache)):
         forward_hidden(model, prefix, None, final_norm=False)
     assert len(cache) == 2 and cache.prefix_len == 5
     head_dim = 16
@@ -100,7 +109,7 @@ def test_bf16_model_accumulates_grad_kv_in_fp32():
     model = tiny_model("llama3", dtype=torch.bfloat16)
     assert model._prefixflow.grad_kv_dtype(model) == torch.float32
     cache = PrefixKVCache(torch.float32)
-    with model._prefixflow.state.use(CapturePrefix(cache)):
+    with model._prefixflow.state.use(capture(cache)):
         forward_hidden(model, GROUP.prompt[:-1].unsqueeze(0), None, final_norm=False)
     entry = cache.layers[0]
     assert entry.live_k.dtype == torch.bfloat16 and entry.prefix_k.dtype == torch.float32

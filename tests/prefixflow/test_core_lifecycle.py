@@ -12,8 +12,8 @@ from support.live_tensors import live_tensor_bytes
 from support.reference import max_rel_diff, reference_pg
 
 import prefixflow as pf
-import prefixflow.kv_cache as kv_cache
-import prefixflow.stage as stage_module
+import prefixflow.schedule.stage as stage_module
+import prefixflow.state.kv_cache as kv_cache
 
 
 @pytest.fixture

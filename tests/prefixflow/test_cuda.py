@@ -137,7 +137,7 @@ def test_split_fused_cuda_kernels_match_the_reference(dtype, backend, causal, he
     reference's output and gradients for q, k, v and the cached prefix K/V; the fused kernel really ran."""
     from torch.nn.attention import SDPBackend
 
-    import prefixflow.split_attention as sa
+    import prefixflow.attention.split as sa
 
     backends = [getattr(SDPBackend, backend)]
     q, k, v, pk, pv = _split_inputs(dtype, heads, kv_heads)
@@ -160,7 +160,7 @@ def test_split_fused_cuda_kernels_match_the_reference(dtype, backend, causal, he
 
 
 def test_split_on_cuda_bf16_model_uses_the_fused_kernel_and_matches_the_baseline(monkeypatch):
-    import prefixflow.split_attention as sa
+    import prefixflow.attention.split as sa
 
     used = []
     real = sa._attend

@@ -36,7 +36,7 @@ class Recorder(pf.ScheduleHooks):
 
     @contextlib.contextmanager
     def microbatch(self, mb):
-        self.log.append((self.name, "mb", mb.responses, mb.cached_prefix_len))
+        self.log.append((self.name, "mb", mb.responses, mb.cached_keys))
         if self.fail_in == "microbatch":
             raise RuntimeError("injected")
         yield
@@ -57,8 +57,11 @@ def test_hooks_wrap_group_phases_and_microbatches_in_stack_order(system):
     phases = ["A", "B", "C"] if system == "prefixflow" else ["full"]
     assert [e[2] for e in names if e[1] == "phase+"] == phases
     mbs = [e for e in names if e[1] == "mb"]
-    prefix = 11 if system == "prefixflow" else None
-    assert mbs == [("outer", "mb", (0, 1), prefix), ("outer", "mb", (2,), prefix)]
+    if system == "prefixflow":  # the cached prefix's row (its forward, then its backward), the leaf rows
+        node = ("outer", "mb", (-1,), 0)
+        assert mbs == [node, ("outer", "mb", (0, 1), 11), ("outer", "mb", (2,), 11), node]
+    else:
+        assert mbs == [("outer", "mb", (0, 1), 0), ("outer", "mb", (2,), 0)]
     # A stack: outer enters first and exits last.
     assert log[0][:2] == ("outer", "check") and log[2][:2] == ("outer", "group+")
     assert log[-1][:2] == ("outer", "group-") and log[-2][:2] == ("inner", "group-")

@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_model
 
 import prefixflow as pf
-from prefixflow.grad_guard import NonFiniteError, all_finite, keep_grads_on_failure
+from prefixflow.schedule.grad_guard import NonFiniteError, all_finite, keep_grads_on_failure
 
 P, LENS = 10, [5, 7, 4]
 
@@ -121,7 +121,7 @@ def test_non_finite_gradient_is_never_merged():
 
 
 def test_nested_guards_check_and_merge_once_for_the_outermost(monkeypatch):
-    import prefixflow.grad_guard as guard
+    import prefixflow.schedule.grad_guard as guard
 
     checks = []
     monkeypatch.setattr(guard, "all_finite", lambda ts: checks.append(len(ts)) or all_finite(ts))

@@ -15,8 +15,8 @@ from conftest import tiny_model
 from support.reference import max_rel_diff
 
 import prefixflow as pf
-from prefixflow.layouts import Microbatch
 from prefixflow.loss import LossConfig, microbatch_loss, resolve_loss
+from prefixflow.tree.layouts import Microbatch
 
 MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 KL = ("low_var_kl", "kl", "abs", "mse")

@@ -1,4 +1,4 @@
-"""Offload of dormant prefix saved tensors (prefixflow.offload): bitwise-neutral, real, and released."""
+"""Offload of dormant prefix saved tensors (prefixflow.memory.offload): bitwise-neutral, real, and released."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import torch
 from conftest import tiny_model
 
 import prefixflow as pf
-import prefixflow.stage as stage_module
+import prefixflow.schedule.stage as stage_module
 from prefixflow.group import synthetic_group
-from prefixflow.live_bytes import LiveBytesMeter
+from prefixflow.memory.live_bytes import LiveBytesMeter
+from prefixflow.memory.offload import TIER_CPU
 
 MODES = {
     "off": pf.PrefixFlowConfig(),
@@ -53,7 +54,7 @@ def test_gradients_bitwise_equal_with_prefetch_and_demand_load(family, ac, layou
         assert stats.loss == want_stats.loss
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), mode
         off = stats.offload
-        assert off.tier == pf.offload.TIER_CPU and off.released
+        assert off.tier == TIER_CPU and off.released
         assert off.offloaded_bytes > 0
         # Every offloaded byte came back exactly once, except what autograd freed unneeded.
         assert off.loaded_bytes == off.offloaded_bytes - off.dropped_bytes > 0
@@ -223,8 +224,8 @@ def _inplace_after_save(offload, modify):
 def test_inplace_change_to_a_saved_tensor_raises_like_autograd(min_bytes):
     """Autograd raises when a saved tensor is modified in place; saved-tensor hooks switch that check off, so
     the offload must do it (for offloaded and for resident tensors), not hand Phase C stale or torn bytes."""
-    from prefixflow.kv_cache import PrefixKVCache
-    from prefixflow.offload import PrefixOffload
+    from prefixflow.memory.offload import PrefixOffload
+    from prefixflow.state.kv_cache import PrefixKVCache
 
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _inplace_after_save(None, modify=True)  # plain autograd

@@ -9,7 +9,7 @@ from conftest import TINY, tiny_model
 from support.reference import max_rel_diff
 
 import prefixflow as pf
-from prefixflow.split_attention import split_attention, split_attention_reference, suffix_bias
+from prefixflow.attention.split import split_attention, split_attention_reference, suffix_bias
 
 TOL = 1e-12
 
@@ -153,7 +153,7 @@ def test_masked_calls_run_under_the_models_sdpa_backend_list(monkeypatch):
     attention (TorchTitan's ScaledDotProductAttentionWrapper.sdpa_backends), as its causal calls do."""
     from torch.nn.attention import SDPBackend
 
-    import prefixflow.attention as attention_module
+    import prefixflow.attention.modes as attention_module
 
     model = tiny_model("llama3")
     for wrapper in model._prefixflow.state.wrappers:
@@ -238,7 +238,7 @@ class _FakeCudaAten:
 def test_cuda_kernel_glue_matches_concat(monkeypatch, kernel, causal):
     """Split's CUDA kernels (driven by fake ATen ops with the real signatures) give concat's output and
     gradients: GQA expansion and its gradient fold, lse slicing/padding, the saved forward state."""
-    import prefixflow.split_attention as sa
+    import prefixflow.attention.split as sa
 
     if kernel.startswith("flash") and not causal:
         pytest.skip("flash takes no bias; a masked suffix part goes to the efficient kernel")

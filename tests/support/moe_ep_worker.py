@@ -184,14 +184,23 @@ def _mismatch() -> dict:
 
 
 class WrongPrefixMaskInPhaseC(pf.ScheduleHooks):
-    """Fault: Phase C's recomputation replays another expert for every prefix token."""
+    """Fault: Phase C's recomputation replays another expert for every cached token (registered after the MoE
+    hook, so each microbatch's route plans are set when it enters)."""
 
     def __init__(self, model) -> None:
-        self.model = model
+        self.model, self.in_c = model, False
 
     @contextlib.contextmanager
     def phase(self, name):
-        if name == "C":
+        self.in_c = name == "C"
+        try:
+            yield
+        finally:
+            self.in_c = False
+
+    @contextlib.contextmanager
+    def microbatch(self, mb):
+        if self.in_c:
             for layer in moe_layers(self.model):
                 plan = layer.route_plan
                 plan.experts = (plan.experts + 1) % 8
@@ -208,6 +217,62 @@ def _control() -> dict:
     except Exception as e:  # a recomputation whose saved tensors differ is also a detected fault
         return {"detected": True, "how": type(e).__name__}
     out = compare(model, stats.loss, reference(groups, "padded", None))
+    out["detected"] = out["max_rel"] > 1e-6
+    return out
+
+
+def tree_with_routing(seed: int = 21) -> pf.RolloutTree:
+    """A random tree (depth 3, branching up to 3, loss tokens in shared nodes) with random masks per node."""
+    from support.tree_reference import random_tree
+
+    tree = random_tree(seed, 3, 3, vocab=VOCAB)
+    gen = torch.Generator().manual_seed(seed)
+    tree.routing = [
+        torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(2 * n)]).view(2, n, 2)
+        for n in (tree.node_len(j) for j in range(tree.n_nodes))
+    ]
+    return tree
+
+
+def tree_case(dims, *, system, layout, microbatch, ac="none", fault=False) -> dict:
+    """One tree on every rank through ``train_group`` (EP borrowing the TP ranks: they share their data; EP
+    over dp_shard: FSDP sums the ranks' gradients, so the reference trains the tree once per rank)."""
+    model = parallel_model(dims, ac=ac)
+    if fault:
+        pf.add_hooks(model, WrongPrefixMaskInPhaseC(model))
+    tree = tree_with_routing()
+    copies = parallel_state(model).dims.batch
+    stats = pf.train_group(model, tree, system=system, layout=layout, microbatch=microbatch)
+    ref_model = tiny()
+    ref_loss = sum(
+        pf.train_group(ref_model, tree, system="baseline", layout="padded").loss for _ in range(copies)
+    )
+    ref = (ref_loss, 0.0, {_name(n): p.grad.detach().clone() for n, p in ref_model.named_parameters()})
+    return compare(model, stats.loss * copies, ref)
+
+
+TREE_MATRIX = [
+    ("packed", 2, "none", "prefixflow"),
+    ("padded", None, "full", "prefixflow"),
+    ("packed", 1, "none", "baseline"),
+]
+for _label in ("ep2xtp2", "ep2"):
+    for _layout, _mb, _ac, _system in TREE_MATRIX:
+        case(f"{_label}-tree-{_layout}-mb{_mb}-ac_{_ac}-{_system}")(
+            lambda d=LAYOUTS[_label], la=_layout, m=_mb, a=_ac, s=_system: tree_case(
+                d, system=s, layout=la, microbatch=m, ac=a
+            )
+        )
+
+
+@case("control-ep2xtp2-tree-wrong-mask-in-phase-c")
+def _tree_control() -> dict:
+    try:
+        out = tree_case(
+            LAYOUTS["ep2xtp2"], system="prefixflow", layout="packed", microbatch=2, ac="full", fault=True
+        )
+    except Exception as e:  # a recomputation whose saved tensors differ is also a detected fault
+        return {"detected": True, "how": type(e).__name__}
     out["detected"] = out["max_rel"] > 1e-6
     return out
 

@@ -4,7 +4,7 @@
 - :mod:`.trainer`: the trainer (``training_step`` runs PrefixFlow's phases).
 """
 
-from .plan import POLICY, SUPPORTED_LOSS_TYPES, TREE_MIN_SHARED, GroupPlan, plan_groups
+from .plan import POLICY, SUPPORTED_LOSS_TYPES, TREE_MIN_SHARED, TrainingUnit, plan_groups
 from .trainer import VERIFY_TOLERANCE, PrefixFlowGRPOTrainer
 
 __all__ = [
@@ -12,7 +12,7 @@ __all__ = [
     "SUPPORTED_LOSS_TYPES",
     "POLICY",
     "TREE_MIN_SHARED",
-    "GroupPlan",
+    "TrainingUnit",
     "plan_groups",
     "VERIFY_TOLERANCE",
 ]

@@ -25,9 +25,9 @@ import torch
 
 from ... import RolloutGroup, build_tree
 from ...loss import LossConfig
-from ...tree import RolloutTree
+from ...tree.rollout_tree import RolloutTree
 
-__all__ = ["SUPPORTED_LOSS_TYPES", "POLICY", "GroupPlan", "plan_groups", "TREE_MIN_SHARED"]
+__all__ = ["SUPPORTED_LOSS_TYPES", "POLICY", "TrainingUnit", "plan_groups", "TREE_MIN_SHARED"]
 
 # TRL loss_type -> PrefixFlow LossConfig.policy; GRPOConfig's full list in TRL 1.16
 POLICY = {
@@ -46,8 +46,8 @@ TREE_MIN_SHARED = 4
 
 
 @dataclass
-class GroupPlan:
-    """Rows of the micro-batch trained as one unit (a prompt's group, or the whole tree) and its loss config."""
+class TrainingUnit:
+    """One unit a TRL micro-batch trains: its rows (a prompt's group, or the whole tree), as a group or tree, and its loss config."""
 
     rows: list[int]
     group: RolloutGroup | RolloutTree
@@ -87,7 +87,7 @@ def plan_groups(
     steps_per_generation: int = 1,
     policy_options: dict | None = None,
     tree: bool | str = "auto",
-) -> list[GroupPlan]:
+) -> list[TrainingUnit]:
     """Group a TRL micro-batch by prompt (or into one prefix tree) with the loss config reproducing TRL's.
 
     ``inputs``: what ``GRPOTrainer._prepare_inputs`` returns (``prompt_ids/mask`` left-padded,
@@ -154,7 +154,7 @@ def plan_groups(
         tree = tool_mask is not None or _prompts_share(list(by_prompt), TREE_MIN_SHARED)
     if tree:
         rows = [r for rs in by_prompt.values() for r in rs]
-        return [GroupPlan(rows, _tree(inputs, rows, prompts, masks, lengths, old, ref), config)]
+        return [TrainingUnit(rows, _tree(inputs, rows, prompts, masks, lengths, old, ref), config)]
     plans = []
     for prompt, rows in by_prompt.items():
         group = RolloutGroup(
@@ -165,7 +165,7 @@ def plan_groups(
             ref_logprobs=_per_row(ref, rows, lengths),
             loss_masks=None if tool_mask is None else [masks[r] for r in rows],
         )
-        plans.append(GroupPlan(rows, group, config))
+        plans.append(TrainingUnit(rows, group, config))
     return plans
 
 

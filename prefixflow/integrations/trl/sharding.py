@@ -30,9 +30,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from ...grad_guard import keep_grads_on_failure
 from ...parallel import ParallelDims, parallel_state
 from ...parallel import fsdp as pf_fsdp
+from ...schedule.grad_guard import keep_grads_on_failure
 
 __all__ = ["check", "keep_out_of_ddp", "reshard", "gathered", "full_state_dict", "worst_rel_diff"]
 

@@ -32,10 +32,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from ... import PrefixFlowConfig, apply_prefixflow, train_group
 from ...parallel import ParallelDims, parallelize
-from ...schedule import check_group
+from ...runtime import runtime_of
+from ...schedule.driver import check_group
 from .. import hf
 from . import sharding
-from .plan import SUPPORTED_LOSS_TYPES, GroupPlan, plan_groups
+from .plan import SUPPORTED_LOSS_TYPES, TrainingUnit, plan_groups
 
 __all__ = ["PrefixFlowGRPOTrainer", "VERIFY_TOLERANCE"]
 
@@ -99,7 +100,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         self.verify_first_step = bool(verify_first_step)
         self.verify_tolerance = verify_tolerance
         self._prefixflow_verified = False
-        if prefixflow_config is not None or getattr(inner, "_prefixflow", None) is None:
+        if prefixflow_config is not None or runtime_of(inner, create=True).config is None:
             apply_prefixflow(inner, prefixflow_config)
         if dims is not None:
             parallelize(inner, dims)
@@ -182,7 +183,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         )
         return step % every == 0 or (args.logging_first_step and step == 1)
 
-    def _plan(self, inputs) -> list[GroupPlan]:
+    def _plan(self, inputs) -> list[TrainingUnit]:
         args = self.args
         policy_options = {}
         if self.loss_type == "sapo":
@@ -354,7 +355,7 @@ def _no_sync(model: nn.Module):
     return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
 
 
-def stats_reused(plans: list[GroupPlan]) -> int:
+def stats_reused(plans: list[TrainingUnit]) -> int:
     """Tokens not recomputed: a flat group's prompt once per completion beyond the first; a tree's path tokens
     beyond its unique ones."""
     return sum(
@@ -365,7 +366,7 @@ def stats_reused(plans: list[GroupPlan]) -> int:
     )
 
 
-def _check_positions(model: nn.Module, plan: GroupPlan) -> None:
+def _check_positions(model: nn.Module, plan: TrainingUnit) -> None:
     """A prompt + completion longer than the model's ``max_position_embeddings``, named in HF's terms."""
     group = plan.group
     limit = int(model.config.get_text_config().max_position_embeddings)

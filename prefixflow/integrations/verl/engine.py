@@ -29,7 +29,7 @@ from ... import apply_prefixflow, train_group
 from ...hooks import ScheduleHooks, add_hooks, remove_hooks
 from ...loss import token_logprobs
 from ...parallel import fsdp as pf_fsdp
-from ...schedule import check_group
+from ...schedule.driver import check_group
 from .. import hf  # noqa: F401  (registers the HF adapter and attention)
 from .plan import GroupPlan, actor_loss_config, loss_callable_config, plan_micro_batch
 

@@ -107,7 +107,7 @@ def test_a_bad_group_leaves_gradients_learning_rate_and_weights_as_they_were():
 
 
 def test_a_non_finite_gradient_in_any_group_undoes_the_whole_update(monkeypatch):
-    import prefixflow.grad_guard as guard
+    import prefixflow.schedule.grad_guard as guard
 
     checks = []
     real = guard.all_finite

@@ -16,7 +16,7 @@ from harness.cli import app
 from harness.rl.memory import check_rl_spec
 from harness.rl.run import plans_of
 from harness.rl.spec import RL_PRESETS, load_rl_spec
-from prefixflow import memory_limit as ml
+from prefixflow.memory import limit as ml
 
 runner = CliRunner()
 CLAIM2 = REPO / "experiments" / "claim2.yaml"

@@ -166,7 +166,7 @@ def test_plain_forward_unchanged(name):
 def test_groups_leave_no_state(monkeypatch, name, layout):
     """No state leaf, accumulator, conv tail or retained prefix graph survives a group: live tensor bytes
     after more groups equal those after the first, and every StateCache is empty and unreachable."""
-    from prefixflow.state_cache import StateCache
+    from prefixflow.state.recurrent import StateCache
 
     caches = []
     original = StateCache.__init__
@@ -195,7 +195,7 @@ def test_suffixes_read_the_leaves_expanded(monkeypatch, name):
     """Phase B hands every recurrent mixer the cached leaves themselves, expanded over the batch (stride 0),
     never a repeated copy."""
     from prefixflow.integrations.hf_state import BoundaryCache
-    from prefixflow.state_cache import StateCache
+    from prefixflow.state.recurrent import StateCache
 
     fp64_kernels(monkeypatch)
     leaves, seen = set(), []

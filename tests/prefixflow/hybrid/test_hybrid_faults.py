@@ -26,9 +26,9 @@ from support.hybrid import (  # noqa: E402
 )
 
 import prefixflow as pf  # noqa: E402
-from prefixflow import state_layers  # noqa: E402
 from prefixflow.integrations import hf_state  # noqa: E402
-from prefixflow.state_cache import StateCache  # noqa: E402
+from prefixflow.state import layers as state_layers  # noqa: E402
+from prefixflow.state.recurrent import StateCache  # noqa: E402
 
 LIN, FULL = "linear_attention", "full_attention"
 FAMILIES = {

@@ -49,7 +49,7 @@ def test_offload_bitwise(name, layout, prefetch, ac):
 
 def test_offload_fault_is_seen(monkeypatch):
     """The bitwise check catches one flipped bit in every tensor read back from the offload file."""
-    from prefixflow.offload_storage import FilePool
+    from prefixflow.memory.storage import FilePool
 
     original = FilePool._read
 
@@ -78,7 +78,7 @@ class _PhaseLive:
 
 
 def _measure(name, config):
-    from prefixflow.live_bytes import LiveBytesMeter
+    from prefixflow.memory.live_bytes import LiveBytesMeter
 
     family, types = FAMILIES[name]
     model = family(types, dtype=torch.float32)

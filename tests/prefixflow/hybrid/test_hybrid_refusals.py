@@ -10,8 +10,8 @@ pytest.importorskip("transformers")
 from support.hybrid import VOCAB, granite_hybrid, nemotron_h, qwen3_5  # noqa: E402
 
 import prefixflow as pf  # noqa: E402
-from prefixflow import state_layers  # noqa: E402
 from prefixflow.integrations import hf  # noqa: E402
+from prefixflow.state import layers as state_layers  # noqa: E402
 
 LIN, FULL = "linear_attention", "full_attention"
 

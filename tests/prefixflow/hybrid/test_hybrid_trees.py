@@ -14,8 +14,8 @@ from support.hybrid import fp64_kernels, nemotron_h, qwen3_5, worst_grad  # noqa
 from support.tree_reference import random_tree  # noqa: E402
 
 import prefixflow as pf  # noqa: E402
-from prefixflow import tree_phases  # noqa: E402
 from prefixflow.integrations import hf  # noqa: E402,F401  (registers the HF adapter)
+from prefixflow.schedule.caches import CachedKeys  # noqa: E402
 
 LIN, FULL = "linear_attention", "full_attention"
 MODELS = {
@@ -69,7 +69,7 @@ def test_children_starting_from_the_zero_state_is_caught(monkeypatch):
     model = pf.apply_prefixflow(MODELS["qwen3_5-mixed"]())
     tree = random_tree(13, 3, 3, min_shared_tokens=2)
     want_loss, want = reference_tree_pg(model, tree)
-    monkeypatch.setattr(tree_phases.AncestorKV, "states", lambda self, layer, parents: None)
+    monkeypatch.setattr(CachedKeys, "states", lambda self, layer, parents: None)
     _train(model, tree, layout="packed", microbatch=2)
     assert worst_grad(model, want)[0] > 1e-3
 

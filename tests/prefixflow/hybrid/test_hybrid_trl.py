@@ -14,7 +14,7 @@ from support.reference import max_rel_diff  # noqa: E402
 
 from prefixflow.integrations import hf  # noqa: E402
 from prefixflow.integrations.trl import PrefixFlowGRPOTrainer  # noqa: E402
-from prefixflow.state_cache import StateCache  # noqa: E402
+from prefixflow.state.recurrent import StateCache  # noqa: E402
 
 
 def qwen3_5_model(seed: int = 0):

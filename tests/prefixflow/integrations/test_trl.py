@@ -121,7 +121,7 @@ def test_bf16_autocast_first_step_verifies_in_fp32(tmp_path):
 def test_bf16_first_step_check_catches_gkv_scaled_by_0_99(tmp_path):
     """Negative control: the prefix gradient (gK/gV) scaled by 0.99 fails the fp32 check under bf16 training."""
     import prefixflow as pf
-    from prefixflow.faults import ScalePrefixGradient
+    from prefixflow.checks.faults import ScalePrefixGradient
 
     tr = trainer(tmp_path, bf16=True, loss_type="dapo")
     tr.verify_first_step = True

@@ -8,6 +8,7 @@ from support.moe import VOCAB, grads, one_thread, random_routing, reference_repl
 from support.reference import max_rel_diff, reference_pg
 
 import prefixflow as pf
+from prefixflow.model.models import count_parameters
 from prefixflow.moe import moe_layers, record_routing
 
 TOL = 1e-9
@@ -157,7 +158,7 @@ def test_offload_changes_no_number_under_replay():
 def test_alignment_refuses_copies_that_cannot_fit_before_building_any(monkeypatch):
     """`pf-bench align --model qwen3:debugmodel_moe --dtype fp64` at full size (316M parameters) needs ~28 GiB
     for its two copies: a one-line error naming the fix, not an OOM kill a minute later."""
-    from prefixflow import alignment
+    from prefixflow.checks import alignment
 
     def built(*args, **kwargs):
         raise AssertionError("a model was built before the memory check")
@@ -168,4 +169,4 @@ def test_alignment_refuses_copies_that_cannot_fit_before_building_any(monkeypatc
         ValueError, match=r"316M parameters: 2 trained copies in fp64 need about 28\.\d GiB.*--override"
     ):
         alignment.run_alignment("qwen3:debugmodel_moe", dtype=torch.float64)
-    assert pf.models.count_parameters("qwen3:debugmodel_moe") == 315_758_848  # as built
+    assert count_parameters("qwen3:debugmodel_moe") == 315_758_848  # as built

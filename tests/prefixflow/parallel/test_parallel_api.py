@@ -13,7 +13,7 @@ from conftest import tiny_model
 import prefixflow as pf
 from harness.execute.local import local_ranks_argv
 from harness.run.parallel_step import merge_rank_samples
-from prefixflow.parallel import ParallelDims, parallelize
+from prefixflow.parallel import ParallelDims, parallel_state, parallelize
 from prefixflow.parallel.dp import group_costs, place_groups, train_step
 
 
@@ -34,7 +34,7 @@ def test_ep_on_a_dense_model_is_rejected_with_a_clear_error_before_anything_chan
     model = tiny_model("llama3")
     with pytest.raises(ValueError, match="needs an MoE model"):
         parallelize(model, dims)
-    assert getattr(model, "prefixflow_parallel", None) is None
+    assert parallel_state(model) is None
 
 
 def test_parallelize_needs_prefixflow_wrappers_first():
@@ -179,15 +179,18 @@ def test_cells_recorded_before_the_data_parallel_split_keep_their_ids():
 def test_split_helpers_derive_the_owners_prefix_kv_geometry_and_a_wrong_one_is_refused(family, dtype):
     """A split group's helpers size their receive from the model and the group alone (no header crosses
     ranks): the geometry must be exactly what Phase A captures, and the owner refuses to send otherwise."""
-    from prefixflow.kv_cache import PrefixKVCache
     from prefixflow.parallel.dp import check_captured, prefix_kv_geometry
-    from prefixflow.schedule import group_run, phase_a_prefix_forward
+    from prefixflow.schedule.caches import NodeCaches
+    from prefixflow.schedule.driver import resolve
+    from prefixflow.schedule.phases import node_forwards, waves
 
     model = tiny_model(family, dtype=dtype)
     group = pf.synthetic_group(97, 11, [3, 5], seed=0)
-    cache = PrefixKVCache()
+    run = resolve(model, group)
+    caches = NodeCaches(run, offload=False)
     with torch.no_grad():
-        phase_a_prefix_forward(group_run(model, group), cache)
+        node_forwards(run, caches, next(waves(run)))
+    cache = caches.only()
     geometry = prefix_kv_geometry(model, group)
     check_captured(cache, geometry)
     assert geometry.layers == (0, 1) and geometry.tokens == 10 and geometry.dtype == dtype
@@ -212,7 +215,7 @@ def test_hook_columns_come_from_the_median_timed_step_not_the_last_one():
 
 def test_costs_of_a_transformers_model_equal_the_torchtitan_model_of_the_same_shape():
     from prefixflow.integrations import hf
-    from prefixflow.models import hidden_dim_of, model_args
+    from prefixflow.model.models import hidden_dim_of, model_args
 
     titan = tiny_model("llama3")
     args = model_args(titan)

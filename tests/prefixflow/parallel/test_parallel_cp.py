@@ -112,13 +112,15 @@ def test_shard_layout_is_head_tail_and_covers_every_token():
 
 def test_shard_microbatch_keeps_loss_positions_and_positions():
     import prefixflow as pf
-    from prefixflow.layouts import build_microbatch, suffix_segments
     from prefixflow.parallel.sequence import CommStats, shard_microbatch
+    from prefixflow.tree.layouts import lay_out
+    from prefixflow.tree.plan import TreeRows, group_tree
 
     group = pf.synthetic_group(97, 14, LENS, seed=3)
-    mb = build_microbatch(
-        group, suffix_segments(group), "packed", cached_prefix_len=13, device=torch.device("cpu")
-    )
+    rows = TreeRows(group_tree(group))  # 13 cached prefix tokens, one leaf row per response
+    leaves = [rows.leaf_rows[i] for i in range(group.n)]
+    lens = [rows.tree.node_len(j) for j in range(rows.tree.n_nodes)]
+    mb = lay_out(leaves, rows.key_nodes(leaves), lens, "packed", torch.device("cpu"))
     parts = [shard_microbatch(mb, r, 2, None, CommStats()) for r in range(2)]
     assert sum(p.targets.numel() for p in parts) == mb.targets.numel()
 
@@ -199,7 +201,7 @@ def test_a_lazy_prefix_view_is_read_per_layer_and_keeps_the_gradients_exact():
     from conftest import tiny_model
 
     import prefixflow as pf
-    from prefixflow.kv_cache import PrefixView
+    from prefixflow.state.kv_cache import PrefixView
 
     class CountingView(PrefixView):
         lazy = True

@@ -16,6 +16,7 @@ import torch
 from support.torchrun_cases import launch_cases, max_rel, run_worker
 
 BOUND = 1e-9
+TREE_BOUND = 1e-12  # prefix trees on the pipeline (fp64)
 LENS = [5, 9, 3, 6]
 
 
@@ -43,7 +44,26 @@ def _cases() -> dict:
     cases["prefixflow-one-token-prompt"] = dict(
         system="prefixflow", layout="padded", microbatch=2, prompt_len=1
     )
+    cases.update(tree_cases())
     return cases
+
+
+def tree_cases(prefix: str = "") -> dict:
+    """Prefix trees on pipeline stages: each cached node's forward flows down the pipe and its backward back
+    up, per wave (depth 3, branching up to 3, loss tokens in shared nodes)."""
+    settings = [
+        ("prefixflow", "padded", None, "stage_local", "none"),
+        ("prefixflow", "packed", 1, "stage_local", "none"),
+        ("prefixflow", "packed", 2, "barrier", "none"),
+        ("prefixflow", "padded", 2, "stage_local", "full"),
+        ("baseline", "packed", 2, "stage_local", "none"),
+    ]
+    return {
+        f"{prefix}tree-{system}-{layout}-{mb}-{switching}-ac_{ac}": dict(
+            system=system, layout=layout, microbatch=mb, switching=switching, ac=ac, tree=21
+        )
+        for system, layout, mb, switching, ac in settings
+    }
 
 
 CASES = _cases()
@@ -65,8 +85,16 @@ def _get(results, name):
 def test_pp2_matches_single_process_baseline_fp64(results, name):
     res = _get(results, name)
     assert res["n_params"] == res["n_params_ref"]  # every parameter lives on exactly one stage
-    assert res["grad_rel"] < BOUND, res
-    assert res["loss_rel"] < BOUND, res
+    bound = TREE_BOUND if "tree" in CASES[name] else BOUND
+    assert res["grad_rel"] < bound, res
+    assert res["loss_rel"] < bound, res
+
+
+def test_a_tree_node_backward_without_the_next_stages_gradient_is_caught(results):
+    """Negative control: each stage seeds its nodes' backward with their gK/gV alone, dropping the gradient
+    the next stage sent back for the node's output."""
+    res = _get(results, "tree-fault-no-stage-seeds")
+    assert res["grad_rel"] > 1e-3, res
 
 
 @pytest.mark.parametrize("name", ["prefixflow-padded-1", "prefixflow-padded-1-barrier"])
@@ -213,12 +241,17 @@ def run_pp_case(spec: dict, lens=LENS, pp: int = 2, cp: int = 1, tp: int = 1) ->
     import prefixflow as pf
     from prefixflow.parallel import parallelize
     from prefixflow.parallel.pp import apply_pp
+    from prefixflow.runtime import runtime_of
 
     family, ac = spec.get("family", "llama3"), spec.get("ac", "none")
     extra = {"enable_weight_tying": False} if spec.get("untie") else {}
     if tp > 1:
         extra["vocab_size"] = 96  # TorchTitan's plan shards the vocabulary over the TP ranks
     group = pf.synthetic_group(extra.get("vocab_size", 97), spec.get("prompt_len", 14), lens, seed=5)
+    if "tree" in spec:
+        from support.tree_reference import random_tree
+
+        group = random_tree(spec["tree"], 3, 3, vocab=extra.get("vocab_size", 97))
     ref = tiny_model(family, ac=ac, **extra)
     ref_stats = pf.train_group(ref, group, system="baseline", layout="padded")
     want = {n: p.grad for n, p in ref.named_parameters()}
@@ -234,6 +267,15 @@ def run_pp_case(spec: dict, lens=LENS, pp: int = 2, cp: int = 1, tp: int = 1) ->
         pf.apply_prefixflow(stage)
     else:
         stage = parallelize(pf.apply_prefixflow(model), dims, ac=ac, mesh=mesh, pp_switching=switching)
+    if spec.get("fault"):  # drop the next stage's gradient from every node's backward
+        pipe = runtime_of(stage).stage
+        honest = pipe.node_seeds
+
+        def no_seeds(run, j):
+            honest(run, j)  # the gradient still arrives (the next stage's send completes), and is dropped
+            return [], []
+
+        pipe.node_seeds = no_seeds
     stats = pf.train_group(
         stage, group, system=spec["system"], layout=spec["layout"], microbatch=spec["microbatch"]
     )
@@ -253,7 +295,7 @@ def run_pp_case(spec: dict, lens=LENS, pp: int = 2, cp: int = 1, tp: int = 1) ->
         "loss_rel": out[1].item(),
         "n_params": int(n_params.item()),
         "n_params_ref": len(want),
-        "timelines": stage._prefixflow_pipeline.timelines,
+        "timelines": runtime_of(stage).stage.timelines,
         **stats.hooks,
     }
 
@@ -276,7 +318,8 @@ def run_nanloss_case(pp: int = 2, cp: int = 1) -> dict:
     from conftest import tiny_model
 
     import prefixflow as pf
-    import prefixflow.stage as stage_module
+    import prefixflow.schedule.stage as stage_module
+    from prefixflow.runtime import runtime_of
 
     group = pf.synthetic_group(97, 14, LENS, seed=5)
     ref = tiny_model("llama3")
@@ -287,7 +330,7 @@ def run_nanloss_case(pp: int = 2, cp: int = 1) -> dict:
     pf.train_group(stage, group, microbatch=1)  # gradients from a first, good group
     before = [_whole(p.grad).clone() for p in stage.parameters()]
     me, world = dist.get_rank(), dist.get_world_size()
-    last = stage._prefixflow_pipeline.last
+    last = runtime_of(stage).stage.last
     loss_of, spoiled = stage_module.microbatch_loss, []
 
     def nan_loss(*args, **kwargs):  # the last rank's first microbatch only
@@ -383,6 +426,8 @@ def run_alignment_case() -> dict:
 
 if __name__ == "__main__":
     cases = {name: (lambda spec=spec: run_pp_case(spec)) for name, spec in CASES.items()}
+    fault = dict(system="prefixflow", layout="packed", microbatch=2, tree=21, fault=True)
+    cases["tree-fault-no-stage-seeds"] = lambda: run_pp_case(fault)
     cases["alignment"] = run_alignment_case
     cases.update(drift_cases())
     run_worker(

@@ -213,7 +213,7 @@ def _inf_case(dims: dict, system: str, fault: str = "grad") -> dict:
     import torch.distributed as dist
 
     import prefixflow as pf
-    import prefixflow.stage as stage_module
+    import prefixflow.schedule.stage as stage_module
     from prefixflow.rl import actor_update
 
     single, actor = _build(0), _build(0, dims)

@@ -9,7 +9,7 @@ from conftest import tiny_model
 from support.reference import max_rel_diff
 
 import prefixflow as pf
-from prefixflow.tree_build import AUTO_NODE_COST_TOKENS as TAU
+from prefixflow.tree.build import AUTO_NODE_COST_TOKENS as TAU
 
 
 def seqs(shared: int, heirs: int, prompt: int = 60, leaf: int = 5):

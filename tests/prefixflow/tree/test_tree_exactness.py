@@ -12,8 +12,8 @@ from support.reference import max_rel_diff, reference_pg
 from support.tree_reference import depth_of, random_tree, reference_tree
 
 import prefixflow as pf
-from prefixflow.budget import OverBudgetWarning
-from prefixflow.tree_layouts import TreePlan
+from prefixflow.memory.budget import OverBudgetWarning
+from prefixflow.tree.plan import TreeRows
 
 TOL = 1e-9
 GRPO = {"kl_coef": 0.05, "clip_eps_low": 0.1, "clip_eps_high": 0.15}
@@ -126,7 +126,7 @@ def test_packed_trunk_runs_the_unique_tokens():
     distinct_leaves = {tree.path_ends[i] for i in range(tree.n)}
     if len(distinct_leaves) == tree.n:
         assert stats.trunk_tokens <= tree.unique_tokens
-    cached = TreePlan(tree).cached
+    cached = TreeRows(tree).cached
     assert stats.tree["unique_tokens"] == tree.unique_tokens and stats.tree["cached_nodes"] == len(cached)
     assert sorted(stats.tree["node_times"]) == sorted(cached)  # each cached node's forward and backward
     assert all(t["A"] > 0 and t["C"] > 0 for t in stats.tree["node_times"].values())
@@ -194,7 +194,7 @@ def test_microbatch_auto_sizes_the_paths_to_the_budget_and_stays_exact(system):
             loss, got, stats = train(model, tree, system=system, layout="packed", microbatch="auto")
         assert_close(loss, got, want_loss, want, (system, budget))
         sizes[budget] = stats.plan["microbatch_sizes"]
-    n_rows = tree.n if system == "baseline" else tree.n - len(TreePlan(tree).leafless)
+    n_rows = tree.n if system == "baseline" else tree.n - len(TreeRows(tree).leafless)
     assert sum(sizes[1]) == sum(sizes[2**40]) == n_rows
     assert set(sizes[1]) == {1} and sizes[2**40] == (1, 1, n_rows - 2)
 

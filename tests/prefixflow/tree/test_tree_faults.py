@@ -11,7 +11,8 @@ from support.reference import max_rel_diff
 from support.tree_reference import random_tree, reference_tree
 
 import prefixflow as pf
-from prefixflow import tree_layouts, tree_phases
+from prefixflow.schedule.caches import CachedKeys
+from prefixflow.tree.plan import TreeRows
 
 
 def error_of(model, tree) -> float:
@@ -29,27 +30,22 @@ def test_unpatched_is_exact():
 
 def test_a_grandchilds_gkv_dropped_is_caught(monkeypatch):
     """Nodes that read two or more ancestors send gK/gV to their parent only."""
-    honest = tree_phases.NodeCaches.reader
+    honest = CachedKeys.__call__
 
-    def parent_only(self, nodes):
-        read = honest(self, nodes)
+    def parent_only(self, layer, dtype):
+        kv = honest(self, layer, dtype)
+        if kv is None or len(self.caches) < 2:
+            return kv
+        cut = sum(c.layers[layer].prefix_k.shape[2] for c in self.caches[:-1])
+        return tuple(torch.cat([x[:, :, :cut].detach(), x[:, :, cut:]], dim=2) for x in kv)
 
-        def faulty(layer, dtype):
-            kv = read(layer, dtype)
-            if kv is None or len(nodes) < 2:
-                return kv
-            cut = sum(self.caches[j].layers[layer].prefix_k.shape[2] for j in nodes[:-1])
-            return tuple(torch.cat([x[:, :, :cut].detach(), x[:, :, cut:]], dim=2) for x in kv)
-
-        return faulty
-
-    monkeypatch.setattr(tree_phases.NodeCaches, "reader", parent_only)
+    monkeypatch.setattr(CachedKeys, "__call__", parent_only)
     assert error_of(tiny_model("llama3"), random_tree(21, 3, 3)) > 1e-3
 
 
 def test_a_shared_loss_token_counted_once_is_caught(monkeypatch):
     """A token that several paths train through a shared node is given to the first of them only."""
-    honest = tree_layouts.TreePlan.__init__
+    honest = TreeRows.__init__
 
     def once(self, tree):
         honest(self, tree)
@@ -59,16 +55,16 @@ def test_a_shared_loss_token_counted_once_is_caught(monkeypatch):
             seen.update((e[0], e[1]) for e in entries)
             entries[:] = kept
 
-    monkeypatch.setattr(tree_layouts.TreePlan, "__init__", once)
+    monkeypatch.setattr(TreeRows, "__init__", once)
     assert error_of(tiny_model("llama3"), random_tree(21, 3, 3)) > 1e-3
 
 
 def test_an_ancestors_positions_restarted_is_caught(monkeypatch):
     """Every internal node's Phase-A forward starts at position 0 instead of after its ancestors."""
-    honest = tree_layouts.TreePlan.node_row
+    honest = TreeRows._node_row
 
-    def restarted(self, j):
-        return dataclasses.replace(honest(self, j), first_position=0)
+    def restarted(self, j, rows, targets):
+        return dataclasses.replace(honest(self, j, rows, targets), first_position=0)
 
-    monkeypatch.setattr(tree_layouts.TreePlan, "node_row", restarted)
+    monkeypatch.setattr(TreeRows, "_node_row", restarted)
     assert error_of(tiny_model("llama3"), random_tree(21, 3, 3)) > 1e-6

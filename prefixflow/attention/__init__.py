@@ -1,0 +1,1 @@
+"""The SDPA boundary: the wrapper every attention layer gets and the attention modes of the phases."""

@@ -1,0 +1,1 @@
+"""Checks: Table-3 alignment and the injected faults of its negative controls."""
