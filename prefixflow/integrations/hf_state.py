@@ -43,6 +43,9 @@ RECURRENT_MIXERS = (
     "BambaMixer",
 )
 _STATE_FREE_TYPES = ("mlp",)
+# The recurrent mixers' state path is verified (fp64-exact) on transformers 5.24.0, the [hf] pin; on 5.17.0 (the
+# lent GPU machine's) PrefixFlow's loss differs from the baseline's by ~1e-3 in fp64, so older ones are refused.
+HYBRID_MIN_TRANSFORMERS = "5.24.0"
 
 
 class BoundaryCache:
@@ -172,7 +175,21 @@ def boundary_layers(
                 f"PrefixFlow has no state rule for layer type {layer_type!r} (layer {i}: {names}); its "
                 f"recurrent mixers with a rule: {list(RECURRENT_MIXERS)}"
             )
+    if any(kind == "state" for kind, *_ in found):
+        _check_hybrid_transformers()
     return found
+
+
+def _check_hybrid_transformers() -> None:
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(HYBRID_MIN_TRANSFORMERS):
+        raise ValueError(
+            f"hybrid (recurrent-state) models need transformers >= {HYBRID_MIN_TRANSFORMERS}, found "
+            f"{transformers.__version__}: its recurrent mixers' state path is not verified there "
+            "(pip install 'prefixflow[hf]')"
+        )
 
 
 def install_boundaries(

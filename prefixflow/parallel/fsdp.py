@@ -159,14 +159,25 @@ def apply_fsdp(
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # SUM: each rank's groups add up
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM; same math on NCCL
-            # every rank reduces every parameter, also one its groups left without a gradient
-            module.set_reduce_scatter_unused_params(True)
+            # every rank reduces every parameter, also one its groups left without a gradient. torch 2.11 has no
+            # such switch: there every parameter must get a gradient on every rank (dense models do; an MoE
+            # expert no token reaches on a rank does not), docs/gpu.md
+            if hasattr(module, "set_reduce_scatter_unused_params"):
+                module.set_reduce_scatter_unused_params(True)
     # PrefixFlow runs the model piecewise (embedding, blocks, head), never through the root's forward: make
     # the root the root now, before a child's forward could claim it.
     _root_state(model)._lazy_init()
     runtime_of(model, create=True).fsdp = counter
     add_hooks(model, FSDPSchedule(model))
     return model
+
+
+def _param_groups(state) -> list:
+    """An FSDP state's parameter groups: a list in torch 2.13, one group or None in torch 2.11."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return state._fsdp_param_groups
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def _root_state(model: nn.Module):
@@ -181,7 +192,7 @@ def _states(model: nn.Module) -> list:
 
 def _groups(model: nn.Module):
     for state in _states(model):
-        yield from state._fsdp_param_groups
+        yield from _param_groups(state)
 
 
 def collective_counts(model: nn.Module) -> dict[str, dict[str, int]]:
@@ -215,14 +226,14 @@ def reduce_gradients(model: nn.Module) -> None:
     root = _root_state(model)
     states = _states(model)
     for state in reversed(states):
-        for group in reversed(state._fsdp_param_groups):
+        for group in reversed(_param_groups(state)):
             group.reduce_grads = group.all_reduce_grads = True
             try:
                 group.post_backward()
             finally:
                 group.reduce_grads = group.all_reduce_grads = False
     for state in states:
-        for group in state._fsdp_param_groups:
+        for group in _param_groups(state):
             group.finalize_backward()
             group._training_state = TrainingState.IDLE
         state._training_state = TrainingState.IDLE
@@ -251,7 +262,7 @@ def _close_interrupted_forwards(model: nn.Module) -> list:
     interrupted = []
     ctx = _root_state(model)._state_ctx
     for state in _states(model):
-        groups = state._fsdp_param_groups
+        groups = _param_groups(state)
         if state._training_state != TrainingState.FORWARD and all(
             g._training_state != TrainingState.FORWARD for g in groups
         ):
@@ -306,7 +317,7 @@ class FSDPSchedule(ScheduleHooks):
         # before resharded it).
         last = adapter_for(self.model).blocks(self.model)[-1]._get_fsdp_state()
         for state in {id(s): s for s in [*self._interrupted, last]}.values():
-            for group in state._fsdp_param_groups:
+            for group in _param_groups(state):
                 group.unshard()
                 group.wait_for_unshard()
         yield
@@ -386,7 +397,7 @@ def fsdp_residue(model: nn.Module) -> list[str]:
     for state in _states(model):
         if state._training_state != TrainingState.IDLE or state._modules_to_run_forward:
             out.append(f"state of {state._modules[0].__class__.__name__} is {state._training_state.name}")
-        for group in state._fsdp_param_groups:
+        for group in _param_groups(state):
             name = group._module_fqn or "?"
             if group._training_state != TrainingState.IDLE:
                 out.append(f"{name}: {group._training_state.name}")

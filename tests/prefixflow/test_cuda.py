@@ -59,7 +59,7 @@ def test_pinned_pool_copies_run_on_its_streams_and_survive_slow_copies(prefetch,
     again while their copies wait, and Phase C's backward is queued before its loads land. The gradients
     still equal the run without offload bit for bit: record_stream keeps each source until its copy, and
     the copy-out and load events order every read after its write."""
-    from prefixflow.offload_storage import PinnedPool
+    from prefixflow.memory.storage import PinnedPool
 
     spun = {"out": 0, "in": 0}
     store, start_load = PinnedPool.store, PinnedPool.start_load

@@ -14,12 +14,23 @@ by rewriting ``float32`` / ``.float()`` in the functions' own source, so what ru
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 import textwrap
 
+import pytest
 import torch
+from packaging.version import Version
+
+from prefixflow.integrations.hf_state import HYBRID_MIN_TRANSFORMERS
 
 VOCAB = 97
+
+# The hybrid tests' mark: PrefixFlow refuses recurrent-state models on older transformers (docs/gpu.md).
+VERIFIED_TRANSFORMERS = pytest.mark.skipif(
+    Version(importlib.metadata.version("transformers")) < Version(HYBRID_MIN_TRANSFORMERS),
+    reason=f"hybrid models need transformers >= {HYBRID_MIN_TRANSFORMERS}",
+)
 
 
 def qwen3_5(layer_types, *, seed: int = 0, dtype=torch.float64, decay=(0.05, 0.5)):

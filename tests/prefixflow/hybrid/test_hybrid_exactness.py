@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("transformers")
 
 from support.hybrid import (  # noqa: E402
+    VERIFIED_TRANSFORMERS,
     VOCAB,
     bamba,
     fp64_kernels,
@@ -37,6 +38,8 @@ from support.live_tensors import live_tensor_bytes  # noqa: E402
 
 import prefixflow as pf  # noqa: E402
 from prefixflow.integrations import hf  # noqa: E402,F401  (registers the HF adapter)
+
+pytestmark = VERIFIED_TRANSFORMERS
 
 LIN, FULL = "linear_attention", "full_attention"
 MODELS = {

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from support.hybrid import (  # noqa: E402
+    VERIFIED_TRANSFORMERS,
     VOCAB,
     fp64_kernels,
     granite_hybrid,
@@ -29,6 +30,8 @@ import prefixflow as pf  # noqa: E402
 from prefixflow.integrations import hf_state  # noqa: E402
 from prefixflow.state import layers as state_layers  # noqa: E402
 from prefixflow.state.recurrent import StateCache  # noqa: E402
+
+pytestmark = VERIFIED_TRANSFORMERS
 
 LIN, FULL = "linear_attention", "full_attention"
 FAMILIES = {

@@ -12,10 +12,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.hybrid import VOCAB, nemotron_h, qwen3_5  # noqa: E402
+from support.hybrid import VERIFIED_TRANSFORMERS, VOCAB, nemotron_h, qwen3_5  # noqa: E402
 
 import prefixflow as pf  # noqa: E402
 from prefixflow.integrations import hf  # noqa: E402,F401
+
+pytestmark = VERIFIED_TRANSFORMERS
 
 LIN, FULL = "linear_attention", "full_attention"
 FAMILIES = {"qwen3_5": (qwen3_5, (LIN, FULL, LIN)), "nemotron_h": (nemotron_h, (LIN, FULL, "mlp"))}

@@ -7,11 +7,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.hybrid import VOCAB, granite_hybrid, nemotron_h, qwen3_5  # noqa: E402
+from support.hybrid import VERIFIED_TRANSFORMERS, VOCAB, granite_hybrid, nemotron_h, qwen3_5  # noqa: E402
 
 import prefixflow as pf  # noqa: E402
 from prefixflow.integrations import hf  # noqa: E402
 from prefixflow.state import layers as state_layers  # noqa: E402
+
+pytestmark = VERIFIED_TRANSFORMERS
 
 LIN, FULL = "linear_attention", "full_attention"
 
@@ -22,6 +24,14 @@ def test_layer_type_without_rule_is_refused(monkeypatch):
     with pytest.raises(
         ValueError, match="no state rule for layer type 'linear_attention'.*Qwen3_5GatedDeltaNet"
     ):
+        pf.apply_prefixflow(qwen3_5((FULL, LIN)))
+
+
+def test_transformers_older_than_the_verified_one_is_refused_for_hybrids(monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")  # the lent GPU machine's
+    with pytest.raises(ValueError, match=r"need transformers >= 5\.24\.0, found 5\.17\.0"):
         pf.apply_prefixflow(qwen3_5((FULL, LIN)))
 
 

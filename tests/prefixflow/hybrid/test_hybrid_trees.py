@@ -10,12 +10,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.hybrid import fp64_kernels, nemotron_h, qwen3_5, worst_grad  # noqa: E402
+from support.hybrid import VERIFIED_TRANSFORMERS, fp64_kernels, nemotron_h, qwen3_5, worst_grad  # noqa: E402
 from support.tree_reference import random_tree  # noqa: E402
 
 import prefixflow as pf  # noqa: E402
 from prefixflow.integrations import hf  # noqa: E402,F401  (registers the HF adapter)
 from prefixflow.schedule.caches import CachedKeys  # noqa: E402
+
+pytestmark = VERIFIED_TRANSFORMERS
 
 LIN, FULL = "linear_attention", "full_attention"
 MODELS = {

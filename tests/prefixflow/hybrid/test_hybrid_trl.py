@@ -10,11 +10,14 @@ import torch
 pytest.importorskip("trl")
 
 import support.trl_fixtures as F  # noqa: E402
+from support.hybrid import VERIFIED_TRANSFORMERS  # noqa: E402
 from support.reference import max_rel_diff  # noqa: E402
 
 from prefixflow.integrations import hf  # noqa: E402
 from prefixflow.integrations.trl import PrefixFlowGRPOTrainer  # noqa: E402
 from prefixflow.state.recurrent import StateCache  # noqa: E402
+
+pytestmark = VERIFIED_TRANSFORMERS
 
 
 def qwen3_5_model(seed: int = 0):
