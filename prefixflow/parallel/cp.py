@@ -188,7 +188,6 @@ class ContextParallel(ScheduleHooks):
         self.phase_b_ranks: list[float] = []
         self._phase_b_s = 0.0
 
-    runs_trees = True
     shards_sequences = True
 
     def check(self, model: nn.Module, group, system: str) -> None:
