@@ -40,10 +40,10 @@ class ScheduleHooks:
       Its exit runs on success and on error: undo every state the hook set up.
     - ``phase(name)``: a context around each phase, ``"A"``, ``"B"``, ``"C"`` (PrefixFlow) or ``"full"``
       (baseline).
-    - ``microbatch(mb)``: a context around one microbatch's forward, loss and backward (Phase B and the
-      baseline's microbatches).
-    - ``prefix_backward()``: a context around each delayed prefix backward (Phase C's one for a flat group;
-      one per cached node of a prefix tree, children first).
+    - ``microbatch(mb)``: a context around one microbatch's work: a cached node's Phase-A forward and its
+      Phase-C backward (``mb.rows``: its row), a Phase-B microbatch of leaf rows, a baseline microbatch.
+    - ``prefix_backward()``: a context around each cached node's delayed backward (a flat group's one;
+      children before parents in a tree).
     - ``extra_loss()``: a scalar the hook's modules added to the objective during the forward since the last
       call (e.g. an MoE balance loss), or None. The schedule adds it to each microbatch's loss before its
       backward; what Phase A produced joins Phase C's prefix backward.
@@ -62,13 +62,11 @@ class ScheduleHooks:
       :class:`~prefixflow.state.kv_cache.PrefixView`; ``None`` = the cache's own leaves).
     - ``reduce_loss(value)``: the group loss every rank reports, from this rank's share.
 
-    ``stats()`` returns counters of the last group; they land in ``GroupStats.hooks``. ``runs_trees``: whether
-    the hook handles prefix trees (``RolloutTree``); ``train_group`` refuses a tree under one that does not.
-    ``shards_sequences``: whether ``shard`` spreads a sequence's tokens over ranks (a loss that needs a whole
+    ``stats()`` returns counters of the last group; they land in ``GroupStats.hooks``. Every call runs a tree
+    (a flat group is its one-cached-node tree), so a hook sees the same calls for both. ``shards_sequences``: whether ``shard`` spreads a sequence's tokens over ranks (a loss that needs a whole
     response on one rank is then refused before any work).
     """
 
-    runs_trees = False
     shards_sequences = False
 
     def check(self, model: nn.Module, group: RolloutGroup, system: str) -> None:

@@ -161,7 +161,7 @@ def train_group_prefix_grouper(model: nn.Module, group, *, loss: str = "pg", los
     from prefixflow.loss import microbatch_loss, resolve_loss, token_logprobs
     from prefixflow.model.adapters import adapter_for
     from prefixflow.model.apply import runtime_of
-    from prefixflow.schedule.driver import forward_hidden
+    from prefixflow.schedule.stage import forward_hidden
 
     runtime = runtime_of(model)
     if not isinstance(group, RolloutGroup):

@@ -235,11 +235,26 @@ def _attend_backward(name: str, grad_out, q, k, v, bias, out, lse, is_causal, sc
 class _SplitAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, q, k, v, prefix_k, prefix_v, bias, is_causal, scale, prefix_kernel, suffix_kernel, prefix_bias
+        ctx,
+        q,
+        k,
+        v,
+        prefix_k,
+        prefix_v,
+        bias,
+        is_causal,
+        scale,
+        prefix_kernel,
+        suffix_kernel,
+        prefix_bias,
+        dead,
     ):
         b = q.shape[0]
         qf = _fold(q)
         out_p, lse_p, state_p = _attend(prefix_kernel, qf, prefix_k, prefix_v, prefix_bias, False, scale)
+        if dead is not None:  # queries that see no prefix key: the part is empty (the kernels' rows are not)
+            out_p = out_p.masked_fill(dead.unsqueeze(-1), 0.0)
+            lse_p = lse_p.masked_fill(dead, float("-inf"))
         out_s, lse_s, state_s = _attend(suffix_kernel, q, k, v, bias, is_causal, scale)
         out_p, lse_p = _unfold(out_p, b), _unfold(lse_p, b)
         lse = torch.logaddexp(lse_p, lse_s)  # the kernels' lse dtype: fp32, or fp64 for fp64 inputs
@@ -265,7 +280,7 @@ class _SplitAttention(torch.autograd.Function):
         gq_s, gk_s, gv_s = _attend_backward(
             suffix_kernel, grad_out, q, k, v, bias, out, lse, ctx.is_causal, ctx.scale, state_s
         )
-        return gq_s + _unfold(gq_p, b), gk_s, gv_s, gk_p, gv_p, None, None, None, None, None, None
+        return gq_s + _unfold(gq_p, b), gk_s, gv_s, gk_p, gv_p, None, None, None, None, None, None, None
 
 
 def split_attention(
@@ -298,11 +313,12 @@ def split_attention(
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     bias, is_causal = prepared if prepared is not None else suffix_bias(suffix_mask, q.dtype)
-    prefix_bias = None
+    prefix_bias = dead = None
     if keys_mask is not None:
         folded = _fold(keys_mask.expand(q.shape[0], 1, *keys_mask.shape[2:]))  # [1, 1, b*S, P]
         prefix_bias = torch.zeros(folded.shape, dtype=q.dtype, device=q.device)
         prefix_bias.masked_fill_(~folded, float("-inf"))
+        dead = ~folded.any(-1)  # [1, 1, b*S]: a row of a tree microbatch that reads no cached node
     same_device = all(t.device == q.device for t in (k, v, prefix_k, prefix_v))
     prefix_kernel = _kernel_for(_fold(q), prefix_k, prefix_bias, False, backends) if same_device else None
     suffix_kernel = _kernel_for(q, k, bias, is_causal, backends) if prefix_kernel is not None else None
@@ -311,7 +327,7 @@ def split_attention(
             q, k, v, prefix_k, prefix_v, suffix_mask, scale=scale, keys_mask=keys_mask
         )
     return _SplitAttention.apply(
-        q, k, v, prefix_k, prefix_v, bias, is_causal, scale, prefix_kernel, suffix_kernel, prefix_bias
+        q, k, v, prefix_k, prefix_v, bias, is_causal, scale, prefix_kernel, suffix_kernel, prefix_bias, dead
     )
 
 

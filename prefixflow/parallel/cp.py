@@ -47,7 +47,7 @@ class _PrefixGather:
         self.out = local.new_empty((view.layout.size, *local.shape))  # [cp, 2, 1, H, l, D]
         self.issued = time.perf_counter()
         self.done: float | None = None
-        self.work = view.collectives.all_gather(self.out, local, view.group, async_op=True)
+        self.work = view.collectives.all_gather(self.out, local, view.process_group, async_op=True)
         fut = self.work.get_future() if hasattr(self.work, "get_future") else None
         if fut is not None:
             fut.then(self._arrived)
@@ -97,9 +97,15 @@ class CPPrefixView(PrefixView):
     lazy = True
 
     def __init__(
-        self, group, layout: SequenceLayout, *, prefetch: bool, stats: CommStats, collectives: Collectives
+        self,
+        process_group,
+        layout: SequenceLayout,
+        *,
+        prefetch: bool,
+        stats: CommStats,
+        collectives: Collectives,
     ) -> None:
-        self.group, self.layout, self.prefetch = group, layout, prefetch
+        self.process_group, self.layout, self.prefetch = process_group, layout, prefetch
         self.stats, self.collectives = stats, collectives
         self.pending: dict[int, _PrefixGather] = {}
         self.seen: set[int] = set()
@@ -143,7 +149,7 @@ class CPPrefixView(PrefixView):
         send = buf.view(2, 1, h, size, local_len, d).permute(3, 0, 1, 2, 4, 5).contiguous()
         recv = buf.new_empty(2, 1, h, local_len, d)
         blocked = Blocked(recv.device)
-        self.collectives.reduce_scatter(recv, send.view(size * 2, 1, h, local_len, d), self.group)
+        self.collectives.reduce_scatter(recv, send.view(size * 2, 1, h, local_len, d), self.process_group)
         blocked.stop(self.stats, ("scatter_s", "exposed_s"))
         self.stats.scatters += 1
         self.stats.scatter_bytes += _wire(send.numel() * send.element_size(), size)
@@ -158,29 +164,29 @@ class CPPrefixView(PrefixView):
 
 
 class ContextParallel(ScheduleHooks):
-    """The CP schedule hook: shards every microbatch over ``group``, gathers K/V inside attention, exchanges
+    """The CP schedule hook: shards every microbatch over ``process_group``, gathers K/V inside attention, exchanges
     the prefix K/V (PrefixFlow), sums the loss and all-reduces the group's new parameter gradients.
 
     ``prefetch``: overlap the next layer's prefix gather with the current layer (False: on demand).
     ``reduce_grads``: all-reduce gradients over the CP group after each group (False when another
-    transformation, e.g. FSDP over a mesh that includes ``cp``, reduces them). ``prefix_group``: the process
+    transformation, e.g. FSDP over a mesh that includes ``cp``, reduces them). ``prefix_process_group``: the process
     group of the same ranks that carries the prefix K/V traffic (default ``group``); a group of its own keeps
     a prefetched gather from queueing with the sequence exchange on one communicator.
     """
 
     def __init__(
         self,
-        group,
+        process_group,
         *,
         prefetch: bool = True,
         reduce_grads: bool = True,
         collectives: Collectives | None = None,
-        prefix_group=None,
+        prefix_process_group=None,
     ) -> None:
-        self.pg = group
-        self.prefix_pg = prefix_group if prefix_group is not None else group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.process_group = process_group
+        self.prefix_process_group = prefix_process_group or process_group
+        self.size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
         self.prefetch = prefetch
         self.reduce_grads = reduce_grads
         self.collectives = collectives or Collectives()
@@ -188,7 +194,6 @@ class ContextParallel(ScheduleHooks):
         self.phase_b_ranks: list[float] = []
         self._phase_b_s = 0.0
 
-    runs_trees = True
     shards_sequences = True
 
     def check(self, model: nn.Module, group, system: str) -> None:
@@ -227,19 +232,23 @@ class ContextParallel(ScheduleHooks):
                 self._phase_b_s += time.perf_counter() - start
 
     def shard(self, mb: Microbatch) -> Microbatch:
-        return shard_microbatch(mb, self.rank, self.size, self.pg, self.comm, self.collectives)
+        return shard_microbatch(mb, self.rank, self.size, self.process_group, self.comm, self.collectives)
 
     def prefix_view(self, model: nn.Module, length: int) -> PrefixView | None:
         if length < 1:
             return None
         layout = SequenceLayout(length, self.size)
         return CPPrefixView(
-            self.prefix_pg, layout, prefetch=self.prefetch, stats=self.comm, collectives=self.collectives
+            self.prefix_process_group,
+            layout,
+            prefetch=self.prefetch,
+            stats=self.comm,
+            collectives=self.collectives,
         )
 
     def reduce_loss(self, value: float) -> float:
         total = torch.tensor([value], dtype=torch.float64, device=self._device())
-        dist.all_reduce(total, group=self.pg)
+        dist.all_reduce(total, group=self.process_group)
         return float(total.item())
 
     def stats(self) -> dict[str, float]:
@@ -251,7 +260,7 @@ class ContextParallel(ScheduleHooks):
         return out
 
     def _device(self) -> torch.device:
-        if dist.get_backend(self.pg) == "nccl":
+        if dist.get_backend(self.process_group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -259,7 +268,7 @@ class ContextParallel(ScheduleHooks):
         """Every CP rank's Phase-B (baseline: whole-step) time, for the balance columns."""
         mine = torch.tensor([self._phase_b_s], dtype=torch.float64, device=self._device())
         every = mine.new_empty(self.size)
-        dist.all_gather_into_tensor(every, mine, group=self.pg)
+        dist.all_gather_into_tensor(every, mine, group=self.process_group)
         self.phase_b_ranks = every.tolist()
 
     def _all_reduce_grads(self, params: list[nn.Parameter]) -> None:
@@ -270,7 +279,7 @@ class ContextParallel(ScheduleHooks):
             by_dtype.setdefault((g.dtype, g.device), []).append(g)
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.pg)
+            dist.all_reduce(flat, group=self.process_group)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -284,41 +293,41 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def apply_cp(
     model: nn.Module,
-    group,
+    process_group,
     *,
     prefetch: bool = True,
     reduce_grads: bool = True,
     collectives: Collectives | None = None,
     dedicated_prefix_group: bool = True,
 ) -> ContextParallel:
-    """Context-parallelise ``model`` over ``group`` (a ProcessGroup, or a 1-D DeviceMesh such as
+    """Context-parallelise ``model`` over ``process_group`` (a ProcessGroup, or a 1-D DeviceMesh such as
     ``mesh["cp"]``): registers a :class:`ContextParallel` hook; returns it (its ``stats()`` hold the counters).
     The model's parameters must be identical on every CP rank. With ``dedicated_prefix_group`` the prefix K/V
     traffic gets a process group of its own; creating it is collective over the whole world, so every rank
     must call ``apply_cp`` (``parallelize`` does)."""
-    if hasattr(group, "get_group"):
-        group = group.get_group()
-    prefix_group = _twin_group(group) if dedicated_prefix_group else None
+    if hasattr(process_group, "get_group"):
+        process_group = process_group.get_group()
+    twin = _twin_group(process_group) if dedicated_prefix_group else None
     hook = ContextParallel(
-        group,
+        process_group,
         prefetch=prefetch,
         reduce_grads=reduce_grads,
         collectives=collectives,
-        prefix_group=prefix_group,
+        prefix_process_group=twin,
     )
     add_hooks(model, hook)
     return hook
 
 
-def _twin_group(group):
-    """A new process group with the ranks of ``group``. ``new_group`` must be called by every rank of the
-    world for every group in the same order, so the ranks of every CP group are gathered first."""
-    mine = tuple(dist.get_process_group_ranks(group))
+def _twin_group(process_group):
+    """A new process group with the ranks of ``process_group``. ``new_group`` must be called by every rank of
+    the world for every process group in the same order, so the ranks of every CP group are gathered first."""
+    mine = tuple(dist.get_process_group_ranks(process_group))
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     twin = None
     for ranks in sorted(set(every)):
-        created = dist.new_group(list(ranks), backend=dist.get_backend(group))
+        created = dist.new_group(list(ranks), backend=dist.get_backend(process_group))
         if ranks == mine:
             twin = created
     return twin

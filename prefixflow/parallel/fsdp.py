@@ -281,8 +281,6 @@ def _close_interrupted_forwards(model: nn.Module) -> list:
 class FSDPSchedule(ScheduleHooks):
     """Registered by :func:`apply_fsdp`: FSDP's gradient sync and state across the three phases."""
 
-    runs_trees = True
-
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.defer_reduction = False  # True inside accumulate_groups / gathered_for_step

@@ -137,12 +137,12 @@ class Collectives:
     """The two collectives CP uses, behind one seam (tests substitute a deferred variant to prove that every
     prefetched gather is waited on before its buffer is read)."""
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, process_group, async_op: bool = False):
         """``out[r] = inp`` of rank ``r`` (``out``: ``[size, *inp.shape]``)."""
-        return dist.all_gather_into_tensor(out.flatten(0, 1), inp, group=group, async_op=async_op)
+        return dist.all_gather_into_tensor(out.flatten(0, 1), inp, group=process_group, async_op=async_op)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group) -> None:
-        dist.reduce_scatter_tensor(out, inp, group=group)
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, process_group) -> None:
+        dist.reduce_scatter_tensor(out, inp, group=process_group)
 
 
 def _wire(nbytes: int, size: int) -> int:
@@ -171,8 +171,11 @@ class SequenceExchange:
     """The K/V exchange of one sharded microbatch: ``gather(k, v)`` returns the whole sequence's K/V in token
     order (``[b, H_kv, length, D]``) from this rank's ``[b, H_kv, local_len, D]``, differentiably."""
 
-    def __init__(self, group, layout: SequenceLayout, stats: CommStats, collectives: Collectives) -> None:
-        self.group, self.layout, self.stats, self.collectives = group, layout, stats, collectives
+    def __init__(
+        self, process_group, layout: SequenceLayout, stats: CommStats, collectives: Collectives
+    ) -> None:
+        self.process_group, self.layout = process_group, layout
+        self.stats, self.collectives = stats, collectives
         self.length = layout.length
 
     def gather(self, k: torch.Tensor, v: torch.Tensor):
@@ -183,7 +186,7 @@ class SequenceExchange:
         local = torch.stack([k, v]).contiguous()  # [2, b, H, l, D]
         out = local.new_empty((size, *local.shape))
         blocked = Blocked(out.device)
-        self.collectives.all_gather(out, local, self.group)
+        self.collectives.all_gather(out, local, self.process_group)
         self._count(out, blocked)
         _, order = self.layout.on(k.device)
         two, b, h, _, d = local.shape
@@ -203,7 +206,7 @@ class SequenceExchange:
         send = buf.view(2, b, h, size, local_len, d).permute(3, 0, 1, 2, 4, 5).contiguous()
         recv = buf.new_empty(2, b, h, local_len, d)
         blocked = Blocked(recv.device)
-        self.collectives.reduce_scatter(recv, send.view(size * 2, b, h, local_len, d), self.group)
+        self.collectives.reduce_scatter(recv, send.view(size * 2, b, h, local_len, d), self.process_group)
         self._count(send, blocked)
         return recv[0].to(ref.dtype), recv[1].to(ref.dtype)
 
@@ -215,7 +218,12 @@ class SequenceExchange:
 
 
 def shard_microbatch(
-    mb: Microbatch, rank: int, size: int, group, stats: CommStats, collectives: Collectives | None = None
+    mb: Microbatch,
+    rank: int,
+    size: int,
+    process_group,
+    stats: CommStats,
+    collectives: Collectives | None = None,
 ) -> Microbatch:
     """This rank's head–tail share of ``mb``: tokens, global positions, mask rows, loss positions.
 
@@ -252,5 +260,5 @@ def shard_microbatch(
         targets=mb.targets[keep],
         response_ids=mb.response_ids[keep],
         token_ids=mb.token_ids[keep],
-        sequence=SequenceExchange(group, layout, stats, collectives or Collectives()),
+        sequence=SequenceExchange(process_group, layout, stats, collectives or Collectives()),
     )

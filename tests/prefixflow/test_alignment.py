@@ -136,11 +136,11 @@ def test_scale_prefix_gradient_is_exactly_scaled_gkv():
     pf.remove_hooks(model, fault)
     original = PrefixKVCache.backward_prefix
 
-    def scaled(cache):
+    def scaled(cache, *seeds):
         for entry in cache.layers.values():
             for leaf in (entry.prefix_k, entry.prefix_v):
                 leaf.grad.mul_(0.25)
-        original(cache)
+        original(cache, *seeds)
 
     model.zero_grad(set_to_none=True)
     PrefixKVCache.backward_prefix = scaled

@@ -262,3 +262,38 @@ def test_cuda_kernel_glue_matches_concat(monkeypatch, kernel, causal):
         torch.autograd.grad(got, inputs, grad), torch.autograd.grad(want, inputs, grad), strict=True
     ):
         assert g.shape == w.shape and rel(g, w) <= TOL
+
+
+def test_rows_that_see_no_cached_key_get_an_empty_prefix_part():
+    """A tree microbatch can hold a row that reads no cached node beside rows that do (a forest: a root's
+    leaf row next to a child's). Its prefix part is empty: forward and backward equal SDPA over the
+    concatenated keys under the whole mask (the fused kernel's fully masked rows are not empty)."""
+    from prefixflow.attention.split import split_attention
+
+    gen = torch.Generator().manual_seed(0)
+    b, s, d, p = 3, 4, 8, 5
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    q, k, v, pk, pv = rand(b, 4, s, d), rand(b, 2, s, d), rand(b, 2, s, d), rand(1, 2, p, d), rand(1, 2, p, d)
+    keys = torch.ones(b, 1, s, p, dtype=torch.bool)
+    keys[0] = False  # row 0 reads no cached node
+    keys[2, ..., :2] = False  # row 2 reads only the second node
+    own = torch.ones(s, s, dtype=torch.bool).tril().expand(b, 1, s, s)
+    grad = torch.randn(b, 4, s, d, generator=gen, dtype=torch.float64)
+    results = []
+    for split in (True, False):
+        for t in (q, k, v, pk, pv):
+            t.grad = None
+        if split:
+            out = split_attention(q, k, v, pk, pv, None, keys_mask=keys)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, torch.cat([pk.expand(b, -1, -1, -1), k], 2), torch.cat([pv.expand(b, -1, -1, -1), v], 2),
+                attn_mask=torch.cat([keys, own], -1), enable_gqa=True,
+            )  # fmt: skip
+        out.backward(grad)
+        results.append([out.detach(), *(t.grad.clone() for t in (q, k, v, pk, pv))])
+    for got, want in zip(*results, strict=True):
+        assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())

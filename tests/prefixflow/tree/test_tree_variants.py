@@ -36,6 +36,33 @@ def test_both_attention_variants_are_exact_on_trees(attention, family, seed, lay
     assert error_of(model, random_tree(seed, 3, 3), layout=layout, microbatch=microbatch) <= BOUND
 
 
+@pytest.mark.parametrize("attention", ["split", "concat"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_a_forest_mixes_rows_with_and_without_cached_ancestors(attention, layout):
+    """One microbatch holds a lone root's leaf row (it reads no cached node) beside the leaf rows of two
+    shared roots' children: split attention's prefix part is empty for the first."""
+    gen = torch.Generator().manual_seed(3)
+
+    def seq(*lens):
+        return [torch.randint(1, 97, (n,), generator=gen) for n in lens]
+
+    lone, (a, a1, a2), (b, b1, b2, b3) = seq(20), seq(17, 4, 6), seq(15, 3, 5, 2)
+    seqs = [
+        lone[0],
+        torch.cat([a, a1]),
+        torch.cat([a, a2]),
+        torch.cat([b, b1]),
+        torch.cat([b, b2]),
+        torch.cat([b, b3]),
+    ]
+    masks = [torch.arange(len(x)) >= 3 for x in seqs]  # loss in the shared roots too
+    tree = pf.build_tree(seqs, torch.linspace(-1, 1, len(seqs)), masks)
+    assert sum(p < 0 for p in tree.parents) == 3  # a forest of three roots
+    model = tiny_model("llama3")
+    pf.apply_prefixflow(model, pf.PrefixFlowConfig(attention=attention))
+    assert error_of(model, tree, layout=layout, microbatch=None) <= BOUND
+
+
 def test_split_reads_each_rows_own_ancestors(monkeypatch):
     """Negative control: split attention ignores the mask over the cached keys, so every row of a microbatch
     reads every cached node it holds, its siblings' branches included."""
