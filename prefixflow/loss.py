@@ -144,6 +144,15 @@ def _number(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
+def _trained_counts(group) -> list[int]:
+    """Each response's trained tokens (a tree's ``PathLosses`` already counts them): tool output under a
+    loss mask is context, so a rollout may run past TRL's max_completion_length in tokens but not in loss."""
+    masks = getattr(group, "loss_masks", None)
+    if masks is not None:
+        return [int(m.sum()) for m in masks]
+    return list(getattr(group, "response_lens", None) or [])
+
+
 def _check_trl_fields(cfg: LossConfig, loss: str, group: RolloutGroup) -> None:
     if cfg.importance_sampling not in IMPORTANCE_SAMPLING:
         raise ValueError(
@@ -163,10 +172,11 @@ def _check_trl_fields(cfg: LossConfig, loss: str, group: RolloutGroup) -> None:
                 "loss_config.aggregation 'seq-mean-token-sum-norm' needs norm_len, an int >= 1 "
                 f"(e.g. TRL's max_completion_length), got {cfg.norm_len!r}"
             )
-        longest = max(getattr(group, "response_lens", None) or [0])
+        longest = max(_trained_counts(group) or [0])
         if cfg.norm_len < longest:
             raise ValueError(
-                f"loss_config.norm_len={cfg.norm_len} is shorter than the longest response ({longest} tokens); "
+                f"loss_config.norm_len={cfg.norm_len} is shorter than the longest response ({longest} trained "
+                "tokens); "
                 "it is the completion length bound (TRL's max_completion_length): use at least that"
             )
     elif cfg.norm_len is not None:

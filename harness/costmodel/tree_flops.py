@@ -19,7 +19,7 @@ computes them: ``L(L+1)/2`` causal, every ``Lq·Lk`` pair under a mask). What ru
 
 :func:`ideal_tree_flops` is the least work any schedule that trains every path must do: each of the trie's
 unique tokens once through every layer forward and backward, causal pairs along each node's path only, the
-LM head at each distinct scored position once. ``baseline / ideal`` is the unique-token ideal speedup.
+LM head at each distinct scored position once (a leaf's last token predicts nothing: it never runs). ``baseline / ideal`` is the unique-token ideal speedup.
 """
 
 from __future__ import annotations
@@ -132,6 +132,9 @@ def ideal_tree_flops(shape, tree: RolloutTree) -> Flops:
     work = Flops(0, 0)
     for j in range(len(tree.segments)):
         n, before = tree.node_len(j), tree.first_position[j]
+        if j not in rows.node_rows:
+            n -= 1  # a leaf's last token predicts nothing and nothing reads its K/V
         scored = rows.scores(j) if j in rows.node_rows else len(leaf_cols.get(j, ()))
-        work += _trained(shape, n, n * before + _causal(n), scored)
+        if n:
+            work += _trained(shape, n, n * before + _causal(n), scored)
     return work

@@ -153,11 +153,13 @@ class NodeAttention:
 
     def bind(self, wrappers: list[PrefixAwareAttention]) -> None:
         """Begin the keys' read; unless lazy, hand each wrapped layer its cached K/V for this forward."""
+        stop = self.stop_after  # a forward that stops there reads no cached K/V from that layer on
         if hasattr(self.keys, "begin"):
-            self.keys.begin()
+            self.keys.begin(stop)
         if not self.lazy:
             for wrapper in wrappers:
-                wrapper.__dict__["prefix_kv"] = self.keys(wrapper.layer, None)
+                read = stop is None or wrapper.layer < stop
+                wrapper.__dict__["prefix_kv"] = self.keys(wrapper.layer, None) if read else None
 
     def unbind(self) -> None:
         if hasattr(self.keys, "end"):

@@ -109,9 +109,11 @@ class CPPrefixView(PrefixView):
         self.stats, self.collectives = stats, collectives
         self.pending: dict[int, _PrefixGather] = {}
         self.seen: set[int] = set()
+        self.stop: int | None = None
 
-    def begin(self, cache: PrefixKVCache) -> None:
+    def begin(self, cache: PrefixKVCache, stop: int | None = None) -> None:
         self.end()
+        self.stop = stop  # no prefetch of a layer the forward stops before reading
 
     def read(self, cache: PrefixKVCache, layer: int, dtype: torch.dtype):
         if layer not in cache.layers:
@@ -130,7 +132,14 @@ class CPPrefixView(PrefixView):
         # Prefetch runs ahead of the forward only: a checkpointed block recomputing in the backward (reverse
         # layer order) re-gathers its own view on demand and starts nothing for a layer already read.
         nxt = layer + 1
-        if self.prefetch and nxt in cache.layers and nxt not in self.pending and nxt not in self.seen:
+        ahead = self.stop is None or nxt < self.stop
+        if (
+            self.prefetch
+            and ahead
+            and nxt in cache.layers
+            and nxt not in self.pending
+            and nxt not in self.seen
+        ):
             self.pending[nxt] = _PrefixGather(self, cache, nxt, dtype)
         entry = cache.layers[layer]
         return _PrefixViewFn.apply(entry.prefix_k, entry.prefix_v, gather.out, self)
@@ -159,6 +168,7 @@ class CPPrefixView(PrefixView):
         # A forward that stopped early leaves a prefetch in flight: finish it so no collective dangles.
         for gather in self.pending.values():
             gather.work.wait()
+            self.stats.unused_prefetches += 1
         self.pending.clear()
         self.seen.clear()
 

@@ -72,10 +72,12 @@ class CommStats:
     (``gather_wait_s``) plus the blocking gK/gV reduce-scatters (``scatter_s``); ``overlapped_s``: the part of
     prefetched gathers' time in flight that nothing waited on; ``sequence_s``: the blocking K/V exchange of the
     sequence-sharded attention, all phases (``sequence_phase_b_s``: its part in Phase B, or in the baseline's
-    step). Times measured with CUDA events are read by :meth:`resolve`."""
+    step); ``unused_prefetches``: prefetched gathers no layer read (wasted wire). Times measured with CUDA events
+    are read by :meth:`resolve`."""
 
     demand_gathers: int = 0
     prefetched_gathers: int = 0
+    unused_prefetches: int = 0
     scatters: int = 0
     gather_bytes: int = 0
     scatter_bytes: int = 0

@@ -31,10 +31,11 @@ class CachedKeys:
     def compute_dtype(self) -> torch.dtype | None:
         return next((c.compute_dtype for c in self.caches if c.compute_dtype is not None), None)
 
-    def begin(self) -> None:
+    def begin(self, stop: int | None = None) -> None:
+        """Before one forward; ``stop``: the first layer it reads no cached K/V from (None: it reads all)."""
         for cache in self.caches:
             if len(cache):
-                cache.view.begin(cache)
+                cache.view.begin(cache, stop)
 
     def end(self) -> None:
         for cache in self.caches:

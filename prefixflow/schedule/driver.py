@@ -219,9 +219,9 @@ def resolve(
                 "context parallelism spreads them over the CP group (use 'token')"
             )
     paths = (share or GroupShare()).paths(tree.n)
+    run.paths = frozenset(paths)
     if system != "baseline":  # depth-first; the rest have no leaf row to run
-        mine = set(paths)
-        paths = [i for i in run.rows.dfs_paths if i in mine and i in run.rows.leaf_rows]
+        paths = [i for i in run.rows.dfs_paths if i in run.paths and i in run.rows.leaf_rows]
     run.chunks = _chunks(run, paths, microbatch)
     return run
 

@@ -66,9 +66,13 @@ class _Waves:
         cached = set(rows.cached)
         self.top_down = {j: k for k, j in enumerate(rows.cached)}
         self.nodes_of = {i: [j for j in tree.path_nodes(i) if j in cached] for i in range(tree.n)}
-        self.readers = {j: rows.paths_through[j] for j in rows.cached}  # paths not run yet, per cached node
+        mine = run.paths  # a split group's part reads its node for its own paths only
+        self.readers = {j: 0 for j in rows.cached}  # this rank's paths not run yet, per cached node
+        for i in mine:
+            for j in self.nodes_of[i]:
+                self.readers[j] += 1
         self.position = {i: k for k, i in enumerate(rows.dfs_paths)}
-        self.leafless = list(rows.leafless)  # depth-first order, not run yet
+        self.leafless = [i for i in rows.leafless if i in mine]  # depth-first order, not run yet
         self.live: set[int] = set()
         self.finished: set[int] = set()
         self.chunks = iter(enumerate(run.chunks))

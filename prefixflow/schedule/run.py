@@ -79,7 +79,8 @@ class GroupRun:
     ``tree``: what runs, on the model's device (a flat group's :func:`~prefixflow.tree.plan.group_tree`);
     ``rows``: its rows and scores (built from the host copy); ``stage``: where the phases run (a
     :class:`~prefixflow.schedule.stage.Stage`); ``hooks``: the call's schedule hooks (a
-    :class:`~prefixflow.hooks.HookChain`); ``chunks``: this rank's Phase-B microbatches (path indices);
+    :class:`~prefixflow.hooks.HookChain`); ``paths``: the paths this rank trains (its share's: a split
+    group's part holds some); ``chunks``: this rank's Phase-B microbatches (path indices);
     ``loss_data``: what the loss reads per path; ``caches``: the cached nodes' caches while PrefixFlow runs (a
     :class:`~prefixflow.schedule.caches.NodeCaches`); ``scores``: set for a forward-only call. (The stage,
     hooks and caches sit above this module, so they are typed where they are defined.)"""
@@ -96,6 +97,7 @@ class GroupRun:
     hooks: Any
     device: torch.device
     loss_data: PathLosses
+    paths: frozenset[int] = frozenset()
     chunks: FixedChunks | BudgetChunks | None = None
     counters: RunCounters = field(default_factory=RunCounters)
     caches: Any = None

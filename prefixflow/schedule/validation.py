@@ -78,7 +78,8 @@ def validate_call(model: nn.Module, group, system: str, layout: str, microbatch,
     group.check_representable(compute_dtype(model))
     adapter.check(model, group)
     if group.routing is not None and runtime.moe is None:
-        raise ValueError("group.routing replays MoE expert choices, but this model has no MoE layers")
+        name = "tree" if isinstance(group, RolloutTree) else "group"
+        raise ValueError(f"{name}.routing replays MoE expert choices, but this model has no MoE layers")
     (hooks_of(model) if hooks is None else hooks).check(model, group, system)
 
 

@@ -46,7 +46,8 @@ class PrefixView:
 
     lazy = False
 
-    def begin(self, cache: PrefixKVCache) -> None:
+    def begin(self, cache: PrefixKVCache, stop: int | None = None) -> None:
+        """Before one forward that reads no layer from ``stop`` on (None: every layer)."""
         return None
 
     def read(self, cache: PrefixKVCache, layer: int, dtype: torch.dtype):

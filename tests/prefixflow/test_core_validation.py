@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -165,7 +167,7 @@ def test_config_attention_variant_is_validated_and_auto_resolves_by_device():
 @pytest.mark.parametrize(
     ("loss", "cfg", "text"),
     [  # issue 26, defect 9: both were accepted
-        ("grpo", {"aggregation": "seq-mean-token-sum-norm", "norm_len": 2}, r"norm_len=2 is shorter than the longest response \(3 tokens\)"),
+        ("grpo", {"aggregation": "seq-mean-token-sum-norm", "norm_len": 2}, r"norm_len=2 is shorter than the longest response \(3 trained tokens\)"),
         ("pg", {"clip_eps_high": 0.28}, r"\['clip_eps_high'\] apply to loss='grpo' only"),
         ("pg", {"kl_coef": 0.1, "clip_eps_low": 0.1}, r"\['clip_eps_low', 'kl_coef'\] apply to loss='grpo' only"),
     ],
@@ -179,3 +181,16 @@ def test_norm_len_below_a_response_and_grpo_keys_with_pg_are_refused(loss, cfg, 
     ok = {"aggregation": "seq-mean-token-sum-norm", "norm_len": 3}
     pf.train_group(model, group, loss="grpo", loss_config=ok)  # the bound itself is fine
     pf.train_group(model, group, loss="pg", loss_config={"clip_eps_low": 0.2, "temperature": 1.5})  # defaults
+
+
+def test_norm_len_bounds_trained_tokens_not_masked_context():
+    """Tool output under a loss mask is context: a response may run past norm_len (TRL's
+    max_completion_length) in tokens as long as its trained tokens fit."""
+    model = tiny_model("llama3")
+    group = pf.synthetic_group(97, 6, [5, 2], seed=1, with_logprobs=True)
+    masked = dataclasses.replace(group, loss_masks=[torch.tensor([1, 1, 0, 0, 1], dtype=torch.bool),
+                                                    torch.ones(2, dtype=torch.bool)])  # fmt: skip
+    cfg = {"aggregation": "seq-mean-token-sum-norm", "norm_len": 3}
+    with pytest.raises(ValueError, match=r"norm_len=3 is shorter than the longest response \(5 trained"):
+        pf.train_group(model, group, loss="grpo", loss_config=cfg)
+    pf.train_group(model, masked, loss="grpo", loss_config=cfg)

@@ -144,16 +144,24 @@ def _sum_over_ranks(value: float) -> list[float]:
 
 
 def _case(dims: dict, system: str, clip: str, n_groups: int = 2) -> dict:
+    import contextlib
+
     import torch
 
     from prefixflow.hooks import ScheduleHooks, add_hooks
     from prefixflow.rl import actor_update, response_logprobs, sync_weights
 
-    class CountResponses(ScheduleHooks):  # how many responses this rank trains (its microbatches' rows)
-        n = 0
+    class CountResponses(ScheduleHooks):  # how many responses this rank trains (its Phase-B/full rows)
+        n, now = 0, None
+
+        @contextlib.contextmanager
+        def phase(self, name):
+            self.now = name
+            yield
 
         def microbatch(self, mb):
-            self.n += len(mb.responses)
+            if self.now in ("B", "full"):  # a cached node's forward (A) and backward (C) train no response
+                self.n += len(mb.responses)
             return super().microbatch(mb)
 
     single, actor, replica = _build(0), _build(0, dims), _build(1)

@@ -90,9 +90,13 @@ def test_trees_under_parallelism_match_one_process_fp64(results, name):
 
 def test_cp_gathers_each_ancestor_per_layer_with_prefetch(results):
     res = _get(results, "cp2-llama3-padded-mbNone-ac_none-prefixflow-pg")
-    # every forward that reads ancestors gathers its first layer on demand and prefetches the next one
-    assert res["cp_demand_gathers"] > 0
-    assert res["cp_prefetched_gathers"] == res["cp_demand_gathers"] * (N_LAYERS - 1)
+    # every forward that reads ancestors gathers its first layer on demand and prefetches the next ones, but
+    # none past the layer a forward stops at (a node that scores nothing never reads its last layer's view)
+    assert res["cp_demand_gathers"] > 0 and res["stopped_reads"] > 0, res
+    assert res["cp_prefetched_gathers"] == res["cp_demand_gathers"] * (N_LAYERS - 1) - res["stopped_reads"], (
+        res
+    )
+    assert res["cp_unused_prefetches"] == 0
     # gK/gV go back once per gathered view that received a gradient (not the last layer's view of a node
     # that scores no token: nothing reads that attention output)
     assert 0 < res["cp_scatters"] <= res["cp_prefetched_gathers"] + res["cp_demand_gathers"]
@@ -145,6 +149,7 @@ def _run_case(spec: dict) -> dict:
     from prefixflow.parallel import parallelize
     from prefixflow.parallel.dp import train_step
     from prefixflow.parallel.mesh import ParallelDims, build_mesh
+    from prefixflow.tree.plan import TreeRows
 
     if spec.get("refusal"):
         return _refusal_case()
@@ -168,6 +173,12 @@ def _run_case(spec: dict) -> dict:
         stats = pf.train_group(model, trees[0], **run)
         got_loss = stats.loss * (dist.get_world_size() if mode == "zero3" else 1)
         out.update({k: v for k, v in stats.hooks.items() if k.startswith("cp_")})
+        # A cached node that scores nothing stops after its last layer's K/V: its forward reads (and
+        # prefetches) none of its ancestors' last-layer views (one view per ancestor)
+        rows = TreeRows(trees[0])
+        out["stopped_reads"] = sum(
+            len(rows.key_nodes([rows.node_rows[j]])) for j in rows.cached if not rows.scores(j)
+        )
     got = [_full(p.grad) for p in model.parameters()]
     worst = torch.tensor(
         [max_rel(got, want), abs(got_loss - want_loss) / abs(want_loss)], dtype=torch.float64
