@@ -152,6 +152,12 @@ def step_case(
         grad_sync=stats.grad_sync,
         exchange=stats.exchange,
         split_groups=list(stats.placement.split_groups),
+        split_owner_responses=[  # responses each split group's owner trains itself
+            len(w.responses)
+            for r, ws in enumerate(stats.placement.work)
+            for w in ws
+            if w.split and w.owner == r
+        ],
         point_to_point=dict(zip(("sent", "received"), wire.tolist(), strict=True)),
     )
     if state.fsdp:
@@ -211,6 +217,12 @@ for _fam, _layout, _system in (
         )
     )
 
+# a prompt dearer than both responses: the owner pays the prefix and trains none of them (both go to rank 1)
+case("two_ranks", "dp2-split-owner-trains-none-llama3-prefixflow")(
+    lambda: step_case(
+        "llama3", {"dp_replicate": 2}, system="prefixflow", n_groups=1, ns=(2,), split_threshold=0.0
+    )
+)
 case("two_ranks", "fsdp2-split-llama3-prefixflow")(
     lambda: step_case(
         "llama3", {"dp_shard": 2}, system="prefixflow", n_groups=1, ns=(4,), split_threshold=0.0

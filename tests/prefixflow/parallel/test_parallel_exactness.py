@@ -81,3 +81,10 @@ def test_each_group_leaves_fsdp_idle_and_resharded_and_the_deferred_reduction_le
     assert r["per_group"] == [[], [], []], r["per_group"]
     assert r["deferred"] == [[], [], []], r["deferred"]
     check_exact(r)  # gradients: 2 passes x 2 ranks (SUM) = 4x one process; residue after the block: none
+
+
+def test_a_split_owner_that_trains_no_response_still_pays_the_prefix(results):
+    """The placement gives both responses to the helper: the owner forwards and backwards the prefix only."""
+    res = results["dp2-split-owner-trains-none-llama3-prefixflow"]
+    assert res["split_owner_responses"] == [0], res
+    assert res["exchange"]["kv_bytes"] > 0 and res["exchange"]["grad_kv_bytes"] > 0, res
