@@ -8,7 +8,6 @@ import json
 import math
 import os
 import socket
-import statistics
 import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
@@ -211,34 +210,6 @@ def counted_columns(counted) -> dict[str, Any]:
         "counted_gemm_flops": float(counted.gemm),
         "counted_attention_flops": float(counted.attention),
         "counted_recurrent_flops": float(counted.recurrent),
-    }
-
-
-def step_time_columns(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    steps = [s["step_time_s"] for s in samples]
-    out = {
-        "step_time_s": statistics.median(steps),
-        "step_time_min_s": min(steps),
-        "step_time_max_s": max(steps),
-    }
-    for key in ("phase_a_s", "phase_b_s", "phase_c_s"):
-        vals = [s[key] for s in samples]
-        out[key] = math.nan if any(math.isnan(v) for v in vals) else statistics.median(vals)
-    return out
-
-
-def memory_columns(mem: dict[str, Any] | None, samples: list[dict[str, Any]], cell: Cell) -> dict[str, Any]:
-    """Peak-memory columns: from the memory step on CPU, from the timed steps on CUDA."""
-    src = [mem] if mem is not None else samples
-    if src[0]["mem_meter"] == "none":
-        why = "none (torch.compile cannot run under the CPU live-bytes meter)" if cell.compile else "none"
-        return {"peak_mem_bytes": math.nan, "peak_mem_phase_b_bytes": math.nan, "mem_meter": why}
-    return {
-        "peak_mem_bytes": max(s["peak_mem_bytes"] for s in src),
-        "peak_mem_phase_b_bytes": max(s["peak_mem_phase_b_bytes"] for s in src),
-        "offloaded_peak_bytes": max(s.get("offloaded_peak_bytes", math.nan) for s in src),
-        "offloaded_peak_phase_b_bytes": max(s.get("offloaded_peak_phase_b_bytes", math.nan) for s in src),
-        "mem_meter": src[0]["mem_meter"],
     }
 
 

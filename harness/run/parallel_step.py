@@ -5,7 +5,7 @@ Runs in each rank of a local launch or a Slurm multi-task job (``harness.execute
 process for a single-rank cell with several groups per step. Each contender gets its own model copy, built
 from the same seed and parallelized in TorchTitan's order (``prefixflow.parallel.parallelize``); a step is
 the contender's ``step`` over the cell's groups (one per data-parallel rank unless the cell says
-otherwise), contenders alternating A B A B as in the single-group loop.
+otherwise), measured by the one loop of ``harness.run.loop`` (systems interleaved, warm-up, repeats, memory).
 
 The record's time of a step is the slowest rank's (the ranks meet at the gradient reduction); the cell's
 ``step_time_s`` is the median of those over the repeats. Each rank's own median is kept
@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import statistics
 import traceback
 from typing import Any
 
@@ -27,22 +26,12 @@ import torch
 import torch.distributed as dist
 
 from harness.contenders import get_contender
-from harness.run.columns import (
-    base_record,
-    classify,
-    cost_columns,
-    failed_records,
-    model_columns,
-    model_shape,
-)
-from harness.run.measure import PhaseMeter
+from harness.run.columns import base_record, cost_columns, failed_records, model_columns, model_shape
+from harness.run.loop import SystemRun, cell_records, median_step, merge_ranks, run_systems
 from harness.run.setup import build_cell_model, make_group, resolve_device
 from harness.spec.cell import Cell
 
 __all__ = ["run_parallel_step_cell", "merge_rank_samples", "median_step"]
-
-TIMED = ("step_time_s", "phase_a_s", "phase_b_s", "phase_c_s")
-MEMORY = ("peak_mem_bytes", "peak_mem_phase_b_bytes")
 
 
 def _build(name: str, cell: Cell, device: torch.device, dims, mesh):
@@ -139,149 +128,81 @@ def grad_columns(model: torch.nn.Module, pp: int) -> dict[str, Any]:
     return {"grad_norm": math.sqrt(square), "grad_sha256": digest.hexdigest()}
 
 
+class ParallelBench:
+    """The data-parallel step over the cell's groups on this rank, each system parallelized in TorchTitan's
+    order; no FLOP counting; after each timed step, a pipeline's timelines, and after the last one the
+    gradient digests."""
+
+    count_flops = False
+
+    def __init__(self, cell: Cell, device: torch.device) -> None:
+        from prefixflow.parallel import ParallelDims, build_mesh
+
+        self.cell, self.device = cell, device
+        self.dims = ParallelDims.of(cell.parallel.model_dump())
+        self.mesh = build_mesh(self.dims, device) if self.dims.world_size > 1 else None
+        self.columns: dict[str, dict[str, Any]] = {}
+        self.shapes: dict[str, Any] = {}
+
+    def build(self, name: str):
+        model, contender = _build(name, self.cell, self.device, self.dims, self.mesh)
+        self.columns[name] = model_columns(model, self.cell, name)
+        self.shapes[name] = model_shape(model, self.cell)
+        return contender, model
+
+    def inputs(self, runs: list[SystemRun]) -> list:
+        vocab = self.columns[runs[0].name].get("vocab_size")
+        return [make_group(self.cell, vocab, i) for i in range(self.cell.groups_per_step)]
+
+    def prepare(self, runs: list[SystemRun], step) -> None:
+        pass
+
+    def inspect(self, run: SystemRun, last: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"timelines": _timelines(run.model)}
+        if last:
+            out.update(grad_columns(run.model, self.cell.parallel.pp))
+        return out
+
+
 def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
-    """This rank's record per contender, with its raw per-step samples (merged on rank 0)."""
-    from prefixflow.parallel import ParallelDims, build_mesh
-
-    dims = ParallelDims.of(cell.parallel.model_dump())
-    mesh = build_mesh(dims, device) if dims.world_size > 1 else None
-    models, contenders, failures, extras = {}, {}, {}, {}
-    for name in cell.systems:
-        try:
-            models[name], contenders[name] = _build(name, cell, device, dims, mesh)
-            extras[name] = model_columns(models[name], cell, name)
-        except Exception as e:
-            failures[name] = (classify(e), traceback.format_exc())
-    groups = []
-    if models:
-        vocab = next(iter(extras.values())).get("vocab_size")
-        groups = [make_group(cell, vocab, i) for i in range(cell.groups_per_step)]
-    samples: dict[str, list[dict]] = {name: [] for name in cell.systems}
-    timed: dict[str, list] = {name: [] for name in cell.systems}  # (stats, timelines) per timed step
-
-    grads: dict[str, dict] = {}  # the last timed step's gradient columns, per contender
-
-    def step(name: str, track_memory: bool, last: bool = False):
-        model = models[name]
-        model.zero_grad(set_to_none=True)
-        meter = PhaseMeter(device, model=model, track_memory=track_memory)
-        with meter:
-            stats = contenders[name].step(model, groups, cell, meter)
-        res = meter.results()
-        if last:  # untimed: after the meter
-            grads[name] = grad_columns(model, cell.parallel.pp)
-        model.zero_grad(set_to_none=True)
-        return res, stats
-
-    # Collectives need every rank in the same call order: a failing contender fails on every rank alike.
-    for it in range(cell.warmup + cell.repeats):
-        for name in cell.systems:
-            if name in failures:
-                continue
-            try:
-                res, stats = step(name, track_memory=False, last=it == cell.warmup + cell.repeats - 1)
-            except Exception as e:
-                failures[name] = (classify(e), traceback.format_exc())
-                continue
-            if it == 0:
-                extras[name]["first_step_s"] = res["step_time_s"]
-            if it >= cell.warmup:
-                samples[name].append(res)
-                timed[name].append((stats, _timelines(models[name])))  # not the memory step's below
-    memory: dict[str, dict] = {}
-    if device.type == "cpu" and not cell.compile:
-        for name in cell.systems:
-            if name in failures:
-                continue
-            try:
-                memory[name], _ = step(name, track_memory=True)
-            except Exception:
-                memory[name] = {"mem_meter": "none", "mem_error": traceback.format_exc(limit=2)}
+    """This rank's record per system, with its raw per-step samples (merged on rank 0)."""
+    bench = ParallelBench(cell, device)
+    runs, groups = run_systems(cell, device, bench)
     records = []
-    for name in cell.systems:
-        rec = {**base_record(cell, str(device)), "system": name, **extras.get(name, {})}
+    for run in runs:
+        rec = {**base_record(cell, str(device)), "system": run.name, **bench.columns.get(run.name, {})}
         rec["threads"] = torch.get_num_threads()
         rec["rank"] = dist.get_rank() if dist.is_initialized() else 0
-        if name in failures:
-            rec["status"], rec["error"] = failures[name]
+        if run.failure is not None:
+            rec["status"], rec["error"] = run.failure
         else:
             # the hooks' counters and timelines of one step, the median one: communication times vary from
             # step to step like the step time, and one step's columns stay consistent with each other
-            st, timelines = timed[name][median_step(samples[name])]
-            rec.update(status="ok", error=None, loss=float(st.loss), **_step_columns(st), **grads[name])
+            median = median_step(run.samples)
+            st, timelines = run.stats[median], run.inspected[median]["timelines"]
+            grads = {k: run.inspected[-1][k] for k in ("grad_norm", "grad_sha256")}
+            rec.update(status="ok", error=None, loss=float(st.loss), **_step_columns(st), **grads)
             rec.update(_hook_columns(st, timelines))
             if timelines is not None:  # every timed step's, for the simulator's calibration
-                rec["pp_timelines_steps"] = json.dumps([t for _, t in timed[name]])
-            rec["samples"] = samples[name]
-            mem = memory.get(name) or samples[name][0]
-            for col in MEMORY:
-                rec[col] = mem.get(col, math.nan)
-            rec["mem_meter"] = mem.get("mem_meter", "none")
+                rec["pp_timelines_steps"] = json.dumps([i["timelines"] for i in run.inspected])
+            rec.update(samples=run.samples, memory=run.memory, first_step_s=run.first_step_s)
             rec["n_microbatches"] = sum(g.n_microbatches for g in st.groups)
             rec["prefix_tokens"] = sum(g.prefix_tokens for g in st.groups)
             rec["suffix_tokens"] = sum(g.suffix_tokens for g in st.groups)
         rec["tokens"] = sum(g.prompt_len * g.n + sum(g.response_lens) for g in groups) if groups else None
-        if groups and name in models:
-            system = get_contender(name)
+        if groups and run.name in bench.shapes:
+            system = get_contender(run.name)
             rec["attention"] = getattr(system, "attention_variant", lambda d: None)(device)
             lens = [g.response_lens for g in groups]
-            rec.update(cost_columns(model_shape(models[name], cell), cell, system, lens, device))
+            rec.update(cost_columns(bench.shapes[run.name], cell, system, lens, device))
         records.append(rec)
     return records
 
 
-def median_step(samples: list[dict[str, Any]]) -> int:
-    """Index of the timed step with the median step time (the lower middle one for an even count)."""
-    order = sorted(range(len(samples)), key=lambda i: samples[i]["step_time_s"])
-    return order[(len(order) - 1) // 2]
-
-
-def _median(values: list[float]) -> float:
-    finite = [v for v in values if not math.isnan(v)]
-    return statistics.median(finite) if finite else math.nan
-
-
-def _spread(values: list[float]) -> float:
-    finite = [v for v in values if not math.isnan(v)]
-    if not finite or max(finite) <= 0:
-        return math.nan
-    return (max(finite) - min(finite)) / max(finite)
-
-
 def merge_rank_samples(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Rank 0's records with the timed columns as the median over steps of the slowest rank, each rank's own
-    median kept (``<col>_per_rank``, JSON) with its spread, memory as the max over ranks. A system that
-    failed on any rank is failed with that rank's error."""
-    merged = []
-    for i, rec in enumerate(per_rank[0]):
-        rows = [ranks[i] for ranks in per_rank]
-        out = {k: v for k, v in rec.items() if k not in ("samples", "rank")}
-        bad = next((r for r in rows if r.get("status") != "ok"), None)
-        if bad is not None:
-            out["status"], out["error"] = bad["status"], bad.get("error")
-            for col in (*TIMED, *MEMORY):
-                out.pop(col, None)
-            merged.append(out)
-            continue
-        steps = min(len(r["samples"]) for r in rows)
-        for col in TIMED:
-            per_step = [max(r["samples"][s][col] for r in rows) for s in range(steps)]
-            own = [_median([r["samples"][s][col] for s in range(steps)]) for r in rows]
-            out[col] = _median(per_step)
-            out[f"{col}_per_rank"] = json.dumps([None if math.isnan(v) else v for v in own])
-            out[f"{col}_spread"] = _spread(own)
-            if col == "step_time_s":
-                out["step_time_min_s"], out["step_time_max_s"] = min(per_step), max(per_step)
-        for col in MEMORY:
-            own = [float(r.get(col, math.nan)) for r in rows]
-            finite = [v for v in own if not math.isnan(v)]
-            out[col] = max(finite) if finite else math.nan
-            out[f"{col}_per_rank"] = json.dumps([None if math.isnan(v) else v for v in own])
-            out[f"{col}_spread"] = _spread(own)
-        if "first_step_s" in rec:
-            out["first_step_s"] = max(r.get("first_step_s", math.nan) for r in rows)
-        merged.append(out)
-    return merged
+    """The data-parallel step's records from every rank's: :func:`harness.run.loop.merge_ranks` with each
+    rank's own values and their spread."""
+    return merge_ranks(per_rank, per_rank_columns=True)
 
 
 def run_parallel_step_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]] | None:
@@ -303,7 +224,7 @@ def run_parallel_step_cell(cell: Cell, memory_only: bool = False) -> list[dict[s
         return failed_records(cell, "error", traceback.format_exc())
     records = _measure(cell, device)
     if cell.world_size == 1:
-        return merge_rank_samples([records])
+        return cell_records(cell, [records], per_rank_columns=True)
     gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(records, gathered, dst=0)
-    return merge_rank_samples(gathered) if dist.get_rank() == 0 else None
+    return cell_records(cell, gathered, per_rank_columns=True) if dist.get_rank() == 0 else None

@@ -1,13 +1,11 @@
 """A tree cell (``cell.tree`` set) in one process: its seeded workload (``harness.workloads``) as one
-``prefixflow.RolloutTree``, a model copy per system (same seed), warm-up, repeats visiting the systems in
-alternating order (A B C, C B A, ...), then one untimed step per system on CPU under the live-bytes meter and
-the FLOP counters. One record per system: the shape's token statistics, median step time, per-level Phase-A/C
+``prefixflow.RolloutTree``, a model copy per system (same seed), measured by the one loop
+(``harness.run.loop``). One record per system: the shape's token statistics, median step time, per-level Phase-A/C
 seconds (PrefixFlow's per-node times summed by the node's level, root = 0), unique and trunk tokens, peak memory
 and counted FLOPs."""
 
 from __future__ import annotations
 
-import gc
 import json
 import statistics
 import traceback
@@ -15,17 +13,8 @@ from typing import Any
 
 import torch
 
-from harness.run.columns import (
-    base_record,
-    classify,
-    counted_columns,
-    failed_records,
-    memory_columns,
-    model_columns,
-    step_time_columns,
-)
-from harness.run.measure import PhaseMeter
-from harness.run.progress import report
+from harness.run.columns import base_record, counted_columns, failed_records, model_columns
+from harness.run.loop import SystemRun, cell_records, run_systems
 from harness.run.setup import build_for, resolve_device, vocab_size_of
 from harness.spec.cell import Cell
 
@@ -65,87 +54,65 @@ def _median_levels(samples: list[dict[str, dict[int, float]]]) -> str | None:
     return json.dumps(out, sort_keys=True)
 
 
+class TreeBench:
+    """One tree per step (the cell's seeded workload); FLOPs counted."""
+
+    count_flops = True
+
+    def __init__(self, cell: Cell, device) -> None:
+        self.cell, self.device = cell, device
+        self.columns: dict[str, dict[str, Any]] = {}
+        self.workload = None
+
+    def build(self, name: str):
+        contender, model = build_for(name, self.cell, self.device)
+        self.columns[name] = model_columns(model, self.cell, name)
+        return contender, model
+
+    def inputs(self, runs: list[SystemRun]) -> list:
+        self.workload = self.cell.tree.generate(vocab_size_of(runs[0].model))
+        return [self.workload.tree()]
+
+    def prepare(self, runs: list[SystemRun], step) -> None:
+        pass
+
+    def inspect(self, run: SystemRun, last: bool) -> dict[str, Any]:
+        return {}
+
+
 def run_tree_cell(cell: Cell) -> list[dict[str, Any]]:
     """Every system of ``cell`` on its tree, interleaved; never raises for a failing system."""
     try:
         device = resolve_device(cell.device)
     except RuntimeError:
         return failed_records(cell, "error", traceback.format_exc())
-    contenders, models, failures, extras = {}, {}, {}, {}
-    for name in cell.systems:
-        report(f"building {name} ({cell.model.display}, {cell.dtype}, {device})")
-        try:
-            contenders[name], models[name] = build_for(name, cell, device)
-            extras[name] = model_columns(models[name], cell, name)
-        except Exception as e:
-            failures[name] = (classify(e), traceback.format_exc())
-    if not models:
-        return [{**base_record(cell, str(device)), "system": n, "status": f[0], "error": f[1]}
-                for n, f in failures.items()]  # fmt: skip
-    workload = cell.tree.generate(vocab_size_of(next(iter(models.values()))))
-    tree = workload.tree()
-    stats = workload.stats()
-    samples = {n: [] for n in cell.systems}
-    levels = {n: [] for n in cell.systems}
-    last, counted, memory = {}, {}, {}
-
-    def step(name: str, track_memory: bool, count: bool = False):
-        from harness.costmodel.flops import count_flops
-
-        model = models[name]
-        try:
-            model.zero_grad(set_to_none=True)
-            meter = PhaseMeter(device, model=model, track_memory=track_memory)
-            with meter:
-                run = lambda: contenders[name].step(model, [tree], cell, meter)  # noqa: E731
-                if count:
-                    counted[name], st = count_flops(run)
-                else:
-                    st = run()
-            model.zero_grad(set_to_none=True)
-            return meter.results(extended=True), st
-        except Exception as e:
-            failures[name] = (classify(e), traceback.format_exc())
-            models[name] = None
-            gc.collect()
-            return None
-
-    live = [n for n in cell.systems if n not in failures]
-    for it in range(cell.warmup + cell.repeats):
-        for name in live if it % 2 == 0 else live[::-1]:
-            if name in failures:
-                continue
-            report(f"{'warm-up' if it < cell.warmup else 'repeat'} {it + 1} {name}")
-            if (out := step(name, track_memory=False)) is None:
-                continue
-            if it >= cell.warmup:
-                samples[name].append(out[0])
-                last[name] = out[1]
-                info = getattr(out[1], "tree", None)
-                levels[name].append(level_times(tree, info["node_times"]) if info else {})
-    if device.type == "cpu" and not cell.compile:
-        for name in live:
-            if name not in failures and (out := step(name, True, count=True)) is not None:
-                memory[name] = out[0]
+    bench = TreeBench(cell, device)
+    runs, inputs = run_systems(cell, device, bench)
+    if not inputs:
+        return [{**base_record(cell, str(device)), "system": r.name, "status": r.failure[0], "error": r.failure[1]}
+                for r in runs]  # fmt: skip
+    tree, stats = inputs[0], bench.workload.stats()
     records = []
-    for name in cell.systems:
-        rec = {**base_record(cell, str(device)), "system": name, **extras.get(name, {})}
+    for run in runs:
+        rec = {**base_record(cell, str(device)), "system": run.name, **bench.columns.get(run.name, {})}
         rec.update(
             workload_columns(cell, stats), tokens=stats["path_tokens"], threads=torch.get_num_threads()
         )
-        rec.update(counted_columns(counted.get(name)))
-        if name in failures:
-            rec["status"], rec["error"] = failures[name]
+        rec.update(counted_columns(run.counted))
+        if run.failure is not None:
+            rec["status"], rec["error"] = run.failure
         else:
-            st = last[name]
-            rec.update(status="ok", error=None, **step_time_columns(samples[name]))
-            rec.update(memory_columns(memory.get(name), samples[name], cell))
+            st = run.stats[-1]
+            levels = [
+                level_times(tree, s.tree["node_times"]) if getattr(s, "tree", None) else {} for s in run.stats
+            ]
+            rec.update(status="ok", error=None, samples=run.samples, memory=run.memory)
             rec.update(
                 loss=float(st.loss), layout_run=st.layout, n_microbatches=st.n_microbatches,
                 prefix_tokens=st.prefix_tokens,
                 suffix_tokens=st.suffix_tokens, trunk_tokens=st.trunk_tokens,
-                level_times=_median_levels(levels[name]),
-                phase_full_s=statistics.median(s["phase_times_s"].get("full", float("nan")) for s in samples[name]),
+                level_times=_median_levels(levels),
+                phase_full_s=statistics.median(s["phase_times_s"].get("full", float("nan")) for s in run.samples),
             )  # fmt: skip
         records.append(rec)
-    return records
+    return cell_records(cell, [records], per_rank_columns=False)

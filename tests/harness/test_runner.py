@@ -71,7 +71,8 @@ def test_systems_interleave_on_separate_identical_models(test_systems):
     records = measure_cell(_cell(["rec_a", "rec_b"]))
     assert [r["status"] for r in records] == ["ok", "ok"]
     names = [name for name, _, _ in Recorder.log]
-    assert names == ["rec_a", "rec_b"] * 4  # warm-up, 2 timed repeats, 1 CPU memory step: A B A B ...
+    # warm-up, 2 timed repeats (the order reversed on odd steps), 1 CPU memory step, 1 FLOP-counting step
+    assert names == ["rec_a", "rec_b", "rec_b", "rec_a", "rec_a", "rec_b", "rec_a", "rec_b", "rec_a", "rec_b"]
     ids = {name: {i for n, i, _ in Recorder.log if n == name} for name in ("rec_a", "rec_b")}
     assert len(ids["rec_a"]) == 1 and ids["rec_a"].isdisjoint(ids["rec_b"])
     sums = {name: s for name, _, s in Recorder.log[:2]}
@@ -162,16 +163,16 @@ def test_records_carry_modelled_and_counted_flops_and_the_revision():
     assert concat["counted_gemm_flops"] == pf["counted_gemm_flops"]
 
 
-def test_both_loops_run_a_registered_contender_through_its_step(test_systems):
-    """The single-group loop and the data-parallel step loop (two groups, here on one process) both call the
-    contender's ``step``: a newly registered contender runs on ranks too."""
-    for groups in (None, 2):
+def test_both_cell_kinds_run_a_registered_contender_through_the_one_loop(test_systems):
+    """A single-group cell and a data-parallel step cell (two groups, here on one process) both call the
+    contender's ``step`` in the same order (one loop): a newly registered contender runs on ranks too."""
+    for groups, counted in ((None, ["rec_a", "rec_b"]), (2, [])):  # the data-parallel step counts no FLOPs
         Recorder.log = []
         records = measure_cell(_cell(["rec_a", "rec_b"], repeats=1, groups=groups))
         assert [r["status"] for r in records] == ["ok", "ok"], [r["error"] for r in records]
-        assert [name for name, _, _ in Recorder.log] == ["rec_a", "rec_b"] * 3, (
-            groups
-        )  # warm-up, repeat, memory
+        # warm-up A B, repeat B A, memory A B, then the FLOP-counting step
+        expected = ["rec_a", "rec_b", "rec_b", "rec_a", "rec_a", "rec_b", *counted]
+        assert [name for name, _, _ in Recorder.log] == expected, groups
     assert records[0]["groups_per_step"] == 2 and records[0]["grad_sync"]  # the data-parallel step's columns
 
 
@@ -217,3 +218,20 @@ def test_auto_microbatch_cells_are_validated_and_record_their_plan():
     assert sum(sizes) == 8 and max(sizes) > 1  # the budget bought larger microbatches
     assert pf["peak_mem_bytes"] <= pf["memory_budget_bytes"]
     assert pf["model_flops"] == pf["counted_flops"]  # the modelled microbatches are the ones the plan ran
+
+
+def test_memory_is_metered_apart_from_flop_counting_so_checkpointing_saves_what_it_saves():
+    """FlopCounterMode keeps tensors alive that activation checkpointing frees: a peak metered under it puts
+    full AC above no AC. The loop meters memory in a step of its own (and still counts the FLOPs)."""
+    model = ModelSpec(
+        name="llama3:debugmodel", overrides={"dim": 64, "n_layers": 2, "n_heads": 2, "vocab_size": 128}
+    )
+    peaks = {}
+    for ac in ("none", "full"):
+        cell = _cell(["baseline", "prefixflow"], model=model, prefix_len=128, suffix_len=32, warmup=0, repeats=1,
+                     ac=ac, microbatch=1)  # fmt: skip
+        for rec in measure_cell(cell):
+            assert rec["status"] == "ok" and rec["counted_flops"] > 0, rec["error"]
+            peaks[ac, rec["system"]] = rec["peak_mem_bytes"]
+    for system in ("baseline", "prefixflow"):
+        assert peaks["full", system] < peaks["none", system], peaks

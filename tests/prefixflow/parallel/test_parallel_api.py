@@ -99,8 +99,7 @@ def _rank(times: list[float], peak: float, status: str = "ok") -> list[dict]:
             "status": status,
             "error": None if status == "ok" else "boom",
             "samples": samples,
-            "peak_mem_bytes": peak,
-            "peak_mem_phase_b_bytes": peak,
+            "memory": {"peak_mem_bytes": peak, "peak_mem_phase_b_bytes": peak, "mem_meter": "cpu-live-bytes"},
             "rank": 0,
         }
     ]
@@ -113,7 +112,8 @@ def test_rank_samples_merge_to_the_median_of_per_step_rank_max_with_per_rank_val
     assert json.loads(rec["step_time_s_per_rank"]) == [2.0, 2.0]
     assert rec["step_time_s_spread"] == 0.0
     assert rec["peak_mem_bytes"] == 30.0 and rec["peak_mem_bytes_spread"] == pytest.approx(2 / 3)
-    assert "samples" not in rec and "rank" not in rec
+    assert rec["mem_meter"] == "cpu-live-bytes"
+    assert "samples" not in rec and "rank" not in rec and "memory" not in rec
     (rec,) = merge_rank_samples([_rank([1.0], 1.0), _rank([1.0], 1.0, status="error")])
     assert rec["status"] == "error" and rec["error"] == "boom" and "step_time_s" not in rec
 
