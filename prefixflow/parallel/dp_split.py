@@ -15,7 +15,6 @@ from ..attention.modes import PrefixAwareAttention
 from ..group import RolloutGroup
 from ..model.models import head_dim_of, model_args
 from ..schedule.driver import GroupShare, GroupStats, train_share
-from ..schedule.phases import node_backwards, node_forwards
 from ..state.kv_cache import PrefixKVCache
 from . import parallel_state
 from .dp_placement import Work
@@ -159,22 +158,6 @@ class PrefixExchange:
                 leaf.grad = g.clone() if leaf.grad is None else leaf.grad + g
 
 
-@dataclass
-class _OwnerNodes:
-    """The cached node an owner that trains no response of its group forwards and backwards for its helpers
-    (the waves of its own, empty, share hold none)."""
-
-    nodes: list[int]
-
-    @property
-    def forward(self) -> list[int]:
-        return self.nodes
-
-    @property
-    def backward(self) -> list[int]:
-        return self.nodes
-
-
 class SplitShare(GroupShare):
     """This rank's part of a split group (see the module docstring): its responses; the owner computes the
     prefix and sends the K/V, a helper receives them; in Phase C helpers send gK/gV and the owner sums them
@@ -197,9 +180,7 @@ class SplitShare(GroupShare):
             if cache is not None:
                 self.exchange.receive_prefix(cache, self.geometry, self.work.owner, run.device)
             return
-        compute()
-        if cache is not None and not len(cache):  # the owner may train none of the responses itself:
-            node_forwards(run, caches, _OwnerNodes(list(caches.caches)))  # it still pays the prefix
+        compute()  # every cached node, even when the owner trains none of the responses itself
         if cache is not None:
             self.exchange.send_prefix(cache, self.geometry, self.helpers)
 
@@ -212,8 +193,6 @@ class SplitShare(GroupShare):
         if cache is not None:
             self.exchange.receive_grad_kv(cache, self.helpers)
         compute()
-        if cache is not None and len(cache):  # no path of its own read the node: its backward is still due
-            node_backwards(run, caches, _OwnerNodes(list(caches.caches)))
 
 
 def train_split_part(

@@ -218,8 +218,9 @@ def resolve(
                 f"loss_config.{option} needs each response's tokens on one rank; "
                 "context parallelism spreads them over the CP group (use 'token')"
             )
-    paths = (share or GroupShare()).paths(tree.n)
-    run.paths = frozenset(paths)
+    share = share or GroupShare()
+    paths = share.paths(tree.n)
+    run.paths, run.computes_prefix = frozenset(paths), share.computes_prefix()
     if system != "baseline":  # depth-first; the rest have no leaf row to run
         paths = [i for i in run.rows.dfs_paths if i in run.paths and i in run.rows.leaf_rows]
     run.chunks = _chunks(run, paths, microbatch)

@@ -67,10 +67,11 @@ class _Waves:
         self.top_down = {j: k for k, j in enumerate(rows.cached)}
         self.nodes_of = {i: [j for j in tree.path_nodes(i) if j in cached] for i in range(tree.n)}
         mine = run.paths  # a split group's part reads its node for its own paths only
-        self.readers = {j: 0 for j in rows.cached}  # this rank's paths not run yet, per cached node
-        for i in mine:
-            for j in self.nodes_of[i]:
-                self.readers[j] += 1
+        through = rows.count_through(mine)
+        self.readers = {j: through[j] for j in rows.cached}  # this rank's paths not run yet, per cached node
+        # a share that computes the prefix for other ranks (a split group's owner) runs every cached node's
+        # forward and backward, even one that none of its own paths reads: the first wave takes them
+        self.unread = [j for j in rows.cached if self.readers[j] == 0] if run.computes_prefix else []
         self.position = {i: k for k, i in enumerate(rows.dfs_paths)}
         self.leafless = [i for i in rows.leafless if i in mine]  # depth-first order, not run yet
         self.live: set[int] = set()
@@ -100,7 +101,8 @@ class _Waves:
 
     def start(self, first: tuple[int, list[int]] | None) -> Wave:
         paths = [] if first is None else first[1]
-        need = self._need([*paths, *(self._joiners(paths) if paths else self.leafless)])
+        need = self._need([*paths, *(self._joiners(paths) if paths else self.leafless)]) | set(self.unread)
+        self.unread = []
         self.live.update(need)
         self.wave = Wave(self, first, sorted(need, key=self.top_down.get))
         self._take(paths)

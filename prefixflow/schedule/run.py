@@ -80,8 +80,9 @@ class GroupRun:
     ``rows``: its rows and scores (built from the host copy); ``stage``: where the phases run (a
     :class:`~prefixflow.schedule.stage.Stage`); ``hooks``: the call's schedule hooks (a
     :class:`~prefixflow.hooks.HookChain`); ``paths``: the paths this rank trains (its share's: a split
-    group's part holds some); ``chunks``: this rank's Phase-B microbatches (path indices);
-    ``loss_data``: what the loss reads per path; ``caches``: the cached nodes' caches while PrefixFlow runs (a
+    group's part holds some); ``computes_prefix``: this rank runs the cached nodes (a split group's helper
+    receives them), each once even if none of ``paths`` reads it; ``chunks``: this rank's Phase-B
+    microbatches (path indices); ``loss_data``: what the loss reads per path; ``caches``: the cached nodes' caches while PrefixFlow runs (a
     :class:`~prefixflow.schedule.caches.NodeCaches`); ``scores``: set for a forward-only call. (The stage,
     hooks and caches sit above this module, so they are typed where they are defined.)"""
 
@@ -98,6 +99,7 @@ class GroupRun:
     device: torch.device
     loss_data: PathLosses
     paths: frozenset[int] = frozenset()
+    computes_prefix: bool = True
     chunks: FixedChunks | BudgetChunks | None = None
     counters: RunCounters = field(default_factory=RunCounters)
     caches: Any = None

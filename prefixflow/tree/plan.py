@@ -69,10 +69,7 @@ class TreeRows:
         self.tree = tree
         self.cached = [j for j in tree.order if tree.children[j]]  # top-down
         cached = set(self.cached)
-        self.paths_through = [0] * tree.n_nodes
-        for i in range(tree.n):
-            for j in tree.path_nodes(i):
-                self.paths_through[j] += 1
+        self.paths_through = self.count_through(range(tree.n))
         index: dict[int, dict[tuple[int, int], int]] = {j: {} for j in self.cached}
         scores: dict[int, tuple[list[int], list[int]]] = {j: ([], []) for j in self.cached}
         self.shared: list[list[tuple[int, int, int]]] = []
@@ -119,6 +116,14 @@ class TreeRows:
             -1, tree.segments[j], tree.first_position[j], tuple(tree.ancestors(j)), torch.tensor(rows, **long),
             torch.tensor(targets, **long), torch.arange(len(rows)), (j,), weights,
         )  # fmt: skip
+
+    def count_through(self, paths) -> list[int]:
+        """Per node, how many of ``paths`` run through it."""
+        through = [0] * self.tree.n_nodes
+        for i in paths:
+            for j in self.tree.path_nodes(i):
+                through[j] += 1
+        return through
 
     def scores(self, j: int) -> int:
         """How many log-probs cached node ``j`` scores."""
