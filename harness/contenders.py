@@ -4,8 +4,9 @@ A contender is one entry of a cell's ``systems`` list (and of a record's ``syste
 ``system=`` value of the library's ``prefixflow.train_group`` (``baseline``, ``prefixflow``), others a
 variant of it or a peer implementation. A contender prepares its own model copy (``prepare``) and trains
 one step's rollout groups on it (``step``), calling ``observer.enter(phase)``/``observer.exit(phase)``
-around each phase. Both cell loops (``harness.run.single_group`` in one process, ``harness.run.parallel_step``
-on one rank or many) call ``step``, so a contender registered with :func:`register_contender` runs in both.
+around each phase. The one measurement loop (``harness.run.loop``) calls ``step`` for every cell kind (one group,
+a tree, the data-parallel step on one rank or many), so a contender registered with :func:`register_contender`
+runs in all of them.
 """
 
 from __future__ import annotations
