@@ -259,6 +259,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         micro-batch (ranks may train different numbers of groups) and reduce-scattered once at its end; the
         objective is divided by the number of processes, because FSDP sums where DDP averages TRL's."""
         inner = self._prefixflow_model(self.accelerator.unwrap_model(model))
+        _check_positions(inner, inputs)
         plans = self._plan(inputs)
         shards = self.accelerator.num_processes if self._prefixflow_sharded else 1
         if shards > 1:
@@ -273,7 +274,6 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             ]
         options = {"layout": self.prefixflow_layout, "microbatch": self.prefixflow_microbatch, "loss": "grpo"}
         for plan in plans:  # every group is valid before the first one changes a gradient
-            _check_positions(inner, plan)
             check_group(inner, plan.group, loss_config=plan.loss_config, **options)
         total = 0.0
         with self.compute_loss_context_manager(), self.accelerator.autocast(), self._gathered(inner):
@@ -380,13 +380,12 @@ def stats_reused(plans: list[TrainingUnit]) -> int:
     )
 
 
-def _check_positions(model: nn.Module, plan: TrainingUnit) -> None:
-    """A prompt + completion longer than the model's ``max_position_embeddings``, named in HF's terms."""
-    group = plan.group
+def _check_positions(model: nn.Module, inputs) -> None:
+    """A prompt + completion longer than the model's ``max_position_embeddings``, named in HF's terms; from the
+    micro-batch's masks, before any group or tree is built."""
     limit = int(model.config.get_text_config().max_position_embeddings)
-    longest = (
-        group.prompt_len + max(group.response_lens) if hasattr(group, "prompt") else max(group.path_lens)
-    )
+    lengths = inputs["prompt_mask"].bool().sum(-1) + inputs["completion_mask"].bool().sum(-1)
+    longest = int(lengths.max()) if lengths.numel() else 0
     if longest > limit:
         raise ValueError(
             f"a prompt + completion of {longest} tokens exceeds the model's config.max_position_embeddings="
