@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.run.memory import MemoryRefusal, masks_need, preflight_cell
+from harness.run.memory import MemoryRefusal, cell_need, masks_need, meta_shape, preflight_cell
 from harness.spec.cell import Cell, ModelSpec
 from harness.spec.load import SpecError, parse_spec
 from prefixflow.tree.layouts import Row, lay_out, mask_bytes
@@ -58,6 +58,7 @@ def test_the_memory_floor_counts_the_masks():
     model = ModelSpec(name="llama3:debugmodel", overrides={"max_seq_len": 2_000_000})
     cell = _cell(model=model, prefix_len=10**6, suffix_len=10**6, n=1)
     assert masks_need(cell, 1) >= 10**6 * 2 * 10**6
+    assert cell_need(cell, meta_shape(model.name, model.overrides)) >= masks_need(cell, 1)
     with pytest.raises(MemoryRefusal, match="needs at least"):
         preflight_cell(cell, budget=64 << 30)
     packed = _cell(prefix_len=4, suffix_len=2, n=50_000, layout="packed", systems=("baseline",))
