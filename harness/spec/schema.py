@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from harness.spec.cell import (
     MAX_INT,
@@ -181,7 +181,10 @@ class Axes(StrictModel):
 
 
 class ExecutorSettings(StrictModel):
-    """Where and how cells run; Slurm keys are ignored by the local and debug executors."""
+    """Where and how cells run; Slurm keys are ignored by the local and debug executors. Numbers are taken as
+    they are written (``nodes: '2'`` is refused, not coerced)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     max_jobs: int = Field(
         2, ge=1, le=10_000, description="concurrent cells (local) / array parallelism (slurm)"

@@ -83,3 +83,24 @@ def test_mask_bytes_bounds_the_masks_built(layout):
     rows = [_row(5, 3, ancestors=(0,)), _row(7, 3, ancestors=(0,)), _row(2, 3, ancestors=(0,))]
     mb = lay_out(rows, [0], [3], layout, torch.device("cpu"))
     assert 0 < mb.mask.numel() <= mask_bytes([5, 7, 2], 3, layout)
+
+
+@pytest.mark.parametrize(
+    "change, text",
+    [
+        ({"executor": {"nodes": "2"}}, r"executor.nodes: Input should be a valid integer \(got '2'\)"),
+        ({"executor": {"max_jobs": 2.0}}, r"executor.max_jobs: Input should be a valid integer"),
+        (
+            {"axes": {"models": [MODEL], "trees": [{"kind": "agentic", "turns": 2, "branch_at": [0, 5]}]}},
+            r"axes.trees.0.agentic: branch_at \[5\] names turns beyond the 2 turns",
+        ),
+        (
+            {"axes": {"models": [MODEL], "trees": [{"kind": "search", "depth": "3"}]}},
+            r"axes.trees.0.search.depth: Input should be a valid integer",
+        ),
+    ],
+)
+def test_no_loose_coercion(change, text):
+    """Issue 36.12: numbers are taken as written; branch points name existing turns."""
+    with pytest.raises(SpecError, match=text):
+        parse_spec({**_spec(n=[2], lengths=[{"prefix": 4, "suffix": 2}]), **change})
