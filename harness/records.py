@@ -12,6 +12,7 @@ from typing import Any
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from harness.safe_fs import atomic_write
@@ -174,6 +175,7 @@ def verify_table(table: pa.Table, name: str, source: str = "<table>") -> None:
     bad = sorted(set(table.column("status").to_pylist()) - set(STATUSES))
     if bad:
         raise InvalidRecord(f"{source}: status {_short(bad[0])} is not one of {', '.join(STATUSES)}")
+    _check_ok_rows_finite(table, source)
     ids = table.column("cell_id").to_pylist()
     searches = (
         table.column("search_id").to_pylist() if "search_id" in table.schema.names else [None] * len(ids)
@@ -184,6 +186,22 @@ def verify_table(table: pa.Table, name: str, source: str = "<table>") -> None:
             f"{source}: holds cell {_short(other[0])}, not {name!r} (a record copied or moved under "
             "another cell's name)"
         )
+
+
+def _check_ok_rows_finite(table: pa.Table, source: str) -> None:
+    """An ``ok`` row's numbers are measurements: NaN or inf in any float column (a loss, a time) is refused
+    (empty values are fine: not measured)."""
+    ok = pc.equal(table.column("status"), "ok")
+    for field in table.schema:
+        if not pa.types.is_floating(field.type):
+            continue
+        column = table.column(field.name)
+        bad = pc.and_(ok, pc.fill_null(pc.invert(pc.is_finite(column)), False))
+        if pc.any(bad).as_py():
+            raise InvalidRecord(
+                f"{source}: a row with status 'ok' has {field.name} = {_short(pc.filter(column, bad)[0].as_py())}"
+                " (not finite); an ok record holds measured, finite values"
+            )
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = ["TreeShape", "Workload", "AgenticShape", "SearchShape", "SharedContextShape", "FlatShape"]
 
@@ -66,7 +66,7 @@ class Workload:
 
 
 class _Shape(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
     seed: int = Field(0, ge=0, le=2**32 - 1)
 
     def _draw(self, vocab: int):
@@ -96,6 +96,18 @@ class AgenticShape(_Shape):
     reply_len: Len = 32
     branch: Small = 2
     branch_at: list[Annotated[int, Field(ge=0, le=63)]] = Field(default_factory=lambda: [0, 1, 2])
+
+    @model_validator(mode="after")
+    def _branch_points(self) -> AgenticShape:
+        if len(set(self.branch_at)) != len(self.branch_at):
+            raise ValueError(f"branch_at {self.branch_at} repeats a turn; list each turn once")
+        beyond = [t for t in self.branch_at if t >= self.turns]
+        if beyond and "branch_at" in self.model_fields_set:
+            raise ValueError(
+                f"branch_at {beyond} names turns beyond the {self.turns} turns (0 .. {self.turns - 1}); drop them or "
+                "raise turns"
+            )
+        return self  # the default [0, 1, 2] under fewer turns branches at the turns that exist
 
     @property
     def label(self) -> str:

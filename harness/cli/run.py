@@ -115,6 +115,7 @@ def run(
     from harness.run.progress import reporting
     from harness.safe_fs import UnsafePathError, check_writable
     from harness.spec.checks import check_model_spec
+    from harness.spec.schema import CellLimits
     from harness.sweep import spec_folder
 
     try:
@@ -149,6 +150,10 @@ def run(
     unknown = [s for s in cell.systems if s not in available_contenders()]
     if unknown:
         _fail(f"--systems: unknown system {unknown[0]!r}; registered: {', '.join(available_contenders())}")
+    try:  # a spec's default limits on one cell's work (a spec's limits: block raises them)
+        CellLimits().check("--n x (--prefix-len + --suffix-len)", n, prefix_len + suffix_len)
+    except ValueError as e:
+        _fail(f"{e} (in a spec's limits: block)")
     try:
         check_model_spec(cell.model)
     except (ValueError, TypeError) as e:

@@ -65,7 +65,13 @@ def check_rl_spec(spec: RLSpec, runs: int, device: torch.device | None, budget: 
     except ValueError as e:
         room = shape.max_seq_len - prompt
         if response != spec.loop.max_new_tokens:  # two policy turns around the tool's reply
-            room = (room - task_of(spec).reply_len) // 2
+            reply = task_of(spec).reply_len
+            room = (room - reply) // 2
+            if room < 1:  # the reply alone fills the positions: no max_new_tokens fits
+                raise ValueError(
+                    f"{e}: the prompt ({prompt}) + the tool's reply ({reply}, task.reply_text) leave no room for "
+                    f"a policy turn; lower task.reply_text or raise model.overrides.{shape.seq_field}"
+                ) from None
         raise ValueError(f"{e} (or lower loop.max_new_tokens to {room} or less)") from None
     if device is None:
         return

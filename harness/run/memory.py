@@ -1,6 +1,6 @@
 """Before a cell or an RL run allocates anything: its model built on the meta device (no memory, no init), its
 sequences checked against the model's ``max_seq_len``, and a lower bound on the memory it needs (weights, their
-gradients, optimizer state, one microbatch's activations) refused in one line when it exceeds what this process
+gradients, optimizer state, one microbatch's activations and attention masks) refused in one line when it exceeds what this process
 may take (``prefixflow.memory.limit``: MemAvailable, ``ulimit -v``, the cgroup, ``$PF_MEMORY_LIMIT``).
 
 The bound is a floor, not a forecast: what it refuses cannot fit; what it passes may still run out (then the
@@ -21,12 +21,14 @@ import torch
 from harness.spec.cell import Cell
 from prefixflow.memory.limit import MemoryRefusal, check_fits, gib
 from prefixflow.model.dtypes import DTYPES
+from prefixflow.tree.layouts import mask_bytes
 
 __all__ = [
     "MetaShape",
     "MemoryRefusal",
     "meta_shape",
     "cell_need",
+    "masks_need",
     "check_sequence",
     "check_cell_sequences",
     "preflight_cell",
@@ -148,7 +150,16 @@ def cell_need(cell: Cell, shape: MetaShape) -> int:
     models = len(cell.systems) * 2 * shape.n_params * itemsize
     activations = tokens * shape.n_layers * shape.hidden * itemsize * _ACTIVATIONS_PER_TOKEN_LAYER
     logits = per_mb * cell.suffix_len * shape.vocab * 4
-    return (models + activations + logits) // _nodes()
+    return (models + activations + logits + masks_need(cell, per_mb)) // _nodes()
+
+
+def masks_need(cell: Cell, per_mb: int) -> int:
+    """The attention masks one microbatch's layout builds (``prefixflow.tree.layouts.mask_bytes``): the
+    baseline's full sequences, and PrefixFlow's suffix rows over the cached prefix; the larger, when both run."""
+    full = mask_bytes([cell.prefix_len + cell.suffix_len] * per_mb, 0, cell.layout, full_sequences=True)
+    suffixes = mask_bytes([cell.suffix_len] * per_mb, cell.prefix_len, cell.layout)
+    need = [full if s == "baseline" else suffixes for s in cell.systems]
+    return max(need, default=0)
 
 
 def preflight_cell(cell: Cell, budget: int | None = None) -> None:

@@ -32,7 +32,10 @@ def describe_validation_error(err: ValidationError, source: str) -> str:
         loc = (
             ".".join(str(p) if len(str(p)) <= 40 else f"{str(p)[:37]}..." for p in e["loc"]) or "(top level)"
         )
-        msg = e["msg"]
+        msg = e["msg"].removeprefix("Value error, ")
+        if not e["loc"] and e["type"] == "value_error":  # a whole-spec check: its message names the field
+            lines.append(f"  {msg}")
+            continue
         if e["type"] == "extra_forbidden":
             msg = "unknown key (remove it or check its spelling)"
         elif e["type"] == "literal_error" and e.get("ctx", {}).get("expected"):

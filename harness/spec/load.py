@@ -145,8 +145,8 @@ def expand(spec: Spec, max_cells: int = DEFAULT_MAX_CELLS) -> list[Cell]:
     for front in spec.frontier:  # first: a search is one long job, the short cells fill the other slots
         for cell in _frontier_cells(spec, front):
             cells.setdefault(cell.cell_id, cell)
-    for ax in spec.axes_blocks:
-        for cell in _expand_block(spec, ax):
+    for i, ax in enumerate(spec.axes_blocks):
+        for cell in _expand_block(spec, ax, "axes" if i == 0 else f"extra_axes.{i - 1}"):
             cells.setdefault(cell.cell_id, cell)
     for block in spec.alignment:
         for cell in _alignment_cells(spec, block):
@@ -177,7 +177,7 @@ def _workloads(ax: Axes) -> list[tuple[tuple[int, int], Any]]:
     return [(pair, None) for pair in ax.length_pairs()]
 
 
-def _expand_block(spec: Spec, ax: Axes) -> list[Cell]:
+def _expand_block(spec: Spec, ax: Axes, where: str = "axes") -> list[Cell]:
     fixed = {
         **_common(spec),
         "systems": tuple(ax.systems or spec.systems),
@@ -195,7 +195,11 @@ def _expand_block(spec: Spec, ax: Axes) -> list[Cell]:
             swept["memory_budget"] = None  # a budget only sizes "auto" microbatches (duplicates are dropped)
         if shape is not None:
             swept["n"] = shape.nominal()[2]
-        cells.append(Cell(**fixed, model=model, prefix_len=p, suffix_len=s, tree=shape, **swept))
+        try:
+            cells.append(Cell(**fixed, model=model, prefix_len=p, suffix_len=s, tree=shape, **swept))
+        except ValidationError as e:
+            at = f"{where}.trees.{ax.trees.index(shape)}" if shape is not None else where
+            raise SpecError(describe_validation_error(e, f"spec '{spec.name}': {at}")) from None
     return cells
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from harness.spec.cell import (
     MAX_INT,
@@ -181,7 +181,10 @@ class Axes(StrictModel):
 
 
 class ExecutorSettings(StrictModel):
-    """Where and how cells run; Slurm keys are ignored by the local and debug executors."""
+    """Where and how cells run; Slurm keys are ignored by the local and debug executors. Numbers are taken as
+    they are written (``nodes: '2'`` is refused, not coerced)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     max_jobs: int = Field(
         2, ge=1, le=10_000, description="concurrent cells (local) / array parallelism (slurm)"
@@ -201,6 +204,34 @@ class ExecutorSettings(StrictModel):
     overcommit: bool = Field(
         False, description="Slurm --overcommit for multi-rank cells: more ranks than CPUs (small CPU nodes)"
     )
+
+
+class CellLimits(StrictModel):
+    """Bounds on one cell's work, checked at load: its paths (responses) and its path tokens (paths x the
+    longest path); raise them here to run larger cells."""
+
+    max_paths: int = Field(100_000, ge=1, le=MAX_INT, description="paths (responses) per cell")
+    max_tokens: int = Field(10_000_000, ge=1, le=2**62, description="path tokens per cell")
+
+    def check(self, where: str, paths: int, longest: int) -> None:
+        """ValueError naming ``where`` when ``paths`` paths of up to ``longest`` tokens exceed the limits."""
+        if paths > self.max_paths:
+            raise ValueError(
+                f"{where}: {paths:,} paths per cell, more than limits.max_paths={self.max_paths:,}; shrink the "
+                f"shape, or raise limits.max_paths"
+            )
+        if paths * longest > self.max_tokens:
+            raise ValueError(
+                f"{where}: {paths:,} paths x {longest:,} tokens = {paths * longest:,} path tokens per cell, more "
+                f"than limits.max_tokens={self.max_tokens:,}; shrink the cell, or raise limits.max_tokens"
+            )
+
+
+def _pairs(block: Axes) -> list[tuple[int, int]]:
+    try:
+        return block.length_pairs()
+    except ValueError:  # reported by the loader with the block's name
+        return []
 
 
 class Frontier(FrontierSearch):
@@ -267,6 +298,9 @@ class Spec(StrictModel):
     frontier: list[Frontier] = Field(default_factory=list, description="capacity-frontier searches")
     alignment: list[Alignment] = Field(default_factory=list, description="Table 3 runs (alignment cells)")
     executor: ExecutorSettings = Field(default_factory=ExecutorSettings)
+    limits: CellLimits = Field(
+        default_factory=CellLimits, description="bounds on each cell's paths and tokens"
+    )
     presets: dict[Literal["cpu", "paper", "smoke"], dict[str, Any]] = Field(default_factory=dict)
 
     @field_validator("systems")
@@ -292,6 +326,22 @@ class Spec(StrictModel):
                     f"executor.nodes={nodes} does not divide parallel layout {p.label} ({p.world_size} ranks): "
                     f"give layouts whose ranks are a multiple of executor.nodes, or executor.nodes: 1"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _cells_within_limits(self) -> Spec:
+        for i, block in enumerate(self.axes_blocks):
+            where = "axes" if i == 0 else f"extra_axes.{i - 1}"
+            if block.trees is not None:
+                for j, shape in enumerate(block.trees):
+                    trunk, rest, paths = shape.nominal()
+                    self.limits.check(f"{where}.trees.{j}", paths, trunk + rest)
+            else:
+                longest = max((p + s for p, s in _pairs(block)), default=0)
+                for n in block.n or []:
+                    self.limits.check(f"{where}.n", n, longest)
+        for i, block in enumerate(self.alignment):
+            self.limits.check(f"alignment.{i}", block.n, block.prefix_len + block.suffix_len)
         return self
 
     @property

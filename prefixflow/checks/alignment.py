@@ -18,6 +18,12 @@ the loss (L) and the weights after the step (W):
   dtype sums in its own precision use the same multiple of that dtype's unit roundoff ``u``, grown by the
   usual ``sqrt(n)`` of an ``n``-term sum (``n``: the tokens the baseline's weight gradients sum over):
   ``tau = tau_paper * (u / u_bf16) * (1 + sqrt(n))``.
+- **The loss's scale**: a sum's rounding grows with the magnitudes it is summed from, not with the sum (a loss
+  that nearly cancels has terms much larger than itself). L's relative term is taken of
+  ``max(|x|, |y|, M)``, ``M`` = the baseline's loss on the same group with every advantage replaced by its
+  absolute value (for ``pg``: exactly the sum of its terms' absolute values; for ``grpo``: within the clip
+  range), computed at the reported steps from the baseline's weights before its step. G's normwise rule is
+  unchanged, so every negative control still fails on G.
 - **MoE** models train under Rollout Routing Replay, as the paper's MoE row: each step the baseline copy
   records the group's routing (:func:`prefixflow.record_routing`, the rollout's masks) and every copy
   replays them.
@@ -102,10 +108,13 @@ def tolerances(dtype: torch.dtype, n_terms: int) -> tuple[float, float]:
     return TAU_ABS * scale, TAU_REL * scale
 
 
-def passes(x: torch.Tensor, y: torch.Tensor, tau_abs: float = TAU_ABS, tau_rel: float = TAU_REL) -> bool:
-    """The paper's elementwise rule, on every matched element."""
+def passes(
+    x: torch.Tensor, y: torch.Tensor, tau_abs: float = TAU_ABS, tau_rel: float = TAU_REL, scale: float = 0.0
+) -> bool:
+    """The paper's elementwise rule, on every matched element; ``scale``: a magnitude the values are summed
+    from (the loss: its terms' absolute sum), which bounds their rounding when it exceeds them."""
     x, y = x.double(), y.double()
-    return bool(((x - y).abs() <= tau_abs + tau_rel * torch.maximum(x.abs(), y.abs())).all())
+    return bool(((x - y).abs() <= tau_abs + tau_rel * torch.maximum(x.abs(), y.abs()).clamp(min=scale)).all())
 
 
 def normwise(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -115,11 +124,11 @@ def normwise(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x - y).norm()) / scale if scale > 0 else 0.0
 
 
-def _compare(step, quantity, xs, ys, names, tau, dtype, run, rule_norm) -> AlignmentRow:
+def _compare(step, quantity, xs, ys, names, tau, dtype, run, rule_norm, scale=None) -> AlignmentRow:
     pairs = [(x.double(), y.double()) for x, y in zip(xs, ys, strict=True)]
     diff = max(float((x - y).abs().max()) for x, y in pairs)
     top = max(float(torch.maximum(x.abs(), y.abs()).max()) for x, y in pairs)
-    paper = all(passes(x, y, *tau) for x, y in pairs)
+    paper = all(passes(x, y, *tau, scale=scale or 0.0) for x, y in pairs)
     rels = [normwise(x, y) for x, y in pairs]
     worst = max(range(len(rels)), key=rels.__getitem__)
     norm_tol = NORM_FACTOR * tau[1] if rule_norm else math.nan
@@ -257,10 +266,15 @@ def alignment_rows(
     for step in range(1, steps + 1):
         groups = groups_of(step)
         tau = tolerances(dtype, sum(g.prompt_len + s - 1 for g in groups for s in g.response_lens))
-        seen = {}
+        seen, loss_scale = {}, None
         for run, (m, opt, start) in state.items():
-            opt.zero_grad(set_to_none=True)
             device_type = next(m.parameters()).device.type
+            if run == "baseline" and step in report:  # L's scale: the magnitudes its terms are summed from
+                opt.zero_grad(set_to_none=True)
+                absolute = [replace(g, advantages=g.advantages.abs()) for g in groups]
+                with torch.autocast(device_type, dtype=dtype, enabled=autocast):
+                    loss_scale = abs(train(m, absolute, "baseline").loss)
+            opt.zero_grad(set_to_none=True)
             with torch.autocast(device_type, dtype=dtype, enabled=autocast):
                 stats = train(m, groups, "baseline" if run == "baseline" else "prefixflow")
             grads = [full(p.grad).detach().clone() for p in m.parameters()] if step in report else None
@@ -268,7 +282,7 @@ def alignment_rows(
             weights = [full(p.detach()) for p in m.parameters()] if step in report else None
             seen[run] = (grads, torch.tensor(stats.loss, dtype=torch.float64), weights, start)
         if step in report:
-            rows += _step_rows(step, seen, names, tau, dtype_name(dtype))
+            rows += _step_rows(step, seen, names, tau, dtype_name(dtype), loss_scale)
     return rows
 
 
@@ -303,7 +317,7 @@ def _check_memory(model: str, overrides: dict | None, dtype: torch.dtype, copies
         )
 
 
-def _step_rows(step, state, names, tau, dtype) -> list[AlignmentRow]:
+def _step_rows(step, state, names, tau, dtype, loss_scale=None) -> list[AlignmentRow]:
     base_g, base_l, base_w, base_w0 = state["baseline"]
     out, correct_g = [], None
     for run, (g, loss_value, w, w0) in state.items():
@@ -311,7 +325,7 @@ def _step_rows(step, state, names, tau, dtype) -> list[AlignmentRow]:
             continue
         rows = [
             _compare(step, "G", base_g, g, names, tau, dtype, run, rule_norm=True),
-            _compare(step, "L", [base_l], [loss_value], ["loss"], tau, dtype, run, rule_norm=False),
+            _compare(step, "L", [base_l], [loss_value], ["loss"], tau, dtype, run, False, loss_scale),
             _compare(step, "W", base_w, w, names, tau, dtype, run, rule_norm=False),
         ]
         # W's normwise difference is of the update since step 0 (the weights themselves are mostly init).

@@ -166,17 +166,63 @@ def hf_config(name: str, overrides: dict[str, Any] | None = None):
     raw.pop("architectures", None)
     raw.pop("auto_map", None)  # remote code is never run
     try:
-        config = AutoConfig.for_model(model_type, **raw)
+        default = AutoConfig.for_model(model_type, **raw)
     except (ValueError, KeyError) as exc:
         raise ValueError(
             f"transformers {transformers.__version__} cannot build model type {model_type!r}: {exc}"
         ) from None
-    for key, value in dict(overrides or {}).items():
-        if not hasattr(config, key):
+    overrides = dict(overrides or {})
+    for key in overrides:
+        if not hasattr(default, key):
             raise ValueError(f"unknown override field {key!r} for HF model type {model_type!r}")
-        setattr(config, key, value)
+    config = _with_overrides(model_type, raw, overrides, default) if overrides else default
     _check_config(config, name)
     return config
+
+
+def _with_overrides(model_type: str, raw: dict, overrides: dict, default):
+    """The config built with ``overrides`` among its arguments (so the fields derived from them, e.g.
+    ``layer_types`` from ``num_hidden_layers``, follow), refusing an override the built config does not hold:
+    a field another one governs (NemotronH's depth is ``len(layers_block_type)``)."""
+    raw = {k: v for k, v in raw.items() if k not in overrides and not _derived(model_type, raw, k)}
+    try:
+        config = AutoConfig.for_model(model_type, **{**raw, **overrides})
+    except Exception as exc:  # noqa: BLE001 - transformers' strict dataclass validators raise their own types
+        cause = " ".join(str(exc).strip().splitlines()[-1].split())[:200]
+        given = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+        raise ValueError(f"override {given}: HF model type {model_type!r} refuses it: {cause}") from None
+    for key, value in overrides.items():
+        built = getattr(config, key)
+        if built != value:
+            governs = _governing_field(default.to_dict(), built, key)
+            raise ValueError(
+                f"override {key}={value!r} does not take effect: HF model type {model_type!r} builds {key}="
+                f"{built!r} from {governs}; set {governs} instead (in a local config.json: hf:PATH)"
+            )
+    return config
+
+
+def _derived(model_type: str, raw: dict, key: str) -> bool:
+    """Whether list field ``key`` (a saved config.json's ``layer_types``) is what the model type derives from
+    the other fields anyway; then it follows the overrides instead of contradicting them."""
+    if not isinstance(raw[key], list):
+        return False
+    try:
+        return (
+            getattr(AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != key}), key)
+            == raw[key]
+        )
+    except Exception:  # noqa: BLE001 - without it the config is invalid: it is not derived
+        return False
+
+
+def _governing_field(fields: dict, built, key: str) -> str:
+    """The config field the built value of ``key`` comes from: a list of that length (a per-layer pattern)."""
+    if isinstance(built, int) and not isinstance(built, bool):
+        lists = [k for k, v in fields.items() if k != key and isinstance(v, list) and len(v) == built]
+        if lists:
+            return lists[0]
+    return "another config field"
 
 
 _POSITIVE_INT_FIELDS = (
@@ -188,6 +234,14 @@ _POSITIVE_INT_FIELDS = (
     "vocab_size",
     "max_position_embeddings",
 )
+# The recurrent layers' sizes (Qwen3.5's gated DeltaNet, Mamba-2), checked where the model type has them.
+_STATE_INT_FIELDS = (
+    "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+    "linear_num_value_heads", "ssm_state_size", "mamba_num_heads", "mamba_head_dim", "n_groups", "conv_kernel",
+    "chunk_size",
+)  # fmt: skip
+# (heads, groups): the first must be a multiple of the second
+_STATE_DIVISORS = (("linear_num_value_heads", "linear_num_key_heads"), ("mamba_num_heads", "n_groups"))
 
 
 def _check_config(config, name: str) -> None:
@@ -212,3 +266,13 @@ def _check_config(config, name: str) -> None:
         raise ValueError(f"hidden_size={config.hidden_size} must be divisible by num_attention_heads={heads}")
     if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1):
         raise ValueError(f"head_dim={head_dim!r} must be an integer >= 1")
+    present = config.to_dict()
+    for field in _STATE_INT_FIELDS:
+        value = present.get(field)
+        if field in present and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{field}={value!r} must be an integer >= 1")
+    for heads, groups in _STATE_DIVISORS:
+        if heads in present and groups in present and present[heads] % present[groups]:
+            raise ValueError(
+                f"{heads}={present[heads]} must be a multiple of {groups}={present[groups]}; change either"
+            )

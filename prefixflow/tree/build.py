@@ -6,6 +6,7 @@ common prefix, whether the branch point falls between turns or inside one.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .rollout_tree import RolloutTree, check_logprobs, check_loss_mask, check_tokens
@@ -22,12 +23,13 @@ AUTO_NODE_COST_TOKENS = 43
 
 
 class _Node:
-    __slots__ = ("tokens", "parent", "children", "ends")
+    __slots__ = ("tokens", "parent", "children", "ends", "kids")
 
-    def __init__(self, tokens: list[int], parent: _Node | None) -> None:
+    def __init__(self, tokens: np.ndarray, parent: _Node | None) -> None:
         self.tokens, self.parent = tokens, parent
         self.children: list[_Node] = []
         self.ends: list[int] = []  # the sequences that end at this node
+        self.kids: dict[int, _Node] = {}  # first token -> child (while the trie is built)
 
 
 def build_tree(
@@ -75,7 +77,7 @@ def build_tree(
     while stack:  # number the nodes top-down (preorder)
         node, parent = stack.pop()
         j = len(segments)
-        segments.append(torch.tensor(node.tokens, dtype=torch.long))
+        segments.append(torch.from_numpy(np.ascontiguousarray(node.tokens, dtype=np.int64)).clone())
         parents.append(parent)
         for i in node.ends:
             path_ends[i] = j
@@ -85,10 +87,11 @@ def build_tree(
 
 def _after_common_prefix(seqs: list[torch.Tensor]) -> list[torch.Tensor]:
     """``loss_masks=None``: every token after the sequences' longest common prefix (never the first)."""
-    shortest = min(int(s.numel()) for s in seqs)
-    common = 0
-    while common < shortest and all(int(s[common]) == int(seqs[0][common]) for s in seqs):
-        common += 1
+    first = seqs[0]
+    common = min(int(s.numel()) for s in seqs)
+    for s in seqs[1:]:
+        differ = torch.nonzero(s[:common] != first[:common])
+        common = int(differ[0, 0]) if differ.numel() else common
     for i, s in enumerate(seqs):
         if int(s.numel()) <= common:
             raise ValueError(
@@ -99,32 +102,36 @@ def _after_common_prefix(seqs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _compressed_trie(seqs: list[torch.Tensor]) -> list[_Node]:
-    """The trie of ``seqs`` with every unary run merged into one node; a node ends where it branches or
-    where a sequence ends. Returns the roots."""
-    top = _Node([], None)
-    kids: dict[tuple[int, int], _Node] = {}  # (id of the node, next token) -> token-level child
-    for i, seq in enumerate(seqs):
-        node = top
-        for token in seq.tolist():
-            child = kids.get((id(node), token))
+    """The trie of ``seqs`` with every unary run one node (a radix trie: each sequence is inserted run by run,
+    a node split where a sequence branches off or ends inside it). Returns the roots."""
+    top = _Node(np.empty(0, dtype=np.int64), None)
+    for i, tensor in enumerate(seqs):
+        seq = tensor.cpu().numpy()
+        node, pos, n = top, 0, len(seq)
+        while pos < n:
+            child = node.kids.get(int(seq[pos]))
             if child is None:
-                child = kids[(id(node), token)] = _Node([token], node)
+                child = _Node(seq[pos:], node)
                 node.children.append(child)
-            node = child
+                node.kids[int(seq[pos])] = child
+                node, pos = child, n
+                break
+            run = child.tokens
+            m = min(len(run), n - pos)
+            differ = np.flatnonzero(run[:m] != seq[pos : pos + m])
+            k = int(differ[0]) if differ.size else m
+            if k < len(run):  # the sequence branches off (or ends) inside the run: split it there
+                upper = _Node(run[:k], node)
+                node.children[node.children.index(child)] = upper
+                node.kids[int(run[0])] = upper
+                child.tokens, child.parent = run[k:], upper
+                upper.children, upper.kids = [child], {int(run[k]): child}
+                child = upper
+            node, pos = child, pos + k
         node.ends.append(i)
-    roots = []
-    for first in top.children:
-        stack = [(first, None)]
-        while stack:
-            node, parent = stack.pop()
-            merged = _Node(list(node.tokens), parent)
-            while len(node.children) == 1 and not node.ends:
-                node = node.children[0]
-                merged.tokens.extend(node.tokens)
-            merged.ends = node.ends
-            (roots if parent is None else parent.children).append(merged)
-            stack.extend((c, merged) for c in reversed(node.children))
-    return roots
+    for node in top.children:
+        node.parent = None
+    return top.children
 
 
 def _too_short(node: _Node, min_shared: int | None) -> bool:
@@ -146,11 +153,11 @@ def _merge_short(roots: list[_Node], min_shared: int | None) -> list[_Node]:
         if node.children and _too_short(node, min_shared):
             heirs = list(node.children)
             if node.ends:
-                leaf = _Node([], node.parent)
+                leaf = _Node(node.tokens[:0], node.parent)
                 leaf.ends = node.ends
                 heirs.append(leaf)
             for heir in heirs:
-                heir.tokens = node.tokens + heir.tokens
+                heir.tokens = np.concatenate([node.tokens, heir.tokens])
                 heir.parent = node.parent
             if node.parent is not None:
                 siblings = node.parent.children

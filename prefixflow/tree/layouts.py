@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Row", "Microbatch", "lay_out", "LAYOUTS"]
+__all__ = ["Row", "Microbatch", "lay_out", "mask_bytes", "LAYOUTS"]
 
 LAYOUTS = ("padded", "packed")
 
@@ -87,6 +87,8 @@ def lay_out(
             visible[b, starts[j] : starts[j] + node_lens[j]] = True
     lens = [len(r) for r in rows]
     firsts = {r.first_position for r in rows}
+    # No mask where plain causal attention is exact: full sequences (padded), or one row reading no keys
+    plain = n_keys == 0 and (firsts == {0} if layout == "padded" else len(rows) == 1)
     if layout == "padded":
         width = max(lens)
         tokens = torch.zeros(len(rows), width, dtype=torch.long)
@@ -99,21 +101,25 @@ def lay_out(
             positions = torch.zeros(len(rows), width, dtype=torch.long)  # pads sit at position 0
             for b, r in enumerate(rows):
                 positions[b, : lens[b]] = r.first_position + q[: lens[b]]
-        real = q.unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
-        own = (q.view(1, -1, 1) >= q.view(1, 1, -1)) & real.unsqueeze(1)
-        mask = torch.cat([visible.unsqueeze(1).expand(-1, width, -1), own], dim=2).unsqueeze(1)
+        if plain:
+            positions, mask = None, None  # full sequences: the plain causal forward
+        else:
+            real = q.unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+            own = (q.view(1, -1, 1) >= q.view(1, 1, -1)) & real.unsqueeze(1)
+            mask = torch.cat([visible.unsqueeze(1).expand(-1, width, -1), own], dim=2).unsqueeze(1)
         offsets = [0] * len(rows)
         row_of = list(range(len(rows)))
-        if n_keys == 0 and all(r.first_position == 0 for r in rows):
-            positions, mask = None, None  # full sequences: the plain causal forward
     else:
         tokens = torch.cat([r.tokens for r in rows]).unsqueeze(0)
         positions = torch.cat([r.first_position + torch.arange(n) for r, n in zip(rows, lens, strict=True)])
         positions = positions.unsqueeze(0)
-        seg = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lens))
-        q = torch.arange(int(seg.numel()))
-        own = (seg.view(-1, 1) == seg.view(1, -1)) & (q.view(-1, 1) >= q.view(1, -1))
-        mask = torch.cat([visible[seg], own], dim=1).view(1, 1, own.shape[0], -1)
+        if plain:
+            mask = None  # one row, no cached keys: causal at its own positions
+        else:
+            seg = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lens))
+            q = torch.arange(int(seg.numel()))
+            own = (seg.view(-1, 1) == seg.view(1, -1)) & (q.view(-1, 1) >= q.view(1, -1))
+            mask = torch.cat([visible[seg], own], dim=1).view(1, 1, own.shape[0], -1)
         offsets = torch.tensor([0, *lens]).cumsum(0).tolist()
         row_of = [0] * len(rows)
     index = [
@@ -132,3 +138,16 @@ def lay_out(
         responses=tuple(r.path for r in rows), cached_keys=n_keys, causal_suffix=layout == "padded",
         keys_visible=bool(visible.all()), rows=tuple(rows),
     )  # fmt: skip
+
+
+def mask_bytes(row_lens: list[int], n_keys: int, layout: str, *, full_sequences: bool = False) -> int:
+    """Peak bytes of the bool masks :func:`lay_out` builds for rows of ``row_lens`` tokens over ``n_keys``
+    cached keys (``full_sequences``: every row starts at position 0); 0 where it builds none. What a memory
+    preflight counts before any of them is allocated."""
+    rows, total, width = len(row_lens), sum(row_lens), max(row_lens, default=0)
+    if n_keys == 0 and (full_sequences if layout == "padded" else rows == 1):
+        return 0
+    if layout == "padded":  # own [b, L, L] beside the mask [b, L, U + L]
+        return rows * width * width + rows * width * (n_keys + width)
+    # own's operands and result (3 T x T), the keys' rows (T x U), the mask (T x (U + T))
+    return 3 * total * total + total * n_keys + total * (n_keys + total)

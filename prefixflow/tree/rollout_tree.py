@@ -9,6 +9,7 @@ Built from flat sequences by :func:`prefixflow.build_tree`; a flat group is the 
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,31 @@ def check_logprobs(field: str, value, lengths: list[int]) -> list[torch.Tensor] 
     return list(value)
 
 
+def _indices(field: str, value, none: int | None = None) -> list[int]:
+    """A list / tuple / 1-D integer tensor or array of node indices as Python ints (``None`` -> ``none``)."""
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+        dtype = getattr(value, "dtype", None)
+        if getattr(value, "ndim", 1) != 1 or str(dtype).rsplit(".", 1)[-1].startswith(
+            ("float", "complex", "bool")
+        ):
+            raise ValueError(f"{field} must be a list (or 1-D integer tensor) of node indices, got {value!r}")
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{field} must be a list of node indices, got {type(value).__name__}")
+    out = []
+    for j, x in enumerate(value):
+        if x is None and none is not None:
+            out.append(none)
+            continue
+        try:
+            if isinstance(x, bool) or getattr(x, "dtype", None) is not None and "bool" in str(x.dtype):
+                raise TypeError
+            out.append(operator.index(x))
+        except TypeError:
+            raise ValueError(f"{field}[{j}] = {x!r} is not a node index (an int)") from None
+    return out
+
+
 @dataclass
 class PathLosses:
     """What the loss reads of a tree, per path, in the shape it reads a group: ``response_lens`` = each
@@ -129,22 +155,23 @@ class RolloutTree:
         names = [f"segments[{j}]" for j in range(len(self.segments))]
         self.segments = [check_tokens(f, s) for f, s in zip(names, self.segments, strict=True)]
         n_nodes = len(self.segments)
-        if not isinstance(self.parents, (list, tuple)) or len(self.parents) != n_nodes:
-            raise ValueError(f"parents must be a list of {n_nodes} entries (a node index, or -1 for a root)")
-        parents = []
+        self.parents = _indices("parents", self.parents, none=-1)
+        if len(self.parents) != n_nodes:
+            raise ValueError(
+                f"parents has {len(self.parents)} entries; the tree has {n_nodes} nodes (a node index, or -1 "
+                "for a root, each)"
+            )
         for j, p in enumerate(self.parents):
-            p = -1 if p is None else p
-            if isinstance(p, bool) or not isinstance(p, int) or not -1 <= p < n_nodes:
-                raise ValueError(f"parents[{j}] = {p!r} is a dangling parent: no node {p!r} in the tree")
-            parents.append(p)
-        self.parents = parents
+            if not -1 <= p < n_nodes:
+                raise ValueError(f"parents[{j}] = {p} is a dangling parent: no node {p} in the tree")
+        parents = self.parents
         self._order_nodes()
-        if not isinstance(self.path_ends, (list, tuple)) or not self.path_ends:
+        self.path_ends = _indices("path_ends", self.path_ends)
+        if not self.path_ends:
             raise ValueError("path_ends must be a non-empty list: the node each path ends at")
         for i, e in enumerate(self.path_ends):
-            if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < n_nodes:
-                raise ValueError(f"path_ends[{i}] = {e!r} is not a node of the tree")
-        self.path_ends = list(self.path_ends)
+            if not 0 <= e < n_nodes:
+                raise ValueError(f"path_ends[{i}] = {e} is not a node of the tree")
         unended = sorted(set(range(n_nodes)) - set(self.path_ends) - {p for p in parents if p >= 0})
         if unended:
             raise ValueError(f"node {unended[0]} is a leaf that no path ends at (path_ends)")

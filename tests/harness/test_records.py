@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -186,3 +187,31 @@ def test_status_of_the_committed_results_counts_cells_not_rows():
     assert (table["rows"] >= table["cells"]).all() and (table["systems"] >= 1).all()
     res = CliRunner().invoke(app, ["status", str(REPO / "results")])
     assert res.exit_code == 0 and "cells recorded" in res.output and ".0 cells" not in res.output, res.output
+
+
+def _planted(tmp_path, column: str, value: float):
+    """A committed ok record with one value replaced, under its own name in a results-like folder."""
+    from harness.records import record_files
+
+    source = next(p for p in record_files("results") if (pd.read_parquet(p)["status"] == "ok").all())
+    table = pq.read_table(source)
+    values = table.column(column).to_pylist()
+    values[0] = value
+    table = table.set_column(table.schema.get_field_index(column), column, pa.array(values, pa.float64()))
+    folder = tmp_path / "results" / "planted"
+    folder.mkdir(parents=True)
+    pq.write_table(table, folder / source.name)
+    return folder / source.name
+
+
+@pytest.mark.parametrize("column, value", [("step_time_s", float("nan")), ("peak_mem_bytes", float("inf"))])
+def test_an_ok_record_with_non_finite_values_is_not_counted(tmp_path, column, value):
+    """Issue 36.9: a planted record, status ok with NaN times, counted as ok in pf-bench status and tables."""
+    from harness.records import InvalidRecord, collect, read_records, summarize
+
+    path = _planted(tmp_path, column, value)
+    with pytest.raises(InvalidRecord, match=rf"status 'ok' has {column} = {value} .not finite."):
+        read_records(path)
+    problems: list[str] = []
+    assert collect(tmp_path / "results", problems=problems).empty and str(path) in problems[0]
+    assert summarize(collect(tmp_path / "results", problems=[])).empty

@@ -159,3 +159,33 @@ def test_inputs_are_validated():
         run_alignment(overrides=TINY, steps=1, report_steps=(1,), controls=["nope"])
     with pytest.raises(ValueError, match="microbatch_loss_scale"):
         run_alignment(overrides=TINY, steps=1, report_steps=(1,), controls=["microbatch_loss_scale"])
+
+
+def test_a_nearly_cancelling_fp64_loss_is_bounded_by_its_terms():
+    """Issue 36.13: the reported fp64 case, a loss of 0.026 off by ~5e-16 (2e-14 relative), beyond a bound taken
+    of the sum (~5e-16): its terms' magnitudes bound its rounding. A loss off by 1e-3 still fails."""
+    from prefixflow.checks.alignment import _step_rows
+
+    tau = tolerances(torch.float64, 3 * (45 + 13 - 1))
+    g, w = [torch.ones(2, dtype=torch.float64)], [torch.zeros(2, dtype=torch.float64)]
+
+    def rows(loss, scale):
+        base, got = (torch.tensor(v, dtype=torch.float64) for v in (0.026, loss))
+        state = {"baseline": (g, base, w, w), CORRECT: (g, got, w, w)}
+        (row,) = [r for r in _step_rows(2, state, ["w"], tau, "fp64", scale) if r.quantity == "L"]
+        return row
+
+    assert not rows(0.026 + 6e-16, None).passed  # the bound of the sum alone: the false FAIL
+    assert rows(0.026 + 6e-16, 4.9).passed
+    assert not rows(0.026 + 1e-3, 4.9).passed
+
+
+def test_fp64_rows_catch_every_fault_with_the_loss_scale():
+    """The loss's scale loosens L only: every negative control still fails (on G), the correct run passes."""
+    rows = run_alignment(
+        overrides=TINY, dtype=torch.float64, steps=2, report_steps=(1, 2), prefix_len=24, suffix_len=8, n=3,
+        microbatch=1, controls=CONTROLS,
+    )  # fmt: skip
+    assert all(r.passed for r in _by(rows, CORRECT)), format_alignment(rows)
+    for control in CONTROLS:
+        assert not any(r.passed for r in _by(rows, control) if r.quantity == "G"), control

@@ -27,7 +27,14 @@ from ... import RolloutGroup, build_tree
 from ...loss import LossConfig
 from ...tree.rollout_tree import RolloutTree
 
-__all__ = ["SUPPORTED_LOSS_TYPES", "POLICY", "TrainingUnit", "plan_groups", "TREE_MIN_SHARED"]
+__all__ = [
+    "SUPPORTED_LOSS_TYPES",
+    "POLICY",
+    "TrainingUnit",
+    "plan_groups",
+    "TREE_MIN_SHARED",
+    "check_min_shared_tokens",
+]
 
 # TRL loss_type -> PrefixFlow LossConfig.policy; GRPOConfig's full list in TRL 1.16
 POLICY = {
@@ -87,6 +94,7 @@ def plan_groups(
     steps_per_generation: int = 1,
     policy_options: dict | None = None,
     tree: bool | str = "auto",
+    min_shared_tokens: int | str = 1,
 ) -> list[TrainingUnit]:
     """Group a TRL micro-batch by prompt (or into one prefix tree) with the loss config reproducing TRL's.
 
@@ -95,7 +103,8 @@ def plan_groups(
     ``old_per_token_logps`` and ``ref_per_token_logps``). ``policy_options``: extra :class:`LossConfig` fields
     (sapo/vespo parameters, ``off_policy_threshold``). ``tree``: True = one tree (``build_tree``) over every
     prompt + completion; False = one flat group per prompt; ``"auto"`` = a tree when there are tool masks or
-    different prompts share :data:`TREE_MIN_SHARED` leading tokens. Raises ``ValueError`` for what PrefixFlow
+    different prompts share :data:`TREE_MIN_SHARED` leading tokens; ``min_shared_tokens``: the tree's
+    (:func:`prefixflow.build_tree`; 2 on models with recurrent layers). Raises ``ValueError`` for what PrefixFlow
     cannot reproduce.
     """
     for key in ("importance_sampling_ratio", "pixel_values"):
@@ -154,7 +163,8 @@ def plan_groups(
         tree = tool_mask is not None or _prompts_share(list(by_prompt), TREE_MIN_SHARED)
     if tree:
         rows = [r for rs in by_prompt.values() for r in rs]
-        return [TrainingUnit(rows, _tree(inputs, rows, prompts, masks, lengths, old, ref), config)]
+        tree = _tree(inputs, rows, prompts, masks, lengths, old, ref, min_shared_tokens)
+        return [TrainingUnit(rows, tree, config)]
     plans = []
     for prompt, rows in by_prompt.items():
         group = RolloutGroup(
@@ -174,7 +184,7 @@ def _prompts_share(prompts: list[tuple[int, ...]], k: int) -> bool:
     return len(set(heads)) < len(heads)
 
 
-def _tree(inputs, rows, prompts, masks, lengths, old, ref) -> RolloutTree:
+def _tree(inputs, rows, prompts, masks, lengths, old, ref, min_shared_tokens) -> RolloutTree:
     """Every trained row's prompt + completion as one trie; prompt tokens and tool output are never trained."""
     completion_ids = inputs["completion_ids"]
     device = completion_ids.device
@@ -192,8 +202,15 @@ def _tree(inputs, rows, prompts, masks, lengths, old, ref) -> RolloutTree:
         return [torch.cat([t.new_zeros(len(prompts[r])), t[r, : lengths[r]]]) for r in rows]
 
     return build_tree(
-        seqs, inputs["advantages"][rows], loss_masks, old_logprobs=whole(old), ref_logprobs=whole(ref)
-    )
+        seqs, inputs["advantages"][rows], loss_masks, old_logprobs=whole(old), ref_logprobs=whole(ref),
+        min_shared_tokens=min_shared_tokens,
+    )  # fmt: skip
+
+
+def check_min_shared_tokens(value) -> None:
+    """``prefixflow_min_shared_tokens``: an int >= 1 or ``"auto"`` (see :func:`prefixflow.build_tree`)."""
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"prefixflow_min_shared_tokens must be an int >= 1 or 'auto', got {value!r}")
 
 
 def _per_row(t: torch.Tensor | None, rows: list[int], lengths: list[int]) -> list[torch.Tensor] | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 
 import torch
@@ -31,11 +32,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("prefixflow.integrations.trl needs TRL: pip install 'prefixflow[hf]'") from exc
 
 from ... import PrefixFlowConfig, apply_prefixflow, train_group
+from ...memory.budget import AUTO
 from ...parallel import ParallelDims, parallelize
 from ...runtime import runtime_of
 from ...schedule.driver import check_group
 from .. import hf
 from . import sharding
+from .options import check_options, min_shared_tokens_for
 from .plan import SUPPORTED_LOSS_TYPES, TrainingUnit, plan_groups
 
 __all__ = ["PrefixFlowGRPOTrainer", "VERIFY_TOLERANCE"]
@@ -50,7 +53,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
     Extra keyword arguments: ``prefixflow_config`` (:class:`prefixflow.PrefixFlowConfig`), ``prefixflow_layout``
     (``"padded"``/``"packed"``), ``prefixflow_microbatch`` (completions, or tree paths, per suffix microbatch;
     None = all), ``prefixflow_tree`` (True / False / ``"auto"``, see :func:`.plan.plan_groups`),
-    ``prefixflow_metrics`` (log TRL's ``kl``, ``entropy`` and ``clip_ratio/*`` on every optimizer step that logs,
+    ``prefixflow_min_shared_tokens`` (trees' ``build_tree(min_shared_tokens=...)``; None: 1, or 2 on models with
+    recurrent layers), ``prefixflow_metrics`` (log TRL's ``kl``, ``entropy`` and ``clip_ratio/*`` on every optimizer step that logs,
     from one no-grad forward of TRL's own loss per micro-batch; False skips that forward), ``verify_first_step``
     (compare the first micro-batch's gradients with TRL's own ``compute_loss -> backward``, in fp32 when the
     weights are fp32, and raise beyond ``verify_tolerance``, default by dtype: ``VERIFY_TOLERANCE``).
@@ -71,10 +75,15 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         prefixflow_tree: bool | str = "auto",
         prefixflow_metrics: bool = True,
         prefixflow_parallel: ParallelDims | dict | None = None,
+        prefixflow_min_shared_tokens: int | str | None = None,
         verify_first_step: bool = False,
         verify_tolerance: float | None = None,
         **kwargs,
     ):
+        check_options(
+            prefixflow_layout, prefixflow_microbatch, prefixflow_tree, prefixflow_min_shared_tokens,
+            verify_tolerance,
+        )  # fmt: skip
         peft_config = kwargs.get("peft_config")
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
@@ -89,10 +98,12 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             # transformers' own distributed loading; before 5.2x (5.17) the Trainer has neither it nor the flag
             foreign=getattr(self, "is_distributed_loading_by_transformers", False),
         )
-        if prefixflow_layout not in ("padded", "packed"):
-            raise ValueError(f"prefixflow_layout must be 'padded' or 'packed', got {prefixflow_layout!r}")
-        if prefixflow_tree not in (True, False, "auto"):
-            raise ValueError(f"prefixflow_tree must be True, False or 'auto', got {prefixflow_tree!r}")
+        config = prefixflow_config or runtime_of(inner, create=True).config or PrefixFlowConfig()
+        if prefixflow_microbatch == AUTO and config.memory_budget_bytes is None:
+            raise ValueError(
+                "prefixflow_microbatch='auto' needs a memory budget: pass prefixflow_config=PrefixFlowConfig("
+                "memory_budget_bytes=...), or an int prefixflow_microbatch"
+            )
         self.prefixflow_layout = prefixflow_layout
         self.prefixflow_microbatch = prefixflow_microbatch
         self.prefixflow_tree = prefixflow_tree
@@ -102,6 +113,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         self._prefixflow_verified = False
         if prefixflow_config is not None or runtime_of(inner, create=True).config is None:
             apply_prefixflow(inner, prefixflow_config)
+        self.prefixflow_min_shared_tokens = min_shared_tokens_for(inner, prefixflow_min_shared_tokens)
         if dims is not None:
             parallelize(inner, dims)
         if self._prefixflow_sharded:
@@ -218,6 +230,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             steps_per_generation=args.steps_per_generation,
             policy_options=policy_options,
             tree=self.prefixflow_tree,
+            min_shared_tokens=self.prefixflow_min_shared_tokens,
         )
 
     def _prefixflow_update(self, model: nn.Module, inputs) -> torch.Tensor:
@@ -246,6 +259,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         micro-batch (ranks may train different numbers of groups) and reduce-scattered once at its end; the
         objective is divided by the number of processes, because FSDP sums where DDP averages TRL's."""
         inner = self._prefixflow_model(self.accelerator.unwrap_model(model))
+        _check_positions(inner, inputs)
         plans = self._plan(inputs)
         shards = self.accelerator.num_processes if self._prefixflow_sharded else 1
         if shards > 1:
@@ -260,7 +274,6 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             ]
         options = {"layout": self.prefixflow_layout, "microbatch": self.prefixflow_microbatch, "loss": "grpo"}
         for plan in plans:  # every group is valid before the first one changes a gradient
-            _check_positions(inner, plan)
             check_group(inner, plan.group, loss_config=plan.loss_config, **options)
         total = 0.0
         with self.compute_loss_context_manager(), self.accelerator.autocast(), self._gathered(inner):
@@ -325,7 +338,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         loss = self._prefixflow_update(model, inputs)  # the update itself, in the training precision
         for (_, p), s in zip(params, saved, strict=True):
             p.grad = p.grad if s is None else (s if p.grad is None else s + p.grad)
-        if worst > tolerance:  # the update is the gradient; a loss near 0 (zero-mean advantages) has no scale
+        # the update is the gradient (a loss near 0, zero-mean advantages, has no scale); NaN fails the check
+        if not math.isfinite(worst) or not worst <= tolerance:
             raise RuntimeError(
                 f"PrefixFlow's first update differs from TRL's: max relative gradient difference {worst:.3e} "
                 f"(at {where}), loss difference {loss_diff:.3e}; tolerance {tolerance:.1e} ({dtype})"
@@ -366,13 +380,12 @@ def stats_reused(plans: list[TrainingUnit]) -> int:
     )
 
 
-def _check_positions(model: nn.Module, plan: TrainingUnit) -> None:
-    """A prompt + completion longer than the model's ``max_position_embeddings``, named in HF's terms."""
-    group = plan.group
+def _check_positions(model: nn.Module, inputs) -> None:
+    """A prompt + completion longer than the model's ``max_position_embeddings``, named in HF's terms; from the
+    micro-batch's masks, before any group or tree is built."""
     limit = int(model.config.get_text_config().max_position_embeddings)
-    longest = (
-        group.prompt_len + max(group.response_lens) if hasattr(group, "prompt") else max(group.path_lens)
-    )
+    lengths = inputs["prompt_mask"].bool().sum(-1) + inputs["completion_mask"].bool().sum(-1)
+    longest = int(lengths.max()) if lengths.numel() else 0
     if longest > limit:
         raise ValueError(
             f"a prompt + completion of {longest} tokens exceeds the model's config.max_position_embeddings="

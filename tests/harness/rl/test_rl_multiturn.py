@@ -164,3 +164,14 @@ def test_multiturn_smoke_pipeline(tmp_path):
     for system in ("prefixflow_tree", "prefixflow"):
         rep = read_records(folder / f"replay-baseline-bf16-s0-{system}.parquet")
         assert len(rep) == spec.trace.steps and rep["max_abs"].map(math.isfinite).all()
+
+
+def test_a_reply_that_fills_the_positions_gives_possible_advice():
+    """Issue 36.7: task.reply_text 65536 advised lowering loop.max_new_tokens "to -32522 or less"."""
+    from harness.rl.memory import check_rl_spec
+
+    base = load_rl_spec(SPEC, "multiturn").model_dump(mode="json", exclude={"presets"})
+    spec = parse_rl_spec({**base, "task": {**base["task"], "reply_text": 65536}})
+    with pytest.raises(ValueError, match=r"leave no room for a policy turn; lower task.reply_text") as e:
+        check_rl_spec(spec, 1, None)
+    assert "or less" not in str(e.value) and "\n" not in str(e.value)
