@@ -187,8 +187,7 @@ def test_token_masks_inside_responses_refused(model_dir):
     ("engine_kw", "match"),
     [
         ({"strategy": "fsdp"}, "strategy='fsdp'"),
-        ({"use_remove_padding": True}, "use_remove_padding"),
-        ({"use_dynamic_bsz": True}, "use_dynamic_bsz"),
+        ({"use_fused_kernels": True}, "use_fused_kernels"),
         ({"ulysses_sequence_parallel_size": 2}, "ulysses_sequence_parallel_size"),
     ],
 )
