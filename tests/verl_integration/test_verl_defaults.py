@@ -8,6 +8,7 @@ relative; bf16 by the paper's τ rule |x - y| <= 1e-3 + 1e-2 max(|x|, |y|).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 
@@ -68,31 +69,42 @@ def test_remove_padding_trains_packed_and_equals_verl(model_dir, interleaved):
     """verl's default use_remove_padding=True on both sides: PrefixFlow's packed layout; verl's packed forward."""
     actor = vc.actor_config(**ACTOR)
     kw = dict(micro_batch_size=3, global_batch_size=12, use_remove_padding=True)
-    assert_equal(*both(model_dir, actor, interleaved, **kw))
+    with spy_train_group() as seen:
+        assert_equal(*both(model_dir, actor, interleaved, **kw))
+    assert {options["layout"] for _, options in seen} == {"packed"}
+
+
+@contextlib.contextmanager
+def spy_train_group():
+    """Every ``train_group`` call PrefixFlow's engine makes, as ``(group, options)``."""
+    import prefixflow.integrations.verl.engine as pf_engine
+
+    seen = []
+    real = pf_engine.train_group
+
+    def spy(model, group, **options):
+        seen.append((group, options))
+        return real(model, group, **options)
+
+    pf_engine.train_group = spy
+    try:
+        yield seen
+    finally:
+        pf_engine.train_group = real
 
 
 def test_dynamic_bsz_shares_each_prompt_once_within_the_token_budget(model_dir, interleaved):
     """use_dynamic_bsz with a budget that makes verl split every uid group over its micro-batches: PrefixFlow
-    trains each uid as one group (each prompt embedded once), Phase-B microbatches within the budget."""
-    import prefixflow.integrations.verl.engine as pf_engine
-
+    trains each uid as one group (each prompt once), its Phase-B microbatches within the budget (prompt plus
+    their response tokens, verl's count)."""
     actor = vc.actor_config(**ACTOR, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=20)
     kw = dict(micro_batch_size=3, global_batch_size=12, use_remove_padding=True, max_token_len=20)
-    seen = []
-    real_train_group = pf_engine.train_group
-
-    def counting(model, group, **options):
-        seen.append((int(group.prompt.numel()), [int(r.numel()) for r in group.responses], options["microbatch"]))
-        return real_train_group(model, group, **options)
-
-    pf_engine.train_group = counting
-    try:
+    with spy_train_group() as seen:
         assert_equal(*both(model_dir, actor, interleaved, **kw))
-    finally:
-        pf_engine.train_group = real_train_group
     assert len(seen) == 3  # one train_group per uid, though verl's balancing split them
-    for plen, lens, size in seen:
-        size = size or len(lens)
+    for group, options in seen:
+        plen, lens = int(group.prompt.numel()), [int(r.numel()) for r in group.responses]
+        size = options["microbatch"] or len(lens)
         assert size < len(lens)  # the budget binds
         assert all(plen + sum(lens[i : i + size]) <= 20 for i in range(len(lens)))
 
