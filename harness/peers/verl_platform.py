@@ -29,6 +29,40 @@ def select_cpu_platform() -> None:
 _registered = False
 
 
+class _CPUDeviceModule(ModuleType):
+    """``torch.cpu`` with the RNG-state calls verl's checkpoint manager makes of a device module (the CPU
+    generator's: ``torch.get_rng_state`` / ``torch.set_rng_state``) and zeros for the memory counters verl logs
+    (it skips them only for ``torch.cpu`` itself); everything else is ``torch.cpu``'s."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def get_rng_state(device=None):
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state, device=None) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def memory_allocated(device=None) -> int:
+        return 0
+
+    memory_reserved = max_memory_allocated = max_memory_reserved = memory_allocated
+
+    @staticmethod
+    def mem_get_info(device=None) -> tuple[int, int]:
+        return 0, 0
+
+
+def _cpu_device_module() -> ModuleType:
+    return _CPUDeviceModule("prefixflow_verl_cpu")
+
+
+_CPU_MODULE = _cpu_device_module()
+
+
 def _register() -> None:
     global _registered
     if _registered:
@@ -45,7 +79,7 @@ def _register() -> None:
 
         @property
         def device_module(self) -> ModuleType:
-            return torch.cpu
+            return _CPU_MODULE
 
         def is_available(self) -> bool:
             return True

@@ -220,3 +220,54 @@ def test_corrupted_batch_refused_naming_the_key(model_dir, corrupt, key):
     assert "\n" not in str(err.value)
     after = [p.detach().full_tensor() for p in engine.module.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+# -- verl's checkpoints -------------------------------------------------------------------------------------
+
+
+def _stepping_engine(model_dir):
+    """PrefixFlow's engine under remove-padding, and a ``step()`` that runs one ``train_batch`` and returns the
+    gradients before verl's AdamW step and the full weights after it."""
+    from functools import partial
+
+    from verl.workers.utils.losses import ppo_loss
+
+    engine = vc.build_engine(model_dir, vendor=VENDOR, use_remove_padding=True)
+    actor = vc.actor_config(**ACTOR)
+    grads: dict = {}
+    optimizer_step = engine.optimizer_step
+
+    def snapshot_then_step():
+        grads.update({n: p.grad.full_tensor().clone() for n, p in engine.module.named_parameters()})
+        return optimizer_step()
+
+    engine.optimizer_step = snapshot_then_step
+
+    def step():
+        data = vc.engine_batch(vc.grpo_batch(), micro_batch_size=4, global_batch_size=8, use_remove_padding=True)
+        with engine.train_mode():
+            engine.train_batch(data, loss_function=partial(ppo_loss, config=actor))
+        weights = {n: p.detach().full_tensor().clone() for n, p in engine.module.named_parameters()}
+        return dict(grads), weights
+
+    return engine, step
+
+
+def test_checkpoint_resume_equals_uninterrupted(model_dir, tmp_path):
+    """verl's save_checkpoint / load_checkpoint around PrefixFlow's engine: a run resumed from the checkpoint of
+    step 1 takes the same step 2 (gradients and weights after AdamW) as the uninterrupted run."""
+    ckpt = str(tmp_path / "global_step_1")
+    engine, step = _stepping_engine(model_dir)
+    step()
+    engine.save_checkpoint(ckpt, global_step=1)
+    want_grads, want_weights = step()
+
+    resumed, resumed_step = _stepping_engine(model_dir)
+    resumed.load_checkpoint(ckpt, del_local_after_load=False)
+    got_grads, got_weights = resumed_step()
+    assert max_rel(want_grads, got_grads) <= 1e-6
+    assert max_rel(want_weights, got_weights) <= 1e-6
+
+    _, fresh_step = _stepping_engine(model_dir)  # without the checkpoint: step 1 again, not step 2
+    fresh_grads, _ = fresh_step()
+    assert max_rel(want_grads, fresh_grads) > 1e-3
