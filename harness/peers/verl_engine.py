@@ -99,9 +99,13 @@ class VerlEngineContender:
         if getattr(cell, "world_size", 1) != 1 or getattr(cell, "groups_per_step", 1) != 1:
             raise ValueError(f"system {self.name!r} runs one group on one rank")
         if getattr(cell, "compile", False) or getattr(cell, "ac", "none") != "none":
-            raise ValueError(f"system {self.name!r} takes compile: false and ac: none (verl's engine options)")
+            raise ValueError(
+                f"system {self.name!r} takes compile: false and ac: none (verl's engine options)"
+            )
         if cell.microbatch == "auto":
-            raise ValueError(f"system {self.name!r} takes a fixed microbatch (verl's micro-batch rows) or null")
+            raise ValueError(
+                f"system {self.name!r} takes a fixed microbatch (verl's micro-batch rows) or null"
+            )
         from harness.peers.verl_platform import select_cpu_platform
 
         if str(cell.device) == "cpu":

@@ -62,7 +62,9 @@ def both(model_dir, actor, proto, *, verl_kw=None, **kw):
     return want, got, out_want, out_got
 
 
-ACTOR = dict(loss_agg_mode="seq-mean-token-mean", use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
+ACTOR = dict(
+    loss_agg_mode="seq-mean-token-mean", use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl"
+)
 
 
 def test_remove_padding_trains_packed_and_equals_verl(model_dir, interleaved):
@@ -244,7 +246,9 @@ def _stepping_engine(model_dir):
     engine.optimizer_step = snapshot_then_step
 
     def step():
-        data = vc.engine_batch(vc.grpo_batch(), micro_batch_size=4, global_batch_size=8, use_remove_padding=True)
+        data = vc.engine_batch(
+            vc.grpo_batch(), micro_batch_size=4, global_batch_size=8, use_remove_padding=True
+        )
         with engine.train_mode():
             engine.train_batch(data, loss_function=partial(ppo_loss, config=actor))
         weights = {n: p.detach().full_tensor().clone() for n, p in engine.module.named_parameters()}

@@ -221,7 +221,15 @@ def actor_config(**overrides):
 
 
 def train_once(
-    model_dir, vendor, actor, proto, *, micro_batch_size: int, global_batch_size, max_token_len=None, **engine_kw
+    model_dir,
+    vendor,
+    actor,
+    proto,
+    *,
+    micro_batch_size: int,
+    global_batch_size,
+    max_token_len=None,
+    **engine_kw,
 ):
     """One ``engine.train_batch(data, partial(ppo_loss, config=actor))`` from the saved weights. Returns the
     full gradients read just before verl's optimizer step (verl zeroes them on leaving train mode) and the
@@ -296,10 +304,11 @@ def compare(model_dir, actor, proto, *, micro_batch_size: int = 4, global_batch_
     }
 
 
-def dp_worker(rank: int, world: int, port: int, model_dir: str, actor_kwargs: dict, out_path: str) -> None:
+def dp_worker(rank: int, world: int, port: int, model_dir: str, cases: list[dict], out_path: str) -> None:
     """One of ``world`` gloo ranks (``torch.multiprocessing.spawn``): verl's dispatch hands rank ``r`` the
     ``r``-th contiguous chunk of the batch; rows are interleaved first, so each uid group spans every rank.
-    Both engines train the rank's chunk; rank 0 saves the gathered full gradients."""
+    For each case (``actor``: loss options, ``kw``: ``train_once`` options) both engines train the rank's chunk;
+    rank 0 saves the gathered full gradients, the losses and the metrics, one entry per case."""
     from prefixflow.integrations.verl import VENDOR
 
     torch.set_num_threads(1)
@@ -311,12 +320,22 @@ def dp_worker(rank: int, world: int, port: int, model_dir: str, actor_kwargs: di
         order = np.array([0, 4, 1, 5, 2, 6, 3, 7])
         per = len(order) // world
         shard = proto[order[rank * per : (rank + 1) * per]]
-        actor = actor_config(**actor_kwargs)
-        kw = dict(micro_batch_size=2, global_batch_size=len(order))
-        want, out_want = train_once(model_dir, None, actor, shard, **kw)
-        got, out_got = train_once(model_dir, VENDOR, actor, shard, **kw)
+        results = []
+        for case in cases:
+            actor = actor_config(**case["actor"])
+            kw = dict(micro_batch_size=2, global_batch_size=len(order), **case.get("kw", {}))
+            want, out_want = train_once(model_dir, None, actor, shard, **kw)
+            got, out_got = train_once(model_dir, VENDOR, actor, shard, **kw)
+            results.append(
+                {
+                    "want": want,
+                    "got": got,
+                    "loss": (out_want["loss"], out_got["loss"]),
+                    "metrics": (metric_values(out_want), metric_values(out_got)),
+                }
+            )
         if rank == 0:
-            torch.save({"want": want, "got": got, "loss": (out_want["loss"], out_got["loss"])}, out_path)
+            torch.save(results, out_path)
     finally:
         torch.distributed.destroy_process_group()
 

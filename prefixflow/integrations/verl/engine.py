@@ -57,7 +57,6 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
     ``train_group``, packed under ``use_remove_padding``, its Phase-B microbatches within verl's micro-batch size
     or (``use_dynamic_bsz``) its token budget."""
 
-
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
         bad = []
         if engine_config.strategy != "fsdp2":
@@ -125,7 +124,11 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
         micro_rows = _micro_batch_rows(micro_batches, indices)
         data = data.to(get_device_id())
         micro_batches = [mb.to(get_device_id()) for mb in micro_batches]
-        layout = "packed" if tu.get_non_tensor_data(data=data, key="use_remove_padding", default=False) else "padded"
+        layout = (
+            "packed"
+            if tu.get_non_tensor_data(data=data, key="use_remove_padding", default=False)
+            else "padded"
+        )
         budget = phase_b_budget(data, self.ulysses_sequence_parallel_size)
 
         def plan(td):
@@ -137,12 +140,16 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
 
         if data["global_batch_size"] is None:
             # one rank, no global batch size: verl normalises each micro-batch by its own rows
-            plans = [p.on_rows(rows) for mb, rows in zip(micro_batches, micro_rows, strict=True) for p in plan(mb)]
+            plans = [
+                p.on_rows(rows) for mb, rows in zip(micro_batches, micro_rows, strict=True) for p in plan(mb)
+            ]
         else:
             plans = plan(data)  # a uid split over verl's micro-batches trains as one group on this rank
         options = {"layout": layout, "loss": "grpo"}
         for p in plans:  # every group is valid before the first one changes a gradient
-            check_group(model, p.group, system=p.system, loss_config=p.loss_config, microbatch=p.microbatch, **options)
+            check_group(
+                model, p.group, system=p.system, loss_config=p.loss_config, microbatch=p.microbatch, **options
+            )
 
         tap = _LogprobTap(model)
         dtype = getattr(self, "_autocast_dtype", torch.bfloat16)  # verl's forward_step autocasts the same way
@@ -158,7 +165,12 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
             for p in plans:
                 tap.plan, tap.out = p, logp
                 train_group(
-                    model, p.group, system=p.system, loss_config=p.loss_config, microbatch=p.microbatch, **options
+                    model,
+                    p.group,
+                    system=p.system,
+                    loss_config=p.loss_config,
+                    microbatch=p.microbatch,
+                    **options,
                 )
         output_lst = [
             _verl_outputs(actor, mb, logp[rows]) for mb, rows in zip(micro_batches, micro_rows, strict=True)

@@ -314,7 +314,11 @@ def check_batch(data, *, kl: bool) -> None:
             )
     ids = data["input_ids"]
     lengths = ids.offsets().diff() if ids.is_nested else None
-    if lengths is None or len(lengths) != b or not torch.equal(lengths.cpu(), data["attention_mask"].sum(-1).cpu()):
+    if (
+        lengths is None
+        or len(lengths) != b
+        or not torch.equal(lengths.cpu(), data["attention_mask"].sum(-1).cpu())
+    ):
         raise ValueError(
             "verl batch key 'input_ids' must be the nested (no-padding) rows of attention_mask, one per row "
             "(verl's left_right_2_no_padding)"
