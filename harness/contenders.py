@@ -259,3 +259,15 @@ class TreePeerContender:
 
 for _name in ("tree_mask", "dfs_relay", "prefixflow_flat", "prefixflow_auto"):
     register_contender(_name, lambda _n=_name: TreePeerContender(_n))
+
+
+def _verl_contender(name: str) -> Contender:
+    from harness.peers.verl_engine import VerlEngineContender
+
+    return VerlEngineContender(name)
+
+
+# verl 0.9.x's actor update (engine.train_batch with ppo_loss): verl's own FSDP engine and PrefixFlow's engine for
+# verl, side by side (needs verl: run pf-bench from .venv-verl).
+for _name in ("verl", "verl_prefixflow"):
+    register_contender(_name, lambda _n=_name: _verl_contender(_n))

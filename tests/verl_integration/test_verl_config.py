@@ -34,6 +34,10 @@ def test_recipe_composes_over_verl_ppo_trainer(config):
     assert arr.rollout.name == "vllm"
     assert config.ray_kwargs.ray_init.runtime_env.env_vars.VERL_ENGINE_VENDOR == "prefixflow"
     assert config.trainer.n_gpus_per_node >= 1  # the rest is verl's ppo_trainer
+    # verl's GRPO defaults stay on: remove-padding, dynamic batch size, torch.compile, the model's attention
+    assert arr.model.use_remove_padding and arr.actor.use_dynamic_bsz and arr.actor.use_torch_compile
+    assert "attn_implementation" not in arr.model.override_config
+    assert arr.actor.strategy == arr.ref.strategy == "fsdp2"
 
 
 def test_recipe_selects_prefixflow_engine_in_verl(config, monkeypatch):
@@ -72,6 +76,9 @@ def test_recipe_selects_prefixflow_engine_in_verl(config, monkeypatch):
         checkpoint_config=CheckpointConfig(),
     )
     assert isinstance(engine, PrefixFlowFSDPEngine)
+    assert (
+        model_config.hf_config._attn_implementation == "sdpa"
+    )  # flash_attention_2 replaced (no flash-attn here)
     monkeypatch.delenv("VERL_ENGINE_VENDOR")
     assert EngineRegistry.get_engine_cls("language_model", "fsdp2").__name__ == "FSDPEngineWithLMHead"
     assert os.environ.get("VERL_ENGINE_VENDOR") is None

@@ -1,96 +1,21 @@
 """CPU shims and fixtures for the verl tests (tests only: the library registers nothing of this).
 
-verl 0.9.1 assumes an accelerator: ``get_device_name()`` is ``'cuda'`` and its FSDP engine registers for cuda/npu
-only. Here a CPU platform is registered through verl's own plugin registry (``PlatformRegistry``) and selected with
-``VERL_PLATFORM``; ``VERL_ENGINE_DEVICE=cuda`` makes the engine registry hand out the engine registered for cuda.
+verl 0.9.1 assumes an accelerator: the CPU platform registered through verl's own plugin registry
+(``harness.peers.verl_platform``, shared with pf-bench's verl contenders) is selected before verl's engines import.
 One gloo rank. No verl file is patched.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
-from types import ModuleType
 
 import numpy as np
 import torch
 
-os.environ.setdefault("VERL_PLATFORM", "prefixflow_test_cpu")
-os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
+from harness.peers.verl_platform import select_cpu_platform  # noqa: E402
 
-from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
-from verl.plugin.platform.platform_manager import PlatformRegistry  # noqa: E402
-
-
-@PlatformRegistry.register(platform="prefixflow_test_cpu")
-class CPUPlatform(PlatformBase):
-    """Just enough of an accelerator for verl's FSDP engine on one CPU process."""
-
-    device_name = "cpu"
-    vendor_name = "cpu"
-
-    @property
-    def device_module(self) -> ModuleType:
-        return torch.cpu
-
-    def is_available(self) -> bool:
-        return True
-
-    def current_device(self):
-        return "cpu"  # verl moves micro-batches with .to(get_device_id())
-
-    def device_count(self) -> int:
-        return 1
-
-    def set_device(self, device_index) -> None:
-        return None
-
-    def synchronize(self, device_index=None) -> None:
-        return None
-
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    def manual_seed_all(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
-    def set_allocator_settings(self, settings: str) -> None:
-        return None
-
-    def empty_cache(self) -> None:
-        return None
-
-    def get_device_capability(self, device_index: int = 0):
-        return (None, None)
-
-    def communication_backend_name(self) -> str:
-        return "gloo"
-
-    def visible_devices_envvar(self) -> str:
-        return "CUDA_VISIBLE_DEVICES"
-
-    @contextlib.contextmanager
-    def nvtx_range(self, msg: str):
-        yield
-
-    def profiler_start(self) -> None:
-        return None
-
-    def profiler_stop(self) -> None:
-        return None
-
-    def ray_resource_name(self) -> str:
-        return "GPU"
-
-    def ray_noset_envvars(self) -> list[str]:
-        return []
-
-    def is_ipc_supported(self) -> bool:
-        return False
-
-    def cudart(self):
-        return None
+select_cpu_platform()
 
 
 def init_one_rank() -> None:
@@ -136,10 +61,13 @@ def build_engine(
     vendor: str | None = None,
     checkpointing: bool = False,
     use_remove_padding: bool = False,
+    attn: str | None = "sdpa",
+    use_torch_compile: bool = False,
     **engine_overrides,
 ):
     """verl's own engine (``vendor=None``) or the one registered under ``vendor``, built the way verl's
     TrainingWorker builds it: ``EngineRegistry.new`` then ``initialize()``, in fp32, no grad clipping.
+    ``attn``: the model's attn_implementation override (None: verl's default, flash_attention_2).
     ``engine_overrides``: further ``FSDPEngineConfig`` fields."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -149,7 +77,7 @@ def build_engine(
     model_config = HFModelConfig(
         path=str(model_dir),
         load_tokenizer=False,
-        override_config={"attn_implementation": "sdpa"},
+        override_config={} if attn is None else {"attn_implementation": attn},
         use_remove_padding=use_remove_padding,
         enable_gradient_checkpointing=checkpointing,
     )
@@ -157,7 +85,7 @@ def build_engine(
     engine_config = FSDPEngineConfig(
         strategy=strategy,
         model_dtype="fp32",
-        use_torch_compile=False,
+        use_torch_compile=use_torch_compile,
         use_remove_padding=use_remove_padding,
         **{"use_dynamic_bsz": False, "mixed_precision": fp32, **engine_overrides},
     )
@@ -249,8 +177,16 @@ def grpo_batch(
     )
 
 
-def engine_batch(proto, *, micro_batch_size: int, global_batch_size: int | None = None):
-    """The TensorDict verl's trainer and TrainingWorker hand to ``engine.train_batch`` for one mini-batch."""
+def engine_batch(
+    proto,
+    *,
+    micro_batch_size: int,
+    global_batch_size: int | None = None,
+    use_remove_padding: bool = False,
+    max_token_len: int | None = None,
+):
+    """The TensorDict verl's trainer and TrainingWorker hand to ``engine.train_batch`` for one mini-batch;
+    ``max_token_len``: ``use_dynamic_bsz`` with that ``ppo_max_token_len_per_gpu``."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
@@ -259,9 +195,9 @@ def engine_batch(proto, *, micro_batch_size: int, global_batch_size: int | None 
         td,
         calculate_entropy=False,
         global_batch_size=global_batch_size,
-        use_remove_padding=False,
-        use_dynamic_bsz=False,
-        max_token_len_per_gpu=None,
+        use_remove_padding=use_remove_padding,
+        use_dynamic_bsz=max_token_len is not None,
+        max_token_len_per_gpu=max_token_len,
         micro_batch_size_per_gpu=micro_batch_size,
         use_fused_kernels=False,
         global_token_num=None,
@@ -284,7 +220,17 @@ def actor_config(**overrides):
     return FSDPActorConfig(**base)
 
 
-def train_once(model_dir, vendor, actor, proto, *, micro_batch_size: int, global_batch_size, **engine_kw):
+def train_once(
+    model_dir,
+    vendor,
+    actor,
+    proto,
+    *,
+    micro_batch_size: int,
+    global_batch_size,
+    max_token_len=None,
+    **engine_kw,
+):
     """One ``engine.train_batch(data, partial(ppo_loss, config=actor))`` from the saved weights. Returns the
     full gradients read just before verl's optimizer step (verl zeroes them on leaving train mode) and the
     output."""
@@ -303,7 +249,13 @@ def train_once(model_dir, vendor, actor, proto, *, micro_batch_size: int, global
         return step()
 
     engine.optimizer_step = snapshot_then_step
-    data = engine_batch(proto, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size)
+    data = engine_batch(
+        proto,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        use_remove_padding=engine_kw.get("use_remove_padding", False),
+        max_token_len=max_token_len,
+    )
     with engine.train_mode():
         out = engine.train_batch(data, loss_function=partial(ppo_loss, config=actor))
     return grads, out
@@ -352,10 +304,11 @@ def compare(model_dir, actor, proto, *, micro_batch_size: int = 4, global_batch_
     }
 
 
-def dp_worker(rank: int, world: int, port: int, model_dir: str, actor_kwargs: dict, out_path: str) -> None:
+def dp_worker(rank: int, world: int, port: int, model_dir: str, cases: list[dict], out_path: str) -> None:
     """One of ``world`` gloo ranks (``torch.multiprocessing.spawn``): verl's dispatch hands rank ``r`` the
     ``r``-th contiguous chunk of the batch; rows are interleaved first, so each uid group spans every rank.
-    Both engines train the rank's chunk; rank 0 saves the gathered full gradients."""
+    For each case (``actor``: loss options, ``kw``: ``train_once`` options) both engines train the rank's chunk;
+    rank 0 saves the gathered full gradients, the losses and the metrics, one entry per case."""
     from prefixflow.integrations.verl import VENDOR
 
     torch.set_num_threads(1)
@@ -367,12 +320,22 @@ def dp_worker(rank: int, world: int, port: int, model_dir: str, actor_kwargs: di
         order = np.array([0, 4, 1, 5, 2, 6, 3, 7])
         per = len(order) // world
         shard = proto[order[rank * per : (rank + 1) * per]]
-        actor = actor_config(**actor_kwargs)
-        kw = dict(micro_batch_size=2, global_batch_size=len(order))
-        want, out_want = train_once(model_dir, None, actor, shard, **kw)
-        got, out_got = train_once(model_dir, VENDOR, actor, shard, **kw)
+        results = []
+        for case in cases:
+            actor = actor_config(**case["actor"])
+            kw = dict(micro_batch_size=2, global_batch_size=len(order), **case.get("kw", {}))
+            want, out_want = train_once(model_dir, None, actor, shard, **kw)
+            got, out_got = train_once(model_dir, VENDOR, actor, shard, **kw)
+            results.append(
+                {
+                    "want": want,
+                    "got": got,
+                    "loss": (out_want["loss"], out_got["loss"]),
+                    "metrics": (metric_values(out_want), metric_values(out_got)),
+                }
+            )
         if rank == 0:
-            torch.save({"want": want, "got": got, "loss": (out_want["loss"], out_got["loss"])}, out_path)
+            torch.save(results, out_path)
     finally:
         torch.distributed.destroy_process_group()
 

@@ -15,6 +15,7 @@ model (embedding, blocks, LM head) outside FSDP's root forward, which this makes
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
@@ -31,9 +32,18 @@ from ...loss import token_logprobs
 from ...parallel import fsdp as pf_fsdp
 from ...schedule.driver import check_group
 from .. import hf  # noqa: F401  (registers the HF adapter and attention)
-from .plan import GroupPlan, actor_loss_config, loss_callable_config, plan_micro_batch
+from .plan import (
+    GroupPlan,
+    actor_loss_config,
+    check_batch,
+    loss_callable_config,
+    phase_b_budget,
+    plan_micro_batch,
+)
 
 __all__ = ["VENDOR", "PrefixFlowFSDPEngine"]
+
+logger = logging.getLogger(__name__)
 
 #: ``VERL_ENGINE_VENDOR`` value that selects this engine (verl's own engine-registry override).
 VENDOR = "prefixflow"
@@ -43,33 +53,44 @@ VENDOR = "prefixflow"
     model_type="language_model", backend=["fsdp", "fsdp2"], device=["cuda", "npu"], vendor=VENDOR
 )
 class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
-    """verl's FSDP engine with PrefixFlow's actor update. ``layout``/``suffix_microbatch``: the suffix layout and
-    responses per suffix microbatch inside each group (None = all of the group's rows in the micro-batch)."""
-
-    layout = "padded"
-    suffix_microbatch: int | None = None
+    """verl's FSDP engine with PrefixFlow's actor update: each uid group of the rank's mini-batch is one
+    ``train_group``, packed under ``use_remove_padding``, its Phase-B microbatches within verl's micro-batch size
+    or (``use_dynamic_bsz``) its token budget."""
 
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
         bad = []
         if engine_config.strategy != "fsdp2":
-            bad.append(f"strategy={engine_config.strategy!r} (use fsdp2)")
-        if model_config.use_remove_padding or getattr(engine_config, "use_remove_padding", False):
-            bad.append("use_remove_padding=True (set actor_rollout_ref.model.use_remove_padding=False)")
-        if getattr(engine_config, "use_dynamic_bsz", False):
-            bad.append("use_dynamic_bsz=True")
+            bad.append(
+                f"actor.strategy={engine_config.strategy!r} (FSDP1; set actor_rollout_ref.actor.strategy=fsdp2)"
+            )
         if engine_config.ulysses_sequence_parallel_size > 1:
-            bad.append(f"ulysses_sequence_parallel_size={engine_config.ulysses_sequence_parallel_size}")
+            bad.append(
+                f"ulysses_sequence_parallel_size={engine_config.ulysses_sequence_parallel_size} (set it to 1)"
+            )
         if model_config.use_fused_kernels or getattr(engine_config, "use_fused_kernels", False):
-            bad.append("use_fused_kernels=True")
+            bad.append("use_fused_kernels=True (set actor_rollout_ref.model.use_fused_kernels=False)")
         if model_config.lora_rank > 0:
-            bad.append(f"lora_rank={model_config.lora_rank} (LoRA)")
+            bad.append(f"lora_rank={model_config.lora_rank} (LoRA; set actor_rollout_ref.model.lora_rank=0)")
         if engine_config.offload_policy:
-            bad.append("offload_policy=True (FSDP2 CPU offload)")
-        attn = getattr(model_config.hf_config, "_attn_implementation", None)
-        if attn not in ("sdpa", None):
-            bad.append(f"attn_implementation={attn!r} (set override_config.attn_implementation=sdpa)")
+            bad.append("offload_policy=True (FSDP2 CPU offload; set actor.fsdp_config.offload_policy=False)")
         if bad:
             raise ValueError(f"PrefixFlow's verl engine does not support: {'; '.join(bad)}")
+        attn = getattr(model_config.hf_config, "_attn_implementation", None)
+        if attn not in ("sdpa", None):
+            # PrefixFlow's attention (over transformers' sdpa) replaces the model's in every forward of this
+            # engine; switching before the weights load keeps a missing flash-attn from stopping initialize().
+            logger.warning(
+                "PrefixFlow's verl engine: attn_implementation=%r replaced by PrefixFlow's attention (transformers' "
+                "sdpa outside PrefixFlow's phases)",
+                attn,
+            )
+            model_config.hf_config._attn_implementation = "sdpa"
+        if getattr(engine_config, "use_torch_compile", False):
+            logger.warning(
+                "PrefixFlow's verl engine: use_torch_compile=True runs eager: verl's FSDP engine compiles only "
+                "its entropy function (calculate_entropy, which PrefixFlow refuses), and PrefixFlow's phases "
+                "call verl's FSDP2 blocks outside their root forward"
+            )
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
         self._prefixflow_applied = False
 
@@ -78,14 +99,15 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
             return super().forward_backward_batch(data, loss_function, forward_only=True)
         actor = loss_callable_config(loss_function)
         base = actor_loss_config(actor)
-        refused = ("use_dynamic_bsz", "use_remove_padding", "use_fused_kernels", "calculate_entropy")
-        for key in (*refused, "return_model_output"):
+        refused = ("use_fused_kernels", "calculate_entropy", "return_model_output")
+        for key in refused:
             if tu.get_non_tensor_data(data=data, key=key, default=False):
                 raise ValueError(f"PrefixFlow's verl engine does not support {key}=True in the batch")
         if "rollout_is_weights" in data.keys():
             raise ValueError(
                 "PrefixFlow's verl engine does not support rollout_is_weights (rollout correction)"
             )
+        check_batch(data, kl=base["kl_coef"] > 0)
         model = self.module
         if not self._prefixflow_applied:
             apply_prefixflow(model)
@@ -96,48 +118,79 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
         batch_tokens = data["loss_mask"].sum().to(torch.float64)
         group = self.get_data_parallel_group()
         torch.distributed.all_reduce(batch_tokens, op=torch.distributed.ReduceOp.SUM, group=group)
-        tu.assign_non_tensor(
-            data, batch_num_tokens=batch_tokens.item(), dp_size=self.get_data_parallel_size()
-        )
+        dp_size = self.get_data_parallel_size()
+        tu.assign_non_tensor(data, batch_num_tokens=batch_tokens.item(), dp_size=dp_size)
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
+        micro_rows = _micro_batch_rows(micro_batches, indices)
+        data = data.to(get_device_id())
         micro_batches = [mb.to(get_device_id()) for mb in micro_batches]
-        plans_per_micro = [
-            plan_micro_batch(
-                mb,
-                dict(base),
-                dp_size=self.get_data_parallel_size(),
-                batch_tokens=mb["batch_num_tokens"],
-                global_batch_size=mb["global_batch_size"],
-                loss_scale_factor=actor.loss_scale_factor,
+        layout = (
+            "packed"
+            if tu.get_non_tensor_data(data=data, key="use_remove_padding", default=False)
+            else "padded"
+        )
+        budget = phase_b_budget(data, self.ulysses_sequence_parallel_size)
+
+        def plan(td):
+            return plan_micro_batch(
+                td, dict(base), dp_size=dp_size, batch_tokens=td["batch_num_tokens"],
+                global_batch_size=td["global_batch_size"], loss_scale_factor=actor.loss_scale_factor,
+                token_budget=budget,
+            )  # fmt: skip
+
+        if data["global_batch_size"] is None:
+            # one rank, no global batch size: verl normalises each micro-batch by its own rows
+            plans = [
+                p.on_rows(rows) for mb, rows in zip(micro_batches, micro_rows, strict=True) for p in plan(mb)
+            ]
+        else:
+            plans = plan(data)  # a uid split over verl's micro-batches trains as one group on this rank
+        options = {"layout": layout, "loss": "grpo"}
+        for p in plans:  # every group is valid before the first one changes a gradient
+            check_group(
+                model, p.group, system=p.system, loss_config=p.loss_config, microbatch=p.microbatch, **options
             )
-            for mb in micro_batches
-        ]
-        options = {"layout": self.layout, "microbatch": self.suffix_microbatch, "loss": "grpo"}
-        for plans in plans_per_micro:  # every group is valid before the first one changes a gradient
-            for plan in plans:
-                check_group(model, plan.group, system=plan.system, loss_config=plan.loss_config, **options)
 
         tap = _LogprobTap(model)
-        output_lst = []
         dtype = getattr(self, "_autocast_dtype", torch.bfloat16)  # verl's forward_step autocasts the same way
         autocast = (
             contextlib.nullcontext()
             if dtype == torch.float32
             else torch.autocast(device_type=get_device_name(), dtype=dtype)
         )
+        # the log-probs in the model's precision (fp64 weights: fp64), read back for verl's metrics
+        precision = torch.promote_types(torch.float32, next(model.parameters()).dtype)
+        logp = torch.zeros(data["responses"].shape, dtype=precision, device=data["responses"].device)
         with _gathered(model), tap.installed(), autocast:
-            for mb, plans in zip(micro_batches, plans_per_micro, strict=True):
-                logp = torch.zeros(mb["responses"].shape, dtype=torch.float32, device=mb["responses"].device)
-                for plan in plans:
-                    tap.plan, tap.out = plan, logp
-                    train_group(
-                        model, plan.group, system=plan.system, loss_config=plan.loss_config, **options
-                    )
-                output_lst.append(_verl_outputs(actor, mb, logp))
+            for p in plans:
+                tap.plan, tap.out = p, logp
+                train_group(
+                    model,
+                    p.group,
+                    system=p.system,
+                    loss_config=p.loss_config,
+                    microbatch=p.microbatch,
+                    **options,
+                )
+        output_lst = [
+            _verl_outputs(actor, mb, logp[rows]) for mb, rows in zip(micro_batches, micro_rows, strict=True)
+        ]
         for p in model.parameters():  # verl's backward reaches every parameter, also through a zero loss
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
+
+
+def _micro_batch_rows(micro_batches, indices) -> list[torch.Tensor]:
+    """The rows of the rank's batch that each verl micro-batch holds: verl's balancing indices
+    (``use_dynamic_bsz``) or consecutive chunks."""
+    if indices is not None:
+        return [torch.as_tensor(list(i), dtype=torch.long) for i in indices]
+    out, start = [], 0
+    for mb in micro_batches:
+        out.append(torch.arange(start, start + len(mb)))
+        start += len(mb)
+    return out
 
 
 def _verl_outputs(actor, micro_batch, logp: torch.Tensor) -> dict:

@@ -17,6 +17,7 @@ weights depend on no micro-batch and no group, so a uid group split across micro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ __all__ = [
     "actor_loss_config",
     "plan_micro_batch",
     "loss_callable_config",
+    "check_batch",
+    "phase_b_budget",
 ]
 
 AGG_MODES = (
@@ -57,6 +60,11 @@ class GroupPlan:
     group: RolloutGroup
     loss_config: LossConfig
     system: str = "prefixflow"
+    microbatch: int | None = None  # responses per Phase-B microbatch (None: all)
+
+    def on_rows(self, rows: torch.Tensor) -> GroupPlan:
+        """The same plan with its rows renumbered through ``rows`` (a micro-batch's rows in the whole batch)."""
+        return dataclasses.replace(self, rows=[int(rows[r]) for r in self.rows])
 
 
 def loss_callable_config(loss_function):
@@ -125,12 +133,20 @@ def _row_positions_ok(position_ids, row: int, length: int) -> bool:
 
 
 def plan_micro_batch(
-    micro_batch, base: dict, *, dp_size: int, batch_tokens, global_batch_size, loss_scale_factor=None
+    micro_batch,
+    base: dict,
+    *,
+    dp_size: int,
+    batch_tokens,
+    global_batch_size,
+    loss_scale_factor=None,
+    token_budget: dict | None = None,
 ) -> list[GroupPlan]:
     """One plan per uid of a verl micro-batch (a TensorDict: left-padded ``prompts``, right-padded ``responses``,
     ``attention_mask``, ``response_mask``, token-level ``advantages``, ``old_log_probs``, ``ref_log_prob``,
-    ``uid``). Rows without loss tokens add nothing and get no plan. Raises ``ValueError`` naming what it cannot
-    reproduce; warns and falls back to full sequences for a uid whose prompts differ."""
+    ``uid``). Rows without loss tokens add nothing and get no plan. ``token_budget``: :func:`phase_b_budget`'s
+    bound on each Phase-B microbatch (None: one microbatch per group). Raises ``ValueError`` naming what it
+    cannot reproduce; warns and falls back to full sequences for a uid whose prompts differ."""
     prompts, responses = micro_batch["prompts"], micro_batch["responses"]
     attention, response_mask = micro_batch["attention_mask"], micro_batch["response_mask"].bool()
     if any(t.is_nested for t in (prompts, responses, attention, response_mask)):
@@ -215,7 +231,9 @@ def plan_micro_batch(
         prompt = _prompt(prompts, attention, p, rows[0])
         same = all(torch.equal(_prompt(prompts, attention, p, r), prompt) for r in rows[1:])
         if same:
-            plans.append(GroupPlan(rows, row_group(rows), config))
+            plen = int(attention[rows[0], :p].sum())
+            size = _phase_b_size(plen, [int(lens[r]) for r in rows], token_budget)
+            plans.append(GroupPlan(rows, row_group(rows), config, microbatch=size))
             continue
         warnings.warn(
             f"verl uid {uid!r}: its rows' prompts differ; PrefixFlow trains them on full sequences",
@@ -228,3 +246,92 @@ def plan_micro_batch(
 def _prompt(prompts, attention, p: int, row: int) -> torch.Tensor:
     plen = int(attention[row, :p].sum())
     return prompts[row, p - plen :]
+
+
+def _phase_b_size(plen: int, lens: list[int], budget: dict | None) -> int | None:
+    """Responses per Phase-B microbatch (consecutive, as ``train_group`` splits them): at most
+    ``budget["rows"]``, or the most whose prompt (its Phase-A graph lives through Phase C) plus their response
+    tokens stay within ``budget["tokens"]`` (verl's count: real tokens); None when all fit at once."""
+    if budget is None:
+        return None
+    if "rows" in budget:
+        k = int(budget["rows"])
+    else:
+        k = 1
+        for size in range(2, len(lens) + 1):
+            widest = max(sum(lens[i : i + size]) for i in range(len(lens) - size + 1))
+            if plen + widest > budget["tokens"]:
+                break
+            k = size
+    return None if k >= len(lens) else max(k, 1)
+
+
+def phase_b_budget(data, sp_size: int = 1) -> dict:
+    """verl's bound on a micro-batch, for PrefixFlow's Phase-B microbatches: ``{"tokens": max_token_len_per_gpu
+    * sp_size}`` under ``use_dynamic_bsz`` (verl's ``prepare_micro_batches``), else ``{"rows":
+    micro_batch_size_per_gpu}``."""
+    from verl.utils import tensordict_utils as tu
+
+    if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+        tokens = tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=None)
+        if tokens is None or int(tokens) < 1:
+            raise ValueError(
+                "use_dynamic_bsz=True needs actor.ppo_max_token_len_per_gpu (the batch's max_token_len_per_gpu)"
+            )
+        return {"tokens": int(tokens) * int(sp_size)}
+    rows = tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=None)
+    if rows is None or int(rows) < 1:
+        raise ValueError("use_dynamic_bsz=False needs actor.ppo_micro_batch_size_per_gpu >= 1")
+    return {"rows": int(rows)}
+
+
+_PADDED_KEYS = ("prompts", "responses", "attention_mask", "response_mask", "advantages", "old_log_probs")
+_FINITE_KEYS = ("advantages", "old_log_probs", "ref_log_prob")
+
+
+def check_batch(data, *, kl: bool) -> None:
+    """A verl actor batch as ``left_right_2_no_padding`` leaves it, checked before any gradient changes: raises
+    ``ValueError`` in one line naming the key that is missing, mis-shaped or non-finite (NaN/inf)."""
+    keys = set(data.keys())
+    need = [*_PADDED_KEYS, "input_ids", "loss_mask", "temperature"] + (["ref_log_prob"] if kl else [])
+    missing = [k for k in need if k not in keys]
+    if missing:
+        raise ValueError(f"verl batch is missing key(s) {missing} (the actor update needs {need})")
+    for key in _PADDED_KEYS + (("ref_log_prob",) if kl else ()):
+        t = data[key]
+        if not isinstance(t, torch.Tensor) or t.is_nested or t.dim() != 2:
+            raise ValueError(f"verl batch key {key!r} must be a padded [batch, length] tensor")
+    b, p = data["prompts"].shape
+    r = data["responses"].shape[1]
+    want = {"prompts": (b, p), "responses": (b, r), "attention_mask": (b, p + r), "response_mask": (b, r)}
+    want |= {k: (b, r) for k in ("advantages", "old_log_probs", "ref_log_prob")}
+    for key in _PADDED_KEYS + (("ref_log_prob",) if kl else ()):
+        if tuple(data[key].shape) != want[key]:
+            raise ValueError(
+                f"verl batch key {key!r} has shape {tuple(data[key].shape)}, expected {want[key]} "
+                f"([batch, prompt + response] from prompts {tuple(data['prompts'].shape)} and responses "
+                f"{tuple(data['responses'].shape)})"
+            )
+    ids = data["input_ids"]
+    lengths = ids.offsets().diff() if ids.is_nested else None
+    if (
+        lengths is None
+        or len(lengths) != b
+        or not torch.equal(lengths.cpu(), data["attention_mask"].sum(-1).cpu())
+    ):
+        raise ValueError(
+            "verl batch key 'input_ids' must be the nested (no-padding) rows of attention_mask, one per row "
+            "(verl's left_right_2_no_padding)"
+        )
+    if "uid" in keys and len(data["uid"]) != b:
+        raise ValueError(f"verl batch key 'uid' has {len(data['uid'])} entries for {b} rows")
+    mask = data["response_mask"].bool()
+    for key in _FINITE_KEYS:
+        if key in keys and (key != "ref_log_prob" or kl):
+            bad = ~torch.isfinite(data[key]) & mask
+            if bool(bad.any()):
+                rows = sorted({int(i) for i in bad.nonzero()[:, 0].tolist()})
+                raise ValueError(
+                    f"verl batch key {key!r} has {int(bad.sum())} non-finite value(s) (NaN/inf) on response "
+                    f"tokens, rows {rows[:8]}{'...' if len(rows) > 8 else ''}"
+                )
