@@ -48,12 +48,15 @@ from .hf_configs import (
     list_hf_models,
 )
 from .hf_state import boundary_layers, install_boundaries
+from .hf_vision import VLM_MODEL_TYPES, VisionLanguageMixin
 
 __all__ = [
     "ATTENTION_NAME",
     "VERIFIED_MODEL_TYPES",
     "HF_MODELS",
     "HFAdapter",
+    "VLM_MODEL_TYPES",
+    "VisionLanguageAdapter",
     "build_hf_model",
     "hf_config",
     "list_hf_models",
@@ -108,6 +111,7 @@ class HFAdapter(ModelAdapter):
     embeddings as LM head. Attention enters through the registered ``"prefixflow"`` implementation."""
 
     name = "hf"
+    verified_types = VERIFIED_MODEL_TYPES
 
     def matches(self, model: nn.Module) -> bool:
         return isinstance(model, PreTrainedModel) and hasattr(getattr(model, "base_model", None), "layers")
@@ -136,9 +140,9 @@ class HFAdapter(ModelAdapter):
 
     def wrap_attention(self, model, state: AttentionState) -> int:
         config = model.config
-        if config.model_type not in VERIFIED_MODEL_TYPES:
+        if config.model_type not in self.verified_types:
             raise ValueError(
-                f"PrefixFlow's HF adapter is verified on model types {VERIFIED_MODEL_TYPES}; this model is "
+                f"PrefixFlow's HF adapter is verified on model types {self.verified_types}; this model is "
                 f"{config.model_type!r}. A type needs decoder layers whose self_attn calls transformers' attention "
                 "interface after RoPE, no logit transform outside lm_head, and an fp64 equivalence test "
                 "(tests/prefixflow/integrations/test_hf.py) before it joins VERIFIED_MODEL_TYPES"
@@ -237,7 +241,13 @@ def enable_checkpointing(model, *, use_reentrant: bool) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
 
 
+class VisionLanguageAdapter(VisionLanguageMixin, HFAdapter):
+    """Vision-language ``*ForConditionalGeneration`` models (:data:`VLM_MODEL_TYPES`): images and video in the
+    shared prompt, the vision tower once per group (:mod:`prefixflow.integrations.hf_vision`)."""
+
+
 register_adapter(HFAdapter())
+register_adapter(VisionLanguageAdapter())
 
 
 # -- building HF models from configs (random weights, no download) ------------------------------------------

@@ -218,6 +218,13 @@ def resolve(
                 f"loss_config.{option} needs each response's tokens on one rank; "
                 "context parallelism spreads them over the CP group (use 'token')"
             )
+    if tree.path_inputs is not None:
+        if runtime.stage is not None or hooks.shards_sequences:
+            raise ValueError(
+                "multimodal inputs (prompt_inputs / path_inputs) train on one device or under data parallelism; "
+                "pipeline stages and context parallelism do not carry them yet"
+            )
+        run.inputs = runtime.adapter.prepare_inputs(model, tree)
     paths = (share or GroupShare()).paths(tree.n)
     run.paths = frozenset(paths)
     if system != "baseline":  # depth-first; the rest have no leaf row to run

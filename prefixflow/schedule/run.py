@@ -82,7 +82,8 @@ class GroupRun:
     :class:`~prefixflow.hooks.HookChain`); ``paths``: the paths this rank trains (its share's: a split
     group's part holds some); ``chunks``: this rank's Phase-B microbatches (path indices);
     ``loss_data``: what the loss reads per path; ``caches``: the cached nodes' caches while PrefixFlow runs (a
-    :class:`~prefixflow.schedule.caches.NodeCaches`); ``scores``: set for a forward-only call. (The stage,
+    :class:`~prefixflow.schedule.caches.NodeCaches`); ``scores``: set for a forward-only call; ``inputs``: a
+    multimodal tree's per-call state from its adapter's ``prepare_inputs`` (None: token ids only). (The stage,
     hooks and caches sit above this module, so they are typed where they are defined.)"""
 
     model: nn.Module
@@ -102,3 +103,4 @@ class GroupRun:
     counters: RunCounters = field(default_factory=RunCounters)
     caches: Any = None
     scores: Scores | None = None
+    inputs: Any = None

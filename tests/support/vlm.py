@@ -1,0 +1,129 @@
+"""Tiny vision-language models (random weights, fp64) and their prompts, built as their processors would.
+
+No processor or hub: the prompt's token ids and ``prompt_inputs`` are what a Qwen-VL processor returns for
+``text + <|vision_start|> <|image_pad|> * n <|vision_end|> + text`` (batch of one). The reference side
+(:func:`reference_pg`) is the model's own forward on each full sequence ``[P || S_i]``, nothing of PrefixFlow.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 256
+IMAGE, VIDEO, START, END = 250, 251, 252, 253  # placeholder ids inside the tiny vocabulary
+PATCH, MERGE, TPATCH = 14, 2, 2
+
+
+def _text(**extra):
+    return {
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **extra,
+    }  # fmt: skip
+
+
+def build_qwen(kind: str = "qwen2_5_vl", seed: int = 0, dtype=torch.float64):
+    """Qwen2.5-VL or Qwen3-VL (deepstack) with a 2-block tower, every parameter re-drawn non-zero."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+    )
+
+    ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+               vision_end_token_id=END)  # fmt: skip
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=PATCH,
+                  spatial_merge_size=MERGE, temporal_patch_size=TPATCH, out_hidden_size=64)  # fmt: skip
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    if kind == "qwen2_5_vl":
+        config = Qwen2_5_VLConfig(
+            text_config=_text(rope_parameters=rope),
+            vision_config={**vision, "window_size": 56, "fullatt_block_indexes": [1]}, **ids,
+        )
+        cls = Qwen2_5_VLForConditionalGeneration
+    else:
+        config = Qwen3VLConfig(
+            text_config=_text(head_dim=16, rope_parameters={**rope, "mrope_interleaved": True}),
+            vision_config={**vision, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}, **ids,
+        )
+        cls = Qwen3VLForConditionalGeneration
+    torch.manual_seed(seed)
+    model = cls(config).to(dtype)
+    model.set_attn_implementation("sdpa")
+    randomise(model, seed)
+    return model
+
+
+def randomise(model, seed: int) -> None:
+    """Every parameter random and non-zero (zero-initialised projections would make gradients vacuous);
+    attention q/k scaled up so a wrong position moves the gradients far past the tolerance."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) / max(1, p.shape[-1]) ** 0.5)
+            if any(k in name for k in ("q_proj", "k_proj")):
+                p.mul_(3.0)
+
+
+def image_block(grid: tuple[int, int, int], token: int = IMAGE) -> torch.Tensor:
+    """``<vision_start> <pad>*n <vision_end>`` for one image/video of ``grid`` (t, h, w) patches."""
+    t, h, w = grid
+    n = t * h * w // MERGE**2
+    return torch.tensor([START, *[token] * n, END])
+
+
+def pixels(grid, gen, dtype=torch.float64) -> torch.Tensor:
+    t, h, w = grid
+    return torch.randn(t * h * w, 3 * TPATCH * PATCH * PATCH, generator=gen, dtype=dtype)
+
+
+def qwen_prompt(
+    images=((1, 4, 4),), videos=(), seed: int = 0, text=(5, 3), dtype=torch.float64, per_frame=False
+):
+    """Token ids and ``prompt_inputs`` of ``text[0]`` tokens, the images, the videos, ``text[1]`` tokens.
+    ``per_frame``: a video's temporal slices each in their own vision block (Qwen3-VL's processor)."""
+    gen = torch.Generator().manual_seed(seed)
+    words = lambda n: torch.randint(3, IMAGE, (n,), generator=gen)  # noqa: E731
+    parts, inputs = [words(text[0])], {}
+    for key, grids, token in (("image", images, IMAGE), ("video", videos, VIDEO)):
+        if not grids:
+            continue
+        values = []
+        for g in grids:
+            blocks = [(1, g[1], g[2])] * g[0] if per_frame and key == "video" else [g]
+            for b in blocks:
+                parts += [image_block(b, token), words(2)]
+            values.append(pixels(g, gen, dtype))
+        inputs["pixel_values" if key == "image" else "pixel_values_videos"] = torch.cat(values)
+        inputs[f"{key}_grid_thw"] = torch.tensor(grids)
+    parts.append(words(text[1]))
+    prompt = torch.cat(parts)
+    types = torch.zeros(1, prompt.numel(), dtype=torch.long)
+    types[0, prompt == IMAGE] = 1
+    types[0, prompt == VIDEO] = 2
+    inputs["mm_token_type_ids"] = types
+    return prompt, inputs
+
+
+def reference_pg(model, group, inputs) -> tuple[float, dict[str, torch.Tensor | None]]:
+    """loss='pg' through the model's own forward on each full sequence (its own position function, its own
+    vision merge; ``rope_deltas`` reset before each call). Returns the loss and every parameter's gradient."""
+    model.zero_grad(set_to_none=True)
+    total, p = 0.0, group.prompt_len
+    for i, response in enumerate(group.responses):
+        seq = torch.cat([group.prompt, response[:-1]]).unsqueeze(0)
+        extra = dict(inputs)
+        for key in ("mm_token_type_ids", "token_type_ids"):
+            if key in extra:
+                extra[key] = torch.cat([extra[key], extra[key].new_zeros(1, response.numel() - 1)], dim=1)
+        model.model.rope_deltas = None
+        logits = model(input_ids=seq, use_cache=False, **extra).logits[0, p - 1 :]
+        logp = torch.log_softmax(logits.double(), -1).gather(-1, response.unsqueeze(-1)).squeeze(-1)
+        loss = -(group.advantages[i].double() * logp.mean()) / group.n
+        loss.backward()
+        total += loss.item()
+    return total, {n: None if q.grad is None else q.grad.clone() for n, q in model.named_parameters()}
