@@ -81,8 +81,9 @@ class Family:
     def encode(self, model, kind: str, items: list[Item]):
         raise NotImplementedError
 
-    def path(self, model, tokens: torch.Tensor, inputs: dict | None, name: str, prompt_len: int | None):
-        """``(positions, items)`` of one path's full token sequence (the model's own position function)."""
+    def path(self, model, tokens: torch.Tensor, inputs: dict | None, name: str, prompt_len, index: int):
+        """``(positions, items)`` of path ``index``'s full token sequence (the model's own position function);
+        ``prompt_len``: a group's (its responses follow), None for a tree path."""
         raise NotImplementedError
 
     def placeholder_ids(self, model) -> set[int]:
@@ -98,7 +99,7 @@ class Family:
         for i, (inputs, seq) in enumerate(zip(path_inputs, tokens, strict=True)):
             self._check_keys(model, inputs, kind, i)
             name = "prompt_inputs" if kind == "group" else f"path_inputs[{i}]"
-            pos, its = self.path(model, seq, inputs, name, prompt_len)
+            pos, its = self.path(model, seq, inputs, name, prompt_len, i)
             positions.append(pos)
             items.append(its)
         path_of_node: dict[int, int] = {}
@@ -179,7 +180,7 @@ class QwenVL(Family):
         )
         return out.last_hidden_state
 
-    def path(self, model, tokens, inputs, name, prompt_len):
+    def path(self, model, tokens, inputs, name, prompt_len, index):
         config = model.config
         inputs = inputs or {}
         ids = {1: config.image_token_id, 2: config.video_token_id}
@@ -190,6 +191,10 @@ class QwenVL(Family):
         width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
         if not any(present.values()) and not any(k in inputs for _, _, k, _ in self._KINDS):
             return _text_positions(n, tokens.device), []
+        for kind, value, pix_key, _ in self._KINDS:
+            if present[value] and pix_key not in inputs:
+                held = int((tokens == ids[value]).sum())
+                raise ValueError(f"{name} has no {pix_key!r} for the {held} {kind} tokens of its sequence")
         types_in = inputs.get("mm_token_type_ids")
         if types_in is None:
             raise ValueError(
@@ -209,10 +214,14 @@ class QwenVL(Family):
             holds = tokens == ids[value]
             if bool((holds & ~marked)[covered:].any()):
                 t = int((holds & ~marked)[covered:].nonzero()[0]) + covered
-                where = f"responses (token {t - prompt_len} of a response)" if prompt_len else f"token {t}"
+                if prompt_len is not None:
+                    raise ValueError(
+                        f"responses[{index}] holds the {kind} placeholder id {ids[value]} (token {t - prompt_len}): "
+                        "images inside a response are not supported; put them in the prompt"
+                    )
                 raise ValueError(
-                    f"{kind} placeholder id {ids[value]} in {where}: images inside a response are not "
-                    "supported; put them in the prompt"
+                    f"path {index} holds the {kind} placeholder id {ids[value]} at token {t}, past what "
+                    f"{name}['mm_token_type_ids'] covers; give the path's inputs for its whole sequence"
                 )
             if not bool((marked == holds).all()):
                 t = int((marked != holds).nonzero()[0])
@@ -278,7 +287,7 @@ class QwenVL(Family):
         if top >= limit:
             key = "video_grid_thw" if kwargs.get("video_grid_thw") is not None else "image_grid_thw"
             raise ValueError(
-                f"{name}[{key!r}]: the sequence reaches mRoPE position {top}, beyond the model's "
+                f"{name}[{key!r}] {kwargs[key].tolist()}: the sequence reaches mRoPE position {top}, beyond the model's "
                 f"max_position_embeddings={limit}; sample fewer video frames (or raise max_position_embeddings)"
             )
         return positions

@@ -127,3 +127,41 @@ def reference_pg(model, group, inputs) -> tuple[float, dict[str, torch.Tensor | 
         loss.backward()
         total += loss.item()
     return total, {n: None if q.grad is None else q.grad.clone() for n, q in model.named_parameters()}
+
+
+def neutralise_fp32(model, monkeypatch) -> None:
+    """HF's fp32 casts compute in the model's dtype (both systems run the same patched model): every RMSNorm
+    (instance-level) and the vision towers' rotary embedding (module function, through ``monkeypatch``).
+    Stock, they round fp64 to fp32 and bound agreement near 1e-7, which would hide a schedule error."""
+    import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as q25
+    import transformers.models.qwen3_vl.modeling_qwen3_vl as q3
+
+    def rotary(q, k, cos, sin):
+        cos, sin = cos.unsqueeze(-2).to(q.dtype), sin.unsqueeze(-2).to(q.dtype)
+        return q * cos + q25.rotate_half(q) * sin, k * cos + q25.rotate_half(k) * sin
+
+    for module in (q25, q3):
+        monkeypatch.setattr(module, "apply_rotary_pos_emb_vision", rotary)
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+
+            def forward(x, m=module):
+                return m.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.variance_epsilon))
+
+            module.forward = forward
+
+
+def compare_grads(model, ref: dict, tol: float = 1e-9) -> float:
+    """Every gradient within ``tol`` of the reference per tensor (max|d| / max|ref|), each with a non-zero
+    norm, and a None gradient exactly where the reference has one. Returns the worst ratio."""
+    worst = 0.0
+    for name, p in model.named_parameters():
+        want = ref[name]
+        assert (p.grad is None) == (want is None), f"{name}: grad is {p.grad is None}, reference {want is None}"
+        if want is None:
+            continue
+        assert float(want.norm()) > 0 and float(p.grad.norm()) > 0, f"{name}: zero gradient"
+        ratio = float((p.grad - want).abs().max() / want.abs().max())
+        assert ratio <= tol, f"{name}: {ratio:.3g}"
+        worst = max(worst, ratio)
+    return worst
