@@ -39,6 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from ..attention.modes import AttentionState, PrefixAwareAttention
 from ..model.adapters import ModelAdapter, register_adapter
 from ..runtime import runtime_of
+from ..tree.masks import MaskRules
 from .hf_configs import (
     DROPOUT_CONFIG_FIELDS,
     HF_MODELS,
@@ -175,15 +176,26 @@ class HFAdapter(ModelAdapter):
         layers = boundary_layers(model.config.get_text_config(), self.blocks(model), self.state_rule)
         return [m for kind, m, _, _ in layers if kind == "attention"]
 
-    def check(self, model, group) -> None:
-        longest = max(group.path_lens)
+    def windows(self, model) -> dict[int, int]:
+        """The sliding window of each windowed attention layer, by wrapped layer index (transformers'
+        semantics: a query at ``q`` sees keys ``k > q - window``)."""
+        default = getattr(model.config.get_text_config(), "sliding_window", None)
+        out = {}
         for attention in self.attentions(model):
-            window = getattr(attention, "sliding_window", getattr(model.config, "sliding_window", None))
-            if window is not None and longest > window:
-                raise ValueError(
-                    f"the longest sequence has {longest} tokens, more than the model's sliding_window={window}; "
-                    "PrefixFlow attends to the whole cached prefix (shorten the group or disable the window)"
-                )
+            window = getattr(attention, "sliding_window", default)
+            wrapper = attention.__dict__.get(_WRAPPER)
+            if window is not None and wrapper is not None:
+                out[wrapper.layer] = int(window)
+        return out
+
+    def mask_rules(self, model, tree, inputs):
+        """Sliding windows the tree's paths outgrow: each windowed layer's queries see only the keys, cached
+        prefix keys included, inside their window (prefixflow.tree.masks)."""
+        longest = max(tree.path_lens)
+        windows = {layer: w for layer, w in self.windows(model).items() if longest > w}
+        return MaskRules(windows) if windows else None
+
+    def check(self, model, group) -> None:
         for field in DROPOUT_CONFIG_FIELDS:
             if model.training and float(getattr(model.config, field, 0.0) or 0.0) > 0:
                 raise ValueError(

@@ -106,6 +106,11 @@ class ModelAdapter:
             "takes none: drop them, or use a vision-language model (docs/multimodal.md)"
         )
 
+    def mask_rules(self, model: nn.Module, tree, inputs: object):
+        """Attention beyond causal for this call (a :class:`~prefixflow.tree.masks.MaskRules`: sliding windows
+        that the tree's paths outgrow, bidirectional spans), or None (default: plain causal)."""
+        return None
+
     def rows_hidden(self, model: nn.Module, mb, inputs: object, *, final_norm: bool = True) -> torch.Tensor:
         """Hidden states of a laid-out microbatch ``mb`` (a :class:`~prefixflow.tree.layouts.Microbatch`;
         ``mb.rows`` says which tokens of which path each row holds) with ``inputs`` = what

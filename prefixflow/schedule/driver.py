@@ -225,6 +225,12 @@ def resolve(
                 "pipeline stages and context parallelism do not carry them yet"
             )
         run.inputs = runtime.adapter.prepare_inputs(model, tree)
+    run.masks = runtime.adapter.mask_rules(model, tree, run.inputs)
+    if run.masks is not None and (runtime.stage is not None or hooks.shards_sequences):
+        raise ValueError(
+            "this group needs sliding-window or bidirectional attention masks, which pipeline stages and context "
+            "parallelism do not carry yet; shorten the group below the window"
+        )
     paths = (share or GroupShare()).paths(tree.n)
     run.paths = frozenset(paths)
     if system != "baseline":  # depth-first; the rest have no leaf row to run

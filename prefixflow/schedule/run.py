@@ -16,6 +16,7 @@ from torch import nn
 from ..loss import LossConfig
 from ..memory.budget import BudgetChunks, FixedChunks
 from ..runtime import PrefixFlowRuntime
+from ..tree.masks import MaskRules
 from ..tree.plan import TreeRows
 from ..tree.rollout_tree import PathLosses, RolloutTree
 
@@ -83,7 +84,8 @@ class GroupRun:
     group's part holds some); ``chunks``: this rank's Phase-B microbatches (path indices);
     ``loss_data``: what the loss reads per path; ``caches``: the cached nodes' caches while PrefixFlow runs (a
     :class:`~prefixflow.schedule.caches.NodeCaches`); ``scores``: set for a forward-only call; ``inputs``: a
-    multimodal tree's per-call state from its adapter's ``prepare_inputs`` (None: token ids only). (The stage,
+    multimodal tree's per-call state from its adapter's ``prepare_inputs`` (None: token ids only); ``masks``:
+    attention beyond causal (sliding windows, bidirectional blocks) from its adapter's ``mask_rules``. (The stage,
     hooks and caches sit above this module, so they are typed where they are defined.)"""
 
     model: nn.Module
@@ -104,3 +106,4 @@ class GroupRun:
     caches: Any = None
     scores: Scores | None = None
     inputs: Any = None
+    masks: MaskRules | None = None
