@@ -24,7 +24,12 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import PreTrainedModel
 
-from .hf_vlm_families import FAMILIES, VLM_MODEL_TYPES, Prepared
+from ..tree.masks import MaskRules
+from .hf_vlm_families import Family, Prepared, QwenVL
+from .hf_vlm_gemma import Gemma3
+
+FAMILIES: dict[str, Family] = {t: family for family in (QwenVL(), Gemma3()) for t in family.model_types}
+VLM_MODEL_TYPES = tuple(FAMILIES)
 
 __all__ = ["VLM_MODEL_TYPES", "VisionLanguageMixin"]
 
@@ -69,6 +74,14 @@ class VisionLanguageMixin:
     def prepare_inputs(self, model, tree) -> Prepared:
         return self.family(model).prepare(model, tree)
 
+    def mask_rules(self, model, tree, inputs):
+        """The language model's sliding windows, and the family's bidirectional spans (Gemma-3's images)."""
+        rules = super().mask_rules(model, tree, inputs)
+        blocks = None if inputs is None else self.family(model).blocks(inputs)
+        if blocks is None or not any(blocks):
+            return rules
+        return MaskRules(rules.windows if rules else {}, blocks, inputs.path_of_node)
+
     def rows_hidden(self, model, mb, inputs: Prepared, *, final_norm=True):
         family = self.family(model)
         rows = mb.rows
@@ -76,7 +89,7 @@ class VisionLanguageMixin:
         device = mb.tokens.device
         ids = mb.tokens.clone()
         width = ids.shape[1]
-        pos = torch.zeros(3, ids.shape[0], width, dtype=torch.long, device=device)
+        pos = torch.zeros(family.dims, ids.shape[0], width, dtype=torch.long, device=device)
         per_kind: dict[str, list] = {}
         offset = 0
         for b, row in enumerate(rows):
@@ -98,8 +111,7 @@ class VisionLanguageMixin:
     def _encode(self, model, family, kind: str, items: list, inputs: Prepared):
         """The vision tower on ``items`` (images or videos, in placeholder order), counted; under ``no_grad``
         when no tower parameter trains (a frozen tower keeps no activations and has no backward)."""
-        tower = family.tower(model)
-        trains = any(p.requires_grad for p in tower.parameters())
+        trains = any(p.requires_grad for m in family.encoder_modules(model) for p in m.parameters())
         with torch.set_grad_enabled(torch.is_grad_enabled() and trains), FlopCounterMode(display=False) as flops:
             out = family.encode(model, kind, items)
         inputs.counts["tokens"] += sum(it.patches for it in items)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["Item", "Prepared", "Family", "QwenVL", "FAMILIES", "VLM_MODEL_TYPES"]
+__all__ = ["Item", "Prepared", "Family", "QwenVL"]
 
 
 @dataclass
@@ -68,9 +68,15 @@ class Family:
 
     model_types: tuple[str, ...] = ()
     keys: tuple[str, ...] = ()
+    dims = 3  # position ids per token (mRoPE: t, h, w)
 
-    def tower(self, model) -> nn.Module:
+    def encoder_modules(self, model) -> list[nn.Module]:
+        """The modules the vision encoding runs (tower, projector): frozen together, it runs under no_grad."""
         raise NotImplementedError
+
+    def blocks(self, prepared: Prepared) -> list[list[tuple[int, int]]] | None:
+        """Per path, the token spans that attend to each other both ways (None: causal throughout)."""
+        return None
 
     def text_forward(self, model, tokens, positions) -> torch.Tensor:
         raise NotImplementedError
@@ -158,8 +164,8 @@ class QwenVL(Family):
             "second_per_grid_ts", "attention_mask")  # fmt: skip
     _KINDS = (("image", 1, "pixel_values", "image_grid_thw"), ("video", 2, "pixel_values_videos", "video_grid_thw"))
 
-    def tower(self, model):
-        return model.model.visual
+    def encoder_modules(self, model):
+        return [model.model.visual]
 
     def placeholder_ids(self, model):
         c = model.config
@@ -292,9 +298,3 @@ class QwenVL(Family):
             )
         return positions
 
-
-FAMILIES: dict[str, Family] = {}
-for _family in (QwenVL(),):
-    for _type in _family.model_types:
-        FAMILIES[_type] = _family
-VLM_MODEL_TYPES = tuple(FAMILIES)
