@@ -27,8 +27,11 @@ from transformers import PreTrainedModel
 from ..tree.masks import MaskRules
 from .hf_vlm_families import Family, Prepared, QwenVL
 from .hf_vlm_gemma import Gemma3
+from .hf_vlm_llava import LlavaOnevision
 
-FAMILIES: dict[str, Family] = {t: family for family in (QwenVL(), Gemma3()) for t in family.model_types}
+FAMILIES: dict[str, Family] = {
+    t: family for family in (QwenVL(), Gemma3(), LlavaOnevision()) for t in family.model_types
+}
 VLM_MODEL_TYPES = tuple(FAMILIES)
 
 __all__ = ["VLM_MODEL_TYPES", "VisionLanguageMixin"]

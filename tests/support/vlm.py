@@ -91,6 +91,49 @@ def gemma_prompt(n_images: int = 1, seed: int = 0, text=(5, 3), dtype=torch.floa
     return prompt, {"pixel_values": pixels, "token_type_ids": (prompt == GEMMA_IMAGE).long().unsqueeze(0)}
 
 
+OV_IMAGE, OV_VIDEO, OV_SIZE = 250, 251, 28
+
+
+def build_llava_onevision(seed: int = 0, dtype=torch.float64):
+    """LLaVA-OneVision: a 2-layer SigLIP tower (28 px, 7 px patches), vision_feature_select_strategy="full",
+    anyres tiles over [[28, 56], [56, 28], [56, 56]], a Qwen2 language model; every parameter non-zero."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=OV_SIZE, patch_size=7, vision_use_head=False)  # fmt: skip
+    config = LlavaOnevisionConfig(
+        text_config=_text(model_type="qwen2"), vision_config=vision, image_token_index=OV_IMAGE,
+        video_token_index=OV_VIDEO, vision_feature_select_strategy="full", vision_feature_layer=-1,
+        image_grid_pinpoints=[[28, 56], [56, 28], [56, 56]],
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlavaOnevisionForConditionalGeneration(config).to(dtype)
+    model.set_attn_implementation("sdpa")
+    randomise(model, seed)
+    return model
+
+
+def llava_prompt(model, sizes=((28, 50),), seed: int = 0, text=(5, 3), dtype=torch.float64):
+    """Token ids and ``prompt_inputs`` (``pixel_values`` [images, tiles, 3, 28, 28], ``image_sizes``), each
+    image's placeholder count taken from the model's own packing (as the processor computes it)."""
+    from prefixflow.integrations.hf_vlm_llava import LlavaOnevision
+
+    gen = torch.Generator().manual_seed(seed)
+    words = lambda n: torch.randint(3, OV_IMAGE, (n,), generator=gen)  # noqa: E731
+    image_sizes = torch.tensor(sizes)
+    lens = LlavaOnevision()._tokens_per_image(model, image_sizes, [len(sizes) == 1] * len(sizes))
+    parts = [words(text[0])]
+    for n in lens:
+        parts += [torch.full((n,), OV_IMAGE), words(2)]
+    parts.append(words(text[1]))
+    tiles = 5  # the base image and up to 4 tiles (the processor pads to the largest count)
+    pixels = torch.randn(len(sizes), tiles, 3, OV_SIZE, OV_SIZE, generator=gen, dtype=dtype)
+    inputs = {"pixel_values": pixels, "image_sizes": image_sizes}
+    if len(sizes) > 1:
+        inputs["batch_num_images"] = torch.tensor([len(sizes)])
+    return torch.cat(parts), inputs
+
+
 def randomise(model, seed: int) -> None:
     """Every parameter random and non-zero (zero-initialised projections would make gradients vacuous);
     attention q/k scaled up so a wrong position moves the gradients far past the tolerance."""
