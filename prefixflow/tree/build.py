@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .rollout_tree import RolloutTree, check_logprobs, check_loss_mask, check_tokens
+from .media import content_keys
+from .rollout_tree import RolloutTree, check_inputs, check_logprobs, check_loss_mask, check_tokens
 
 __all__ = ["AUTO_NODE_COST_TOKENS", "build_tree"]
 
@@ -38,6 +39,7 @@ def build_tree(
     old_logprobs: list[torch.Tensor] | None = None,
     ref_logprobs: list[torch.Tensor] | None = None,
     min_shared_tokens: int | str = 1,
+    path_inputs: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> RolloutTree:
     """The prefix tree of ``sequences`` (N unpadded 1-D token tensors); path ``i`` is ``sequences[i]``.
 
@@ -49,6 +51,11 @@ def build_tree(
     :data:`AUTO_NODE_COST_TOKENS` (heirs: its children, plus one for paths ending at it). Duplicate sequences and a
     sequence that is a prefix of another are paths ending at a shared or internal node; sequences that share
     no first token make a forest.
+
+    ``path_inputs``: per sequence, the multimodal forward inputs its processor returned for it (batch of one;
+    :class:`RolloutTree`'s ``path_inputs``). Different images share placeholder ids, so paths share a node
+    only where their token ids and their images, compared by content, agree
+    (:func:`~prefixflow.tree.media.content_keys`).
     """
     if isinstance(sequences, torch.Tensor) or not isinstance(sequences, (list, tuple)) or not sequences:
         raise TypeError("sequences must be a non-empty list of 1-D LongTensors (unpadded token ids)")
@@ -69,7 +76,12 @@ def build_tree(
     ]
     old_logprobs = check_logprobs("old_logprobs", old_logprobs, lengths)
     ref_logprobs = check_logprobs("ref_logprobs", ref_logprobs, lengths)
-    roots = _merge_short(_compressed_trie(seqs), None if auto else min_shared_tokens)
+    if path_inputs is not None:
+        if not isinstance(path_inputs, (list, tuple)) or len(path_inputs) != len(seqs):
+            raise ValueError(f"path_inputs must be None or a list of {len(seqs)} dicts (or None), one per sequence")
+        path_inputs = [check_inputs(f"path_inputs[{i}]", x) for i, x in enumerate(path_inputs)]
+    keys = content_keys(seqs, path_inputs)
+    roots = _merge_short(_compressed_trie(seqs, keys), None if auto else min_shared_tokens)
     segments, parents, path_ends = [], [], [0] * len(seqs)
     stack = [(r, -1) for r in reversed(roots)]
     while stack:  # number the nodes top-down (preorder)
@@ -80,7 +92,9 @@ def build_tree(
         for i in node.ends:
             path_ends[i] = j
         stack.extend((c, j) for c in reversed(node.children))
-    return RolloutTree(segments, parents, path_ends, advantages, masks, old_logprobs, ref_logprobs)
+    return RolloutTree(
+        segments, parents, path_ends, advantages, masks, old_logprobs, ref_logprobs, path_inputs=path_inputs
+    )
 
 
 def _after_common_prefix(seqs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -98,17 +112,20 @@ def _after_common_prefix(seqs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.arange(int(s.numel())) >= max(common, 1) for s in seqs]
 
 
-def _compressed_trie(seqs: list[torch.Tensor]) -> list[_Node]:
+def _compressed_trie(seqs: list[torch.Tensor], keys: list[list] | None = None) -> list[_Node]:
     """The trie of ``seqs`` with every unary run merged into one node; a node ends where it branches or
-    where a sequence ends. Returns the roots."""
+    where a sequence ends. ``keys``: per sequence, what besides the token id two tokens must share (the
+    content of the image a placeholder stands for). Returns the roots."""
     top = _Node([], None)
-    kids: dict[tuple[int, int], _Node] = {}  # (id of the node, next token) -> token-level child
+    kids: dict[tuple, _Node] = {}  # (id of the node, next token, its content key) -> token-level child
     for i, seq in enumerate(seqs):
         node = top
-        for token in seq.tolist():
-            child = kids.get((id(node), token))
+        extra = keys[i] if keys is not None else None
+        for t, token in enumerate(seq.tolist()):
+            key = (id(node), token, None if extra is None else extra[t])
+            child = kids.get(key)
             if child is None:
-                child = kids[(id(node), token)] = _Node([token], node)
+                child = kids[key] = _Node([token], node)
                 node.children.append(child)
             node = child
         node.ends.append(i)
