@@ -79,3 +79,12 @@ def test_images_share_by_content_and_train_exactly(monkeypatch):
         vlm.compare_grads(model, want)
         # PrefixFlow: the shared image once (its node's Phase A), path 3's in its leaf; baseline: once per path
         assert stats.vision_runs == (2 if system == "prefixflow" else 3), system
+
+    # negative control: by token ids alone, path 3 reads path 0's image from the shared node
+    with monkeypatch.context() as m:
+        m.setattr("prefixflow.tree.build.content_keys", lambda seqs, inputs: None)
+        wrong = pf.build_tree(seqs, tree.advantages, masks, path_inputs=inputs)
+    model.zero_grad(set_to_none=True)
+    pf.train_group(model, wrong)
+    with pytest.raises(AssertionError):
+        vlm.compare_grads(model, want, tol=1e-6)
