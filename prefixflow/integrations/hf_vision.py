@@ -64,12 +64,6 @@ class VisionLanguageMixin:
     def fsdp_units(self, model):
         raise ValueError("FSDP2 sharding of vision-language models is not available yet")
 
-    def apply_ac(self, model, mode):
-        if mode != "full":
-            raise ValueError(f"AC mode {mode!r}: Hugging Face models checkpoint whole layers: use 'full'")
-        model.model.language_model.gradient_checkpointing = True
-        super().apply_ac(model, mode)
-
     def check(self, model, group) -> None:
         super().check(model, group)
         self.family(model).check_group(model, group)

@@ -121,13 +121,18 @@ class Family:
         pad = next(t for t in range(len(placeholders) + 1) if t not in placeholders)
         return Prepared(positions, items, path_of_node, pad)
 
+    def keys_of(self, model) -> tuple[str, ...]:
+        """The processor keys this model takes."""
+        return self.keys
+
     def _check_keys(self, model, inputs, kind, i) -> None:
         name = "prompt_inputs" if kind == "group" else f"path_inputs[{i}]"
+        keys = self.keys_of(model)
         for key in inputs or {}:
-            if key not in self.keys:
+            if key not in keys:
                 raise ValueError(
                     f"{name}[{key!r}] is not an input of {type(model).__name__}; its processor keys: "
-                    f"{list(self.keys)} (input_ids travel as the group's token ids)"
+                    f"{list(keys)} (input_ids travel as the group's token ids)"
                 )
         mask = (inputs or {}).get("attention_mask")
         if mask is not None and not bool((mask != 0).all()):
@@ -167,6 +172,11 @@ class QwenVL(Family):
     def encoder_modules(self, model):
         return [model.model.visual]
 
+    def keys_of(self, model):
+        if model.config.model_type == "qwen2_5_vl":
+            return self.keys
+        return tuple(k for k in self.keys if k != "second_per_grid_ts")  # Qwen3-VL: timestamps are tokens
+
     def placeholder_ids(self, model):
         c = model.config
         return {c.image_token_id, c.video_token_id}
@@ -191,6 +201,14 @@ class QwenVL(Family):
         inputs = inputs or {}
         ids = {1: config.image_token_id, 2: config.video_token_id}
         n = tokens.numel()
+        for value, token in ids.items():
+            if prompt_len is not None and bool((tokens[prompt_len:] == token).any()):
+                t = int((tokens[prompt_len:] == token).nonzero()[0])
+                kind = "image" if value == 1 else "video"
+                raise ValueError(
+                    f"responses[{index}] holds the {kind} placeholder id {token} (token {t}): images inside a "
+                    "response are not supported; put them in the prompt"
+                )
         present = {k: bool((tokens == ids[k]).any()) for k in ids}
         vision = config.vision_config
         merge = vision.spatial_merge_size
