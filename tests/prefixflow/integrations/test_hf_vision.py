@@ -58,22 +58,27 @@ def _items(model, group):
     return pf.adapter_for(model).prepare_inputs(model, group).items[0]
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 def test_tower_runs_once_per_group(setup):
-    """Counted at the tower itself: PrefixFlow encodes the prompt's patches once, the baseline once per
-    response (microbatch 1: one tower call per full sequence)."""
+    """Counted at the tower itself: PrefixFlow encodes the prompt's patches once and runs the tower's
+    backward once (Phase C), the baseline both once per response (microbatch 1: one call per sequence)."""
     kind, model, group, _ = setup
-    calls = []
+    calls, backwards = [], []
     hook = model.model.visual.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    back = model.model.visual.patch_embed.register_full_backward_hook(lambda m, gi, go: backwards.append(1))
     try:
         patches = sum(int(it.grid.prod()) for it in _items(model, group))
         for system, microbatch, want in (("prefixflow", 1, [patches]), ("baseline", 1, [patches] * group.n)):
             calls.clear()
+            backwards.clear()
             stats = pf.train_group(model, group, system=system, microbatch=microbatch)
             per_kind = len({it.kind for it in _items(model, group)})  # images and videos encode apart
             assert sum(calls) == sum(want) and len(calls) == per_kind * len(want), (system, calls)
+            assert len(backwards) == per_kind * len(want), (system, backwards)
             assert stats.vision_tokens == sum(want)
     finally:
         hook.remove()
+        back.remove()
 
 
 def test_frozen_tower_has_no_backward(setup, monkeypatch):
