@@ -109,7 +109,10 @@ class VisionLanguageMixin:
         """The vision tower on ``items`` (images or videos, in placeholder order), counted; under ``no_grad``
         when no tower parameter trains (a frozen tower keeps no activations and has no backward)."""
         trains = any(p.requires_grad for m in family.encoder_modules(model) for p in m.parameters())
-        with torch.set_grad_enabled(torch.is_grad_enabled() and trains), FlopCounterMode(display=False) as flops:
+        with (
+            torch.set_grad_enabled(torch.is_grad_enabled() and trains),
+            FlopCounterMode(display=False) as flops,
+        ):
             out = family.encode(model, kind, items)
         inputs.counts["tokens"] += sum(it.patches for it in items)
         inputs.counts["flops"] += int(flops.get_total_flops())

@@ -136,7 +136,9 @@ class Family:
                 )
         mask = (inputs or {}).get("attention_mask")
         if mask is not None and not bool((mask != 0).all()):
-            raise ValueError(f"{name}['attention_mask'] masks tokens; pass the prompt unpadded (batch of one)")
+            raise ValueError(
+                f"{name}['attention_mask'] masks tokens; pass the prompt unpadded (batch of one)"
+            )
 
     def _check_cuts(self, kind, cuts, items) -> None:
         """No node boundary may cut an image's placeholder run (its features merge into one node's row)."""
@@ -167,7 +169,10 @@ class QwenVL(Family):
     model_types = ("qwen2_5_vl", "qwen3_vl")
     keys = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids",
             "second_per_grid_ts", "attention_mask")  # fmt: skip
-    _KINDS = (("image", 1, "pixel_values", "image_grid_thw"), ("video", 2, "pixel_values_videos", "video_grid_thw"))
+    _KINDS = (
+        ("image", 1, "pixel_values", "image_grid_thw"),
+        ("video", 2, "pixel_values_videos", "video_grid_thw"),
+    )
 
     def encoder_modules(self, model):
         return [model.model.visual]
@@ -261,7 +266,9 @@ class QwenVL(Family):
                 missing = pix_key if pixels is None else grid_key
                 raise ValueError(f"{name} has {int(holds.sum())} {kind} tokens but no {missing!r}")
             if grids.dim() != 2 or grids.shape[1] != 3:
-                raise ValueError(f"{name}[{grid_key!r}] must be [n_{kind}s, 3] (t, h, w), got {tuple(grids.shape)}")
+                raise ValueError(
+                    f"{name}[{grid_key!r}] must be [n_{kind}s, 3] (t, h, w), got {tuple(grids.shape)}"
+                )
             if pixels.dim() != 2 or pixels.shape[1] != width:
                 raise ValueError(
                     f"{name}[{pix_key!r}] must be [patches, {width}] (channels x temporal x patch^2), got "
@@ -269,7 +276,9 @@ class QwenVL(Family):
                 )
             grids = grids.long()
             if bool((grids < 1).any()) or bool((grids[:, 1:] % merge).any()):
-                raise ValueError(f"{name}[{grid_key!r}] = {grids.tolist()}: h and w must be multiples of {merge}")
+                raise ValueError(
+                    f"{name}[{grid_key!r}] = {grids.tolist()}: h and w must be multiples of {merge}"
+                )
             patches = grids.prod(-1)
             if int(patches.sum()) != pixels.shape[0]:
                 raise ValueError(
@@ -298,7 +307,10 @@ class QwenVL(Family):
         return positions, sorted(items, key=lambda it: it.start)
 
     def _positions(self, model, tokens, types, inputs, name):
-        kwargs = {"image_grid_thw": inputs.get("image_grid_thw"), "video_grid_thw": inputs.get("video_grid_thw")}
+        kwargs = {
+            "image_grid_thw": inputs.get("image_grid_thw"),
+            "video_grid_thw": inputs.get("video_grid_thw"),
+        }
         if "second_per_grid_ts" in inputs:
             kwargs["second_per_grid_ts"] = inputs["second_per_grid_ts"]
         kwargs = {k: None if v is None else v.to(tokens.device) for k, v in kwargs.items()}
@@ -315,4 +327,3 @@ class QwenVL(Family):
                 f"max_position_embeddings={limit}; sample fewer video frames (or raise max_position_embeddings)"
             )
         return positions
-

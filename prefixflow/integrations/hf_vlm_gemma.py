@@ -34,7 +34,10 @@ class Gemma3(Family):
 
     def forward(self, model, ids, positions, encoded):
         out = model.model(
-            input_ids=ids, position_ids=positions[0], mm_encoder_outputs=dict(encoded) or None, use_cache=False
+            input_ids=ids,
+            position_ids=positions[0],
+            mm_encoder_outputs=dict(encoded) or None,
+            use_cache=False,
         )
         return out.last_hidden_state
 
@@ -58,7 +61,9 @@ class Gemma3(Family):
                 "are not supported; put them in the prompt"
             )
         if pixels is None:
-            raise ValueError(f"{name} has no 'pixel_values' for the {int(holds.sum())} image tokens of its sequence")
+            raise ValueError(
+                f"{name} has no 'pixel_values' for the {int(holds.sum())} image tokens of its sequence"
+            )
         types_in = inputs.get("token_type_ids")
         if types_in is None:
             raise ValueError(
@@ -66,13 +71,17 @@ class Gemma3(Family):
                 "both ways only with it; pass the processor's output"
             )
         if types_in.dim() != 2 or types_in.shape[0] != 1 or types_in.shape[1] > n:
-            raise ValueError(f"{name}['token_type_ids'] has shape {tuple(types_in.shape)}; expected [1, prompt tokens]")
+            raise ValueError(
+                f"{name}['token_type_ids'] has shape {tuple(types_in.shape)}; expected [1, prompt tokens]"
+            )
         covered = types_in.shape[1]
         types = torch.zeros(n, dtype=torch.long, device=tokens.device)
         types[:covered] = types_in[0].to(tokens.device).long()
         if bool(holds[covered:].any()):
             t = int(holds[covered:].nonzero()[0]) + covered
-            raise ValueError(f"path {index} holds the image token id at token {t}, past what {name}['token_type_ids'] covers")
+            raise ValueError(
+                f"path {index} holds the image token id at token {t}, past what {name}['token_type_ids'] covers"
+            )
         if not bool(((types == 1) == holds).all()):
             t = int(((types == 1) != holds).nonzero()[0])
             raise ValueError(
@@ -82,9 +91,13 @@ class Gemma3(Family):
         size = int(config.vision_config.image_size)
         want = (int(config.vision_config.num_channels), size, size)
         if pixels.dim() != 4 or tuple(pixels.shape[1:]) != want:
-            raise ValueError(f"{name}['pixel_values'] must be [images, {', '.join(map(str, want))}], got {tuple(pixels.shape)}")
+            raise ValueError(
+                f"{name}['pixel_values'] must be [images, {', '.join(map(str, want))}], got {tuple(pixels.shape)}"
+            )
         runs = _runs(types.tolist(), 1)
-        if sum(e - s for s, e in runs) != pixels.shape[0] * per_image or any(e - s != per_image for s, e in runs):
+        if sum(e - s for s, e in runs) != pixels.shape[0] * per_image or any(
+            e - s != per_image for s, e in runs
+        ):
             raise ValueError(
                 f"the prompt has {int(holds.sum())} image tokens in {len(runs)} runs; {name}['pixel_values'] holds "
                 f"{pixels.shape[0]} images of mm_tokens_per_image={per_image} each"

@@ -38,7 +38,10 @@ class LlavaOnevision(Family):
 
     def forward(self, model, ids, positions, encoded):
         out = model.model(
-            input_ids=ids, position_ids=positions[0], mm_encoder_outputs=dict(encoded) or None, use_cache=False
+            input_ids=ids,
+            position_ids=positions[0],
+            mm_encoder_outputs=dict(encoded) or None,
+            use_cache=False,
         )
         return out.last_hidden_state
 
@@ -69,7 +72,9 @@ class LlavaOnevision(Family):
         positions = torch.arange(n, device=tokens.device).view(1, -1)
         holds = tokens == image_id
         if bool((tokens == int(config.video_token_id)).any()):
-            raise ValueError(f"path {index} holds video tokens; LLaVA-OneVision video prompts are not supported yet")
+            raise ValueError(
+                f"path {index} holds video tokens; LLaVA-OneVision video prompts are not supported yet"
+            )
         pixels, sizes = inputs.get("pixel_values"), inputs.get("image_sizes")
         if not bool(holds.any()) and pixels is None:
             return positions, []
@@ -81,9 +86,15 @@ class LlavaOnevision(Family):
             )
         for key, value in (("pixel_values", pixels), ("image_sizes", sizes)):
             if value is None:
-                raise ValueError(f"{name} has no {key!r} for the {int(holds.sum())} image tokens of its sequence")
+                raise ValueError(
+                    f"{name} has no {key!r} for the {int(holds.sum())} image tokens of its sequence"
+                )
         size = int(config.vision_config.image_size)
-        if pixels.dim() != 5 or tuple(pixels.shape[2:]) != (int(config.vision_config.num_channels), size, size):
+        if pixels.dim() != 5 or tuple(pixels.shape[2:]) != (
+            int(config.vision_config.num_channels),
+            size,
+            size,
+        ):
             raise ValueError(f"{name}['pixel_values'] must be [images, tiles, channels, {size}, {size}], got "
                              f"{tuple(pixels.shape)}")  # fmt: skip
         if sizes.dim() != 2 or tuple(sizes.shape) != (pixels.shape[0], 2):
@@ -92,7 +103,9 @@ class LlavaOnevision(Family):
         per_sample = inputs.get("batch_num_images")
         count = pixels.shape[0]
         if per_sample is not None and per_sample.reshape(-1).tolist() != [count]:
-            raise ValueError(f"{name}['batch_num_images'] = {per_sample.tolist()}; a prompt alone has [{count}]")
+            raise ValueError(
+                f"{name}['batch_num_images'] = {per_sample.tolist()}; a prompt alone has [{count}]"
+            )
         tiled = [count == 1 or per_sample is None] * count
         lens, tiles = self._layout(model, sizes.cpu(), tiled)
         if max(tiles) > pixels.shape[1]:
@@ -113,7 +126,9 @@ class LlavaOnevision(Family):
                 raise ValueError(f"{name}: image {k}'s {length} placeholder tokens are not contiguous")
             patches = tiles[k] * (size // int(config.vision_config.patch_size)) ** 2
             images = count if per_sample is not None else 1
-            items.append(Item("image", span[0], span[-1] + 1, pixels[k], sizes[k], patches, {"images": images}))
+            items.append(
+                Item("image", span[0], span[-1] + 1, pixels[k], sizes[k], patches, {"images": images})
+            )
             at += length
         return positions, items
 

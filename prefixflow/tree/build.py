@@ -78,7 +78,9 @@ def build_tree(
     ref_logprobs = check_logprobs("ref_logprobs", ref_logprobs, lengths)
     if path_inputs is not None:
         if not isinstance(path_inputs, (list, tuple)) or len(path_inputs) != len(seqs):
-            raise ValueError(f"path_inputs must be None or a list of {len(seqs)} dicts (or None), one per sequence")
+            raise ValueError(
+                f"path_inputs must be None or a list of {len(seqs)} dicts (or None), one per sequence"
+            )
         path_inputs = [check_inputs(f"path_inputs[{i}]", x) for i, x in enumerate(path_inputs)]
     keys = content_keys(seqs, path_inputs)
     roots = _merge_short(_compressed_trie(seqs, keys), None if auto else min_shared_tokens)

@@ -53,7 +53,7 @@ class MaskRules:
             at, col = (b, 0) if padded else (0, offset)
             qpos[at, col : col + lens[b]] = r.first_position + torch.arange(lens[b])
             path = r.path if r.path >= 0 else self.path_of_node.get(r.nodes[0], -1)
-            for s, e in (self.blocks[path] if self.blocks and path >= 0 else []):
+            for s, e in self.blocks[path] if self.blocks and path >= 0 else []:
                 s, e = max(s, r.first_position), min(e, r.first_position + lens[b])
                 if e - s > 1:
                     spans.append((at, col, s - r.first_position, e - r.first_position))

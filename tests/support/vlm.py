@@ -39,13 +39,15 @@ def build_qwen(kind: str = "qwen2_5_vl", seed: int = 0, dtype=torch.float64):
     if kind == "qwen2_5_vl":
         config = Qwen2_5_VLConfig(
             text_config=_text(rope_parameters=rope),
-            vision_config={**vision, "window_size": 56, "fullatt_block_indexes": [1]}, **ids,
+            vision_config={**vision, "window_size": 56, "fullatt_block_indexes": [1]},
+            **ids,
         )
         cls = Qwen2_5_VLForConditionalGeneration
     else:
         config = Qwen3VLConfig(
             text_config=_text(head_dim=16, rope_parameters={**rope, "mrope_interleaved": True}),
-            vision_config={**vision, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}, **ids,
+            vision_config={**vision, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+            **ids,
         )
         cls = Qwen3VLForConditionalGeneration
     torch.manual_seed(seed)
@@ -223,7 +225,6 @@ def neutralise_fp32(model, monkeypatch) -> None:
         monkeypatch.setattr(module, "apply_rotary_pos_emb_vision", rotary)
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm"):
-
             gemma = type(module).__name__.startswith("Gemma")  # (1 + w) x / rms(x)
             eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
 
@@ -245,7 +246,9 @@ def compare_grads(model, ref: dict, tol: float = 1e-9) -> float:
     scale = max(float(g.abs().max()) for g in ref.values() if g is not None)
     for name, p in model.named_parameters():
         want = ref[name]
-        assert (p.grad is None) == (want is None), f"{name}: grad is {p.grad is None}, reference {want is None}"
+        assert (p.grad is None) == (want is None), (
+            f"{name}: grad is {p.grad is None}, reference {want is None}"
+        )
         if want is None:
             continue
         if name.endswith("k_proj.bias") and float(want.abs().max()) <= 1e-10 * scale:

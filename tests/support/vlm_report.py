@@ -37,7 +37,9 @@ def cases():
 def main() -> None:
     runs = [("prefixflow", layout, mb) for layout in ("padded", "packed") for mb in (None, 1, 2)]
     runs.append(("baseline", "padded", None))
-    print("| model | loss ratio | worst gradient ratio | tower (PrefixFlow / baseline): patches, runs, GFLOP |")
+    print(
+        "| model | loss ratio | worst gradient ratio | tower (PrefixFlow / baseline): patches, runs, GFLOP |"
+    )
     print("|---|---|---|---|")
     for name, model, prompt, inputs in cases():
         with pytest.MonkeyPatch.context() as mp:
@@ -53,8 +55,10 @@ def main() -> None:
                 grad_ratio = max(grad_ratio, vlm.compare_grads(model, want))
                 seen[system] = (stats.vision_tokens, stats.vision_runs, stats.vision_flops / 1e9)
         pfs, base = seen["prefixflow"], seen["baseline"]
-        print(f"| {name} | {loss_ratio:.1e} | {grad_ratio:.1e} | {pfs[0]}, {pfs[1]}, {pfs[2]:.4f} / "
-              f"{base[0]}, {base[1]}, {base[2]:.4f} |")
+        print(
+            f"| {name} | {loss_ratio:.1e} | {grad_ratio:.1e} | {pfs[0]}, {pfs[1]}, {pfs[2]:.4f} / "
+            f"{base[0]}, {base[1]}, {base[2]:.4f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-import prefixflow as pf  # noqa: E402  (only `import prefixflow`: the HF adapters load through its entry point)
 from support import vlm  # noqa: E402
+
+import prefixflow as pf  # noqa: E402  (only `import prefixflow`: the HF adapters load through its entry point)
 
 KINDS = ("qwen2_5_vl", "qwen3_vl")
 
@@ -90,7 +91,9 @@ def test_frozen_tower_has_no_backward(setup, monkeypatch):
     _, inputs = make_group(kind)
     want_loss, want = vlm.reference_pg(model, group, inputs)
     seen = []
-    hook = model.model.visual.register_forward_hook(lambda m, a, out: seen.append(out.pooler_output.requires_grad))
+    hook = model.model.visual.register_forward_hook(
+        lambda m, a, out: seen.append(out.pooler_output.requires_grad)
+    )
     try:
         model.zero_grad(set_to_none=True)
         stats = pf.train_group(model, group, microbatch=2)

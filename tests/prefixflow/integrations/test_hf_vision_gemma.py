@@ -10,8 +10,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-import prefixflow as pf  # noqa: E402
 from support import vlm  # noqa: E402
+
+import prefixflow as pf  # noqa: E402
 
 
 @pytest.fixture
@@ -67,4 +68,6 @@ def test_missing_token_type_ids_is_refused(setup):
         pf.train_group(model, bad)
     few = {**group.prompt_inputs, "pixel_values": group.prompt_inputs["pixel_values"][:1]}
     with pytest.raises(ValueError, match="pixel_values"):
-        pf.train_group(model, pf.RolloutGroup(group.prompt, group.responses, group.advantages, prompt_inputs=few))
+        pf.train_group(
+            model, pf.RolloutGroup(group.prompt, group.responses, group.advantages, prompt_inputs=few)
+        )

@@ -7,9 +7,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+from support import vlm  # noqa: E402
+
 import prefixflow as pf  # noqa: E402
 from prefixflow.schedule.driver import check_group  # noqa: E402
-from support import vlm  # noqa: E402
 
 WIDTH = 3 * vlm.TPATCH * vlm.PATCH**2
 
@@ -41,8 +42,13 @@ def _cases():
     ends = (p[:cut], x | {"mm_token_type_ids": x["mm_token_type_ids"][:, :cut]})
     return {
         # image tokens vs pixel inputs: the count, the grid
-        "token count": (*_image(image_grid_thw=torch.tensor([[1, 4, 8]]),
-                                pixel_values=torch.randn(32, WIDTH, dtype=torch.float64)), "image_grid_thw"),
+        "token count": (
+            *_image(
+                image_grid_thw=torch.tensor([[1, 4, 8]]),
+                pixel_values=torch.randn(32, WIDTH, dtype=torch.float64),
+            ),
+            "image_grid_thw",
+        ),
         "grid vs pixels": (*_image(pixel_values=torch.randn(20, WIDTH, dtype=torch.float64)), "pixel_values"),
         "pixel width": (*_image(pixel_values=torch.randn(16, 7, dtype=torch.float64)), "pixel_values"),
         "type ids": (p, x | {"mm_token_type_ids": types}, "mm_token_type_ids"),

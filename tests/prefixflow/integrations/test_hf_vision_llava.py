@@ -9,8 +9,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-import prefixflow as pf  # noqa: E402
 from support import vlm  # noqa: E402
+
+import prefixflow as pf  # noqa: E402
 
 
 @pytest.mark.parametrize("sizes", [((28, 50),), ((28, 50), (40, 28))], ids=["tiled", "two-images"])

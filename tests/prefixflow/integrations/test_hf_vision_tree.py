@@ -10,8 +10,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-import prefixflow as pf  # noqa: E402
 from support import vlm  # noqa: E402
+
+import prefixflow as pf  # noqa: E402
 
 GRID = (1, 4, 4)
 
@@ -31,7 +32,9 @@ def _sequences():
             inputs.append(None)
             continue
         types = (seq == vlm.IMAGE).long().unsqueeze(0)
-        inputs.append({"pixel_values": image, "image_grid_thw": torch.tensor([GRID]), "mm_token_type_ids": types})
+        inputs.append(
+            {"pixel_values": image, "image_grid_thw": torch.tensor([GRID]), "mm_token_type_ids": types}
+        )
     prompt_lens = [len(turn1) + len(a) + len(block) + len(q)] * 2 + [len(turn1) + len(b), None]
     prompt_lens[3] = prompt_lens[0]
     masks = [torch.arange(len(s)) >= p for s, p in zip(seqs, prompt_lens, strict=True)]
