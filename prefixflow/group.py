@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree.rollout_tree import RolloutTree, check_loss_mask
+from .tree.rollout_tree import RolloutTree, check_inputs, check_loss_mask
 
 __all__ = ["RolloutGroup", "RoutingMasks", "check_routing_masks", "synthetic_group"]
 
@@ -152,6 +152,9 @@ class RolloutGroup:
     recorded MoE routing (:class:`prefixflow.RoutingMasks`: one prefix mask, per-response suffix masks) that
     both systems replay. ``loss_masks``: optional list of N bool Tensor[S_i], True where a response token
     carries loss (False e.g. on tool output); a group with masks trains as its tree (:meth:`as_tree`).
+    ``prompt_inputs``: optional dict of the extra forward keywords a multimodal model's processor returns for
+    the prompt alone (batch of one), named as the model names them (Qwen-VL: ``pixel_values``,
+    ``image_grid_thw``, ``mm_token_type_ids``, ...; docs/multimodal.md); the model's adapter checks them.
     Validated on construction.
     """
 
@@ -162,9 +165,11 @@ class RolloutGroup:
     ref_logprobs: list[torch.Tensor] | None = None
     routing: RoutingMasks | None = None
     loss_masks: list[torch.Tensor] | None = None
+    prompt_inputs: dict[str, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.prompt = _check_tokens("prompt", self.prompt)
+        self.prompt_inputs = check_inputs("prompt_inputs", self.prompt_inputs)
         if isinstance(self.responses, torch.Tensor) or not isinstance(self.responses, (list, tuple)):
             raise TypeError("responses must be a list of 1-D LongTensors (one per response)")
         if len(self.responses) == 0:
@@ -282,6 +287,7 @@ class RolloutGroup:
             move(self.ref_logprobs),
             None if self.routing is None else self.routing.to(device),
             move(self.loss_masks),
+            None if self.prompt_inputs is None else {k: v.to(device) for k, v in self.prompt_inputs.items()},
         )
 
     def as_tree(self) -> RolloutTree:
@@ -303,6 +309,7 @@ class RolloutGroup:
         return RolloutTree(
             [self.prompt, *self.responses], [-1] + [0] * self.n, list(range(1, self.n + 1)), self.advantages,
             masks, padded(self.old_logprobs), padded(self.ref_logprobs),
+            path_inputs=None if self.prompt_inputs is None else [self.prompt_inputs] * self.n,
         )  # fmt: skip
 
 

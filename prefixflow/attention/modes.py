@@ -120,6 +120,8 @@ class NodeAttention:
       row sees every key, ``keys_visible``) and one over the own keys (plain causal when ``causal_own``: the
       padded layout, tokens not sharded), merged by log-sum-exp. Both run under the model's ``sdpa_kernel``
       backend list (:func:`sdpa_backends`).
+    - ``layer_masks``: per layer index, a mask that replaces ``mask`` there (a sliding window's); such a layer
+      runs the concat variant.
     """
 
     def __init__(
@@ -134,12 +136,14 @@ class NodeAttention:
         variant: str = "concat",
         causal_own: bool = False,
         keys_visible: bool = True,
+        layer_masks: dict[int, torch.Tensor] | None = None,
     ) -> None:
         if variant not in ATTENTION_VARIANTS:
             raise ValueError(f"attention variant {variant!r} unknown; valid: {ATTENTION_VARIANTS}")
         self.keys, self.mask, self.rows, self.sequence = keys, mask, rows, sequence
         self.capture, self.stop_after, self.variant = capture, stop_after, variant
         self.lazy = getattr(keys, "lazy", False)
+        self.layer_masks = layer_masks or {}
         self._own_mask = self._split_mask = self._keys_mask = None
         if variant == "split" and mask is not None:
             n_own = mask.shape[-2] if sequence is None else sequence.length
@@ -174,7 +178,8 @@ class NodeAttention:
         if cached is None and self.mask is None and self.sequence is None:
             return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
         k, v = _whole_sequence(self.sequence, k, v)
-        if cached is not None and self.variant == "split":
+        mask = self.layer_masks.get(wrapper.layer, self.mask)
+        if cached is not None and self.variant == "split" and mask is self.mask:
             return split_attention(
                 q, k, v, *cached, self._own_mask, scale=scale, prepared=self._split_mask,
                 keys_mask=self._keys_mask, backends=sdpa_backends(wrapper),
@@ -183,7 +188,7 @@ class NodeAttention:
             b = q.shape[0]
             k = torch.cat([cached[0].expand(b, -1, -1, -1), k], dim=2)  # b copies of the cached K/V
             v = torch.cat([cached[1].expand(b, -1, -1, -1), v], dim=2)
-        return _masked_sdpa(wrapper, q, k, v, self.mask, scale, enable_gqa)
+        return _masked_sdpa(wrapper, q, k, v, mask, scale, enable_gqa)
 
 
 def _dtype_of(keys) -> torch.dtype | None:
@@ -211,12 +216,14 @@ class MaskedAttention:
     """Plain attention under an explicit mask (the baseline's packed layout; under the model's backend list);
     with neither a mask nor a sequence exchange it is the wrapped module's own causal attention."""
 
-    def __init__(self, mask: torch.Tensor, sequence=None) -> None:
+    def __init__(self, mask: torch.Tensor, sequence=None, layer_masks=None) -> None:
         self.mask = mask
         self.sequence = sequence  # the microbatch's sequence exchange when its tokens are sharded
+        self.layer_masks = layer_masks or {}  # per layer, a mask in place of ``mask`` (sliding windows)
 
     def __call__(self, wrapper: PrefixAwareAttention, q, k, v, *, scale, enable_gqa):
         if self.mask is None and self.sequence is None:
             return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
         k, v = _whole_sequence(self.sequence, k, v)
-        return _masked_sdpa(wrapper, q, k, v, self.mask, scale, enable_gqa)
+        mask = self.layer_masks.get(wrapper.layer, self.mask)
+        return _masked_sdpa(wrapper, q, k, v, mask, scale, enable_gqa)

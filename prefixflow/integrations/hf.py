@@ -39,6 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from ..attention.modes import AttentionState, PrefixAwareAttention
 from ..model.adapters import ModelAdapter, register_adapter
 from ..runtime import runtime_of
+from ..tree.masks import MaskRules
 from .hf_configs import (
     DROPOUT_CONFIG_FIELDS,
     HF_MODELS,
@@ -48,12 +49,15 @@ from .hf_configs import (
     list_hf_models,
 )
 from .hf_state import boundary_layers, install_boundaries
+from .hf_vision import VLM_MODEL_TYPES, VisionLanguageMixin
 
 __all__ = [
     "ATTENTION_NAME",
     "VERIFIED_MODEL_TYPES",
     "HF_MODELS",
     "HFAdapter",
+    "VLM_MODEL_TYPES",
+    "VisionLanguageAdapter",
     "build_hf_model",
     "hf_config",
     "list_hf_models",
@@ -108,6 +112,7 @@ class HFAdapter(ModelAdapter):
     embeddings as LM head. Attention enters through the registered ``"prefixflow"`` implementation."""
 
     name = "hf"
+    verified_types = VERIFIED_MODEL_TYPES
 
     def matches(self, model: nn.Module) -> bool:
         return isinstance(model, PreTrainedModel) and hasattr(getattr(model, "base_model", None), "layers")
@@ -136,9 +141,9 @@ class HFAdapter(ModelAdapter):
 
     def wrap_attention(self, model, state: AttentionState) -> int:
         config = model.config
-        if config.model_type not in VERIFIED_MODEL_TYPES:
+        if config.model_type not in self.verified_types:
             raise ValueError(
-                f"PrefixFlow's HF adapter is verified on model types {VERIFIED_MODEL_TYPES}; this model is "
+                f"PrefixFlow's HF adapter is verified on model types {self.verified_types}; this model is "
                 f"{config.model_type!r}. A type needs decoder layers whose self_attn calls transformers' attention "
                 "interface after RoPE, no logit transform outside lm_head, and an fp64 equivalence test "
                 "(tests/prefixflow/integrations/test_hf.py) before it joins VERIFIED_MODEL_TYPES"
@@ -171,15 +176,26 @@ class HFAdapter(ModelAdapter):
         layers = boundary_layers(model.config.get_text_config(), self.blocks(model), self.state_rule)
         return [m for kind, m, _, _ in layers if kind == "attention"]
 
-    def check(self, model, group) -> None:
-        longest = max(group.path_lens)
+    def windows(self, model) -> dict[int, int]:
+        """The sliding window of each windowed attention layer, by wrapped layer index (transformers'
+        semantics: a query at ``q`` sees keys ``k > q - window``)."""
+        default = getattr(model.config.get_text_config(), "sliding_window", None)
+        out = {}
         for attention in self.attentions(model):
-            window = getattr(attention, "sliding_window", getattr(model.config, "sliding_window", None))
-            if window is not None and longest > window:
-                raise ValueError(
-                    f"the longest sequence has {longest} tokens, more than the model's sliding_window={window}; "
-                    "PrefixFlow attends to the whole cached prefix (shorten the group or disable the window)"
-                )
+            window = getattr(attention, "sliding_window", default)
+            wrapper = attention.__dict__.get(_WRAPPER)
+            if window is not None and wrapper is not None:
+                out[wrapper.layer] = int(window)
+        return out
+
+    def mask_rules(self, model, tree, inputs):
+        """Sliding windows the tree's paths outgrow: each windowed layer's queries see only the keys, cached
+        prefix keys included, inside their window (prefixflow.tree.masks)."""
+        longest = max(tree.path_lens)
+        windows = {layer: w for layer, w in self.windows(model).items() if longest > w}
+        return MaskRules(windows) if windows else None
+
+    def check(self, model, group) -> None:
         for field in DROPOUT_CONFIG_FIELDS:
             if model.training and float(getattr(model.config, field, 0.0) or 0.0) > 0:
                 raise ValueError(
@@ -237,7 +253,13 @@ def enable_checkpointing(model, *, use_reentrant: bool) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
 
 
+class VisionLanguageAdapter(VisionLanguageMixin, HFAdapter):
+    """Vision-language ``*ForConditionalGeneration`` models (:data:`VLM_MODEL_TYPES`): images and video in the
+    shared prompt, the vision tower once per group (:mod:`prefixflow.integrations.hf_vision`)."""
+
+
 register_adapter(HFAdapter())
+register_adapter(VisionLanguageAdapter())
 
 
 # -- building HF models from configs (random weights, no download) ------------------------------------------

@@ -69,6 +69,9 @@ class ModelAdapter:
     def max_seq_len(self, model: nn.Module) -> int:
         raise NotImplementedError
 
+    #: Whether the family takes multimodal inputs (``RolloutGroup.prompt_inputs``, ``RolloutTree.path_inputs``).
+    takes_inputs = False
+
     #: The config field that bounds the sequence length, named in the error for a too-long sequence.
     max_seq_len_field = "max_seq_len"
 
@@ -93,6 +96,27 @@ class ModelAdapter:
     def check(self, model: nn.Module, group) -> None:
         """Family-specific validation of a group before any gradient changes (default: none)."""
         return None
+
+    def prepare_inputs(self, model: nn.Module, tree) -> object:
+        """The per-call state of a tree with ``path_inputs`` (multimodal prompts): whatever
+        :meth:`rows_hidden` reads. Raise ``ValueError`` naming the field for inputs the model cannot take,
+        before any gradient changes. Default: a family without multimodal inputs refuses them."""
+        raise ValueError(
+            f"prompt_inputs / path_inputs carry multimodal inputs; {type(model).__name__} ({self.name} adapter) "
+            "takes none: drop them, or use a vision-language model (docs/multimodal.md)"
+        )
+
+    def mask_rules(self, model: nn.Module, tree, inputs: object):
+        """Attention beyond causal for this call (a :class:`~prefixflow.tree.masks.MaskRules`: sliding windows
+        that the tree's paths outgrow, bidirectional spans), or None (default: plain causal)."""
+        return None
+
+    def rows_hidden(self, model: nn.Module, mb, inputs: object, *, final_norm: bool = True) -> torch.Tensor:
+        """Hidden states of a laid-out microbatch ``mb`` (a :class:`~prefixflow.tree.layouts.Microbatch`;
+        ``mb.rows`` says which tokens of which path each row holds) with ``inputs`` = what
+        :meth:`prepare_inputs` returned for the call. Multimodal families override it; by default the rows
+        need nothing beyond their tokens and positions."""
+        return self.hidden(model, mb.tokens, mb.positions, final_norm=final_norm)
 
     def apply_ac(self, model: nn.Module, mode: str) -> None:
         """Activation checkpointing ``"selective"`` or ``"full"`` on every block, in place."""

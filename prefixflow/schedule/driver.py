@@ -218,6 +218,19 @@ def resolve(
                 f"loss_config.{option} needs each response's tokens on one rank; "
                 "context parallelism spreads them over the CP group (use 'token')"
             )
+    if tree.path_inputs is not None:
+        if runtime.stage is not None or hooks.shards_sequences:
+            raise ValueError(
+                "multimodal inputs (prompt_inputs / path_inputs) train on one device or under data parallelism; "
+                "pipeline stages and context parallelism do not carry them yet"
+            )
+        run.inputs = runtime.adapter.prepare_inputs(model, tree)
+    run.masks = runtime.adapter.mask_rules(model, tree, run.inputs)
+    if run.masks is not None and (runtime.stage is not None or hooks.shards_sequences):
+        raise ValueError(
+            "this group needs sliding-window or bidirectional attention masks, which pipeline stages and context "
+            "parallelism do not carry yet; shorten the group below the window"
+        )
     share = share or GroupShare()
     paths = share.paths(tree.n)
     run.paths, run.computes_prefix = frozenset(paths), share.computes_prefix()

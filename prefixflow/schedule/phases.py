@@ -150,6 +150,8 @@ def _microbatch(run: GroupRun, rows: list[Row], layout: str) -> tuple[Microbatch
     and the cached nodes they read."""
     keys = run.rows.key_nodes(rows)
     mb = lay_out(rows, keys, [run.tree.node_len(j) for j in range(run.tree.n_nodes)], layout, run.device)
+    if run.masks is not None:  # sliding windows, bidirectional blocks (prefixflow.tree.masks)
+        mb = run.masks.apply(mb, keys, run.tree)
     run.counters.trunk_tokens += mb.n_tokens
     return run.hooks.shard(mb), keys
 
@@ -158,7 +160,7 @@ def _attention(run: GroupRun, caches: NodeCaches, mb: Microbatch, keys: list[int
     return NodeAttention(
         caches.keys(keys), mb.mask, rows=mb.rows, sequence=mb.sequence,
         variant=run.runtime.config.attention_for(run.device), causal_own=mb.causal_suffix,
-        keys_visible=mb.keys_visible, **kw,
+        keys_visible=mb.keys_visible, layer_masks=mb.layer_masks, **kw,
     )  # fmt: skip
 
 
@@ -244,7 +246,7 @@ def path_microbatches(run: GroupRun) -> float:
 
     def build(chunk):
         mb, _ = _microbatch(run, [run.rows.full_row(i) for i in chunk], run.layout)
-        return mb, MaskedAttention(mb.mask, mb.sequence) if mb.mask is not None else None
+        return mb, MaskedAttention(mb.mask, mb.sequence, mb.layer_masks) if mb.mask is not None else None
 
     return run.stage.microbatches(run, build)
 

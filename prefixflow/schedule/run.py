@@ -16,6 +16,7 @@ from torch import nn
 from ..loss import LossConfig
 from ..memory.budget import BudgetChunks, FixedChunks
 from ..runtime import PrefixFlowRuntime
+from ..tree.masks import MaskRules
 from ..tree.plan import TreeRows
 from ..tree.rollout_tree import PathLosses, RolloutTree
 
@@ -82,9 +83,12 @@ class GroupRun:
     :class:`~prefixflow.hooks.HookChain`); ``paths``: the paths this rank trains (its share's: a split
     group's part holds some); ``computes_prefix``: this rank runs the cached nodes (a split group's helper
     receives them), each once even if none of ``paths`` reads it; ``chunks``: this rank's Phase-B
-    microbatches (path indices); ``loss_data``: what the loss reads per path; ``caches``: the cached nodes' caches while PrefixFlow runs (a
-    :class:`~prefixflow.schedule.caches.NodeCaches`); ``scores``: set for a forward-only call. (The stage,
-    hooks and caches sit above this module, so they are typed where they are defined.)"""
+    microbatches (path indices); ``loss_data``: what the loss reads per path; ``caches``: the cached nodes'
+    caches while PrefixFlow runs (a :class:`~prefixflow.schedule.caches.NodeCaches`); ``scores``: set for a
+    forward-only call; ``inputs``: a multimodal tree's per-call state from its adapter's ``prepare_inputs``
+    (None: token ids only); ``masks``: attention beyond causal (sliding windows, bidirectional blocks) from its
+    adapter's ``mask_rules``. (The stage, hooks and caches sit above this module, so they are typed where they
+    are defined.)"""
 
     model: nn.Module
     runtime: PrefixFlowRuntime
@@ -104,3 +108,5 @@ class GroupRun:
     counters: RunCounters = field(default_factory=RunCounters)
     caches: Any = None
     scores: Scores | None = None
+    inputs: Any = None
+    masks: MaskRules | None = None

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Stage",
     "forward_hidden",
+    "forward_rows",
     "loss_logprobs",
     "microbatch_objective",
     "logprob_objective",
@@ -41,6 +42,14 @@ def forward_hidden(
 ):
     """The model's forward without the LM head (embeddings, blocks, final norm), through its adapter."""
     return adapter_for(model).hidden(model, tokens, positions, final_norm=final_norm)
+
+
+def forward_rows(run: GroupRun, mb: Microbatch, *, final_norm=True) -> torch.Tensor:
+    """:func:`forward_hidden` of a laid-out microbatch; a multimodal tree's rows go through the adapter's
+    ``rows_hidden`` with the call's prepared inputs (images merged, the model's own positions)."""
+    if run.inputs is None:
+        return forward_hidden(run.model, mb.tokens, mb.positions, final_norm=final_norm)
+    return run.runtime.adapter.rows_hidden(run.model, mb, run.inputs, final_norm=final_norm)
 
 
 def attention_mode(run: GroupRun, mode):
@@ -107,7 +116,7 @@ class Stage:
     def node_forward(self, run: GroupRun, j: int, mb: Microbatch) -> torch.Tensor | None:
         """Phase A's forward of cached node ``j``'s row (the caller set the attention mode); its hidden states
         where this stage holds the LM head (the node's scores read them), else None."""
-        return forward_hidden(run.model, mb.tokens, mb.positions, final_norm=run.rows.scores(j) > 0)
+        return forward_rows(run, mb, final_norm=run.rows.scores(j) > 0)
 
     def microbatches(self, run: GroupRun, build: Callable[[list[int]], tuple], chunks=None) -> float:
         """Forward, objective and backward of every microbatch of ``run.chunks`` (or of ``chunks``: ``(index
@@ -118,7 +127,7 @@ class Stage:
             with run.chunks.measure(index):
                 mb, mode = build(chunk)
                 with attention_mode(run, mode), run.hooks.microbatch(mb):
-                    hidden = forward_hidden(run.model, mb.tokens, mb.positions)
+                    hidden = forward_rows(run, mb)
                     if run.scores is not None:
                         keep_scores(run, mb, hidden)
                         continue

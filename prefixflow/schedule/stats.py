@@ -35,6 +35,11 @@ class GroupStats:
         None  # microbatch="auto": budget, measured footprint, chosen sizes (prefixflow.memory.budget)
     )
     tree: dict | None = None  # a prefix tree: nodes, unique tokens, per-node times, peak live nodes
+    # Multimodal groups: the vision encoder's input tokens (patches) run, its forward FLOPs (FlopCounterMode),
+    # and how many times it ran (PrefixFlow: once per node with images; the baseline: once per path).
+    vision_tokens: int = 0
+    vision_flops: int = 0
+    vision_runs: int = 0
 
     @property
     def total_s(self) -> float:
@@ -62,9 +67,12 @@ def group_stats(run: GroupRun, share, value: float, times, offload: OffloadStats
             "peak_live_nodes": counters.peak_live_nodes,
             "peak_cache_bytes": counters.peak_cache_bytes,
         }
+    vision = getattr(run.inputs, "counts", None) or {}
     return GroupStats(
         run.system, run.layout, value, n_microbatches, prefix, suffix, counters.trunk_tokens, times,
         offload, hooks={**run.hooks.stats(), **run.stage.stats()}, plan=run.chunks.stats, tree=summary,
+        vision_tokens=vision.get("tokens", 0), vision_flops=vision.get("flops", 0),
+        vision_runs=vision.get("runs", 0),
     )  # fmt: skip
 
 

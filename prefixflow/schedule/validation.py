@@ -74,6 +74,13 @@ def validate_call(model: nn.Module, group, system: str, layout: str, microbatch,
     if isinstance(group, RolloutTree):
         _check_recurrent_nodes(model, group)
     adapter = adapter_for(model)
+    inputs = group.prompt_inputs if isinstance(group, RolloutGroup) else group.path_inputs
+    if inputs is not None and not adapter.takes_inputs:
+        field = "prompt_inputs" if isinstance(group, RolloutGroup) else "path_inputs"
+        raise ValueError(
+            f"{field} carries multimodal inputs; {type(model).__name__} ({adapter.name} adapter) takes none: "
+            "drop them, or train a vision-language model (docs/multimodal.md)"
+        )
     group.check_fits(adapter.vocab_size(model), adapter.max_seq_len(model), adapter.max_seq_len_field)
     group.check_representable(compute_dtype(model))
     adapter.check(model, group)

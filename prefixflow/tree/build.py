@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .rollout_tree import RolloutTree, check_logprobs, check_loss_mask, check_tokens
+from .media import content_keys
+from .rollout_tree import RolloutTree, check_inputs, check_logprobs, check_loss_mask, check_tokens
 
 __all__ = ["AUTO_NODE_COST_TOKENS", "build_tree"]
 
@@ -40,6 +41,7 @@ def build_tree(
     old_logprobs: list[torch.Tensor] | None = None,
     ref_logprobs: list[torch.Tensor] | None = None,
     min_shared_tokens: int | str = 1,
+    path_inputs: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> RolloutTree:
     """The prefix tree of ``sequences`` (N unpadded 1-D token tensors); path ``i`` is ``sequences[i]``.
 
@@ -51,6 +53,11 @@ def build_tree(
     :data:`AUTO_NODE_COST_TOKENS` (heirs: its children, plus one for paths ending at it). Duplicate sequences and a
     sequence that is a prefix of another are paths ending at a shared or internal node; sequences that share
     no first token make a forest.
+
+    ``path_inputs``: per sequence, the multimodal forward inputs its processor returned for it (batch of one;
+    :class:`RolloutTree`'s ``path_inputs``). Different images share placeholder ids, so paths share a node
+    only where their token ids and their images, compared by content, agree
+    (:func:`~prefixflow.tree.media.content_keys`).
     """
     if isinstance(sequences, torch.Tensor) or not isinstance(sequences, (list, tuple)) or not sequences:
         raise TypeError("sequences must be a non-empty list of 1-D LongTensors (unpadded token ids)")
@@ -71,18 +78,27 @@ def build_tree(
     ]
     old_logprobs = check_logprobs("old_logprobs", old_logprobs, lengths)
     ref_logprobs = check_logprobs("ref_logprobs", ref_logprobs, lengths)
-    roots = _merge_short(_compressed_trie(seqs), None if auto else min_shared_tokens)
+    if path_inputs is not None:
+        if not isinstance(path_inputs, (list, tuple)) or len(path_inputs) != len(seqs):
+            raise ValueError(
+                f"path_inputs must be None or a list of {len(seqs)} dicts (or None), one per sequence"
+            )
+        path_inputs = [check_inputs(f"path_inputs[{i}]", x) for i, x in enumerate(path_inputs)]
+    codes, decode = _encoded(seqs, content_keys(seqs, path_inputs))
+    roots = _merge_short(_compressed_trie(codes), None if auto else min_shared_tokens)
     segments, parents, path_ends = [], [], [0] * len(seqs)
     stack = [(r, -1) for r in reversed(roots)]
     while stack:  # number the nodes top-down (preorder)
         node, parent = stack.pop()
         j = len(segments)
-        segments.append(torch.from_numpy(np.ascontiguousarray(node.tokens, dtype=np.int64)).clone())
+        segments.append(torch.from_numpy(decode(node.tokens)))
         parents.append(parent)
         for i in node.ends:
             path_ends[i] = j
         stack.extend((c, j) for c in reversed(node.children))
-    return RolloutTree(segments, parents, path_ends, advantages, masks, old_logprobs, ref_logprobs)
+    return RolloutTree(
+        segments, parents, path_ends, advantages, masks, old_logprobs, ref_logprobs, path_inputs=path_inputs
+    )
 
 
 def _after_common_prefix(seqs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -101,12 +117,39 @@ def _after_common_prefix(seqs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.arange(int(s.numel())) >= max(common, 1) for s in seqs]
 
 
-def _compressed_trie(seqs: list[torch.Tensor]) -> list[_Node]:
-    """The trie of ``seqs`` with every unary run one node (a radix trie: each sequence is inserted run by run,
-    a node split where a sequence branches off or ends inside it). Returns the roots."""
+def _encoded(seqs: list[torch.Tensor], keys: list[list] | None):
+    """The sequences as int64 arrays the trie compares, and the function that turns a node's codes back into
+    token ids. Without content keys the codes are the token ids; a token with a key (a placeholder standing
+    for an image) gets a negative code of its own per ``(token, key)``, so equal ids of different images
+    differ."""
+    arrays = [s.cpu().numpy().astype(np.int64, copy=True) for s in seqs]
+    if keys is None:
+        return arrays, lambda codes: np.array(codes, dtype=np.int64)  # a contiguous copy
+    pairs: dict[tuple, int] = {}
+    tokens: list[int] = []
+    for arr, row in zip(arrays, keys, strict=True):
+        for t in (t for t, key in enumerate(row) if key is not None):
+            code = pairs.setdefault((int(arr[t]), row[t]), len(pairs))
+            if code == len(tokens):
+                tokens.append(int(arr[t]))
+            arr[t] = -1 - code
+    lookup = np.array(tokens, dtype=np.int64)
+
+    def decode(codes: np.ndarray) -> np.ndarray:
+        out = np.array(codes, dtype=np.int64)
+        keyed = out < 0
+        out[keyed] = lookup[-1 - out[keyed]]
+        return out
+
+    return arrays, decode
+
+
+def _compressed_trie(seqs: list[np.ndarray]) -> list[_Node]:
+    """The trie of ``seqs`` (int64 codes, :func:`_encoded`) with every unary run one node (a radix trie: each
+    sequence is inserted run by run, a node split where a sequence branches off or ends inside it). Returns
+    the roots."""
     top = _Node(np.empty(0, dtype=np.int64), None)
-    for i, tensor in enumerate(seqs):
-        seq = tensor.cpu().numpy()
+    for i, seq in enumerate(seqs):
         node, pos, n = top, 0, len(seq)
         while pos < n:
             child = node.kids.get(int(seq[pos]))

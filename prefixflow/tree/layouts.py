@@ -65,6 +65,8 @@ class Microbatch:
     # ``(logprobs, path ids, loss slots)``; the loss joins them to the tokens scored here.
     shared_logprobs: tuple | None = None
     rows: tuple[Row, ...] = ()  # the rows it lays out, in row/packing order
+    # Per wrapped layer, a mask that replaces ``mask`` there (a sliding window: prefixflow.tree.masks).
+    layer_masks: dict[int, torch.Tensor] | None = None
 
     @property
     def n_tokens(self) -> int:

@@ -55,6 +55,7 @@ def group_tree(group: RolloutGroup) -> RolloutTree:
     return RolloutTree(
         segments, parents, ends, group.advantages, masks, over_paths(group.old_logprobs),
         over_paths(group.ref_logprobs), routing,
+        None if group.prompt_inputs is None else [group.prompt_inputs] * n,
     )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RolloutTree", "PathLosses"]
+__all__ = ["RolloutTree", "PathLosses", "check_inputs"]
 
 
 def _real_tensor(field: str, value, n: int) -> torch.Tensor:
@@ -112,6 +112,24 @@ def _indices(field: str, value, none: int | None = None) -> list[int]:
     return out
 
 
+def check_inputs(field: str, inputs) -> dict[str, torch.Tensor] | None:
+    """None, or a dict of multimodal forward inputs: str keys, materialised tensors (the adapter checks more)."""
+    if inputs is None:
+        return None
+    if not isinstance(inputs, dict):
+        raise TypeError(f"{field} must be a dict of the processor's extra outputs (name -> tensor)")
+    out = {}
+    for key, value in inputs.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{field} keys must be the model's keyword names (str), got {key!r}")
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{field}[{key!r}] must be a torch.Tensor, got {type(value).__name__}")
+        if value.device.type == "meta":
+            raise ValueError(f"{field}[{key!r}] is on the meta device; pass a materialised tensor")
+        out[key] = value
+    return out or None
+
+
 @dataclass
 class PathLosses:
     """What the loss reads of a tree, per path, in the shape it reads a group: ``response_lens`` = each
@@ -137,7 +155,10 @@ class RolloutTree:
     tokens (True = trained; never the root's first token); ``old_logprobs``/``ref_logprobs``: optional N float
     tensors over each path's tokens (read at trained tokens only). ``routing``: optional recorded MoE routing,
     one LongTensor[n_moe_layers, node_len, k] of expert ids per node (``prefixflow.record_routing(model,
-    tree)``), which both systems replay. Validated on construction.
+    tree)``), which both systems replay. ``path_inputs``: optional, per path, the extra forward keywords a
+    multimodal model's processor returns for the path's leading tokens (batch of one; token-aligned entries
+    such as ``mm_token_type_ids`` may cover fewer tokens than the path: the rest is text); the model's
+    adapter reads them (docs/multimodal.md). Validated on construction.
     """
 
     segments: list[torch.Tensor]
@@ -148,6 +169,7 @@ class RolloutTree:
     old_logprobs: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
     routing: list[torch.Tensor] | None = None
+    path_inputs: list[dict[str, torch.Tensor] | None] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.segments, (list, tuple)) or not self.segments:
@@ -186,6 +208,12 @@ class RolloutTree:
         self.old_logprobs = check_logprobs("old_logprobs", self.old_logprobs, lengths)
         self.ref_logprobs = check_logprobs("ref_logprobs", self.ref_logprobs, lengths)
         self.routing = self.checked_routing()
+        if self.path_inputs is not None:
+            if not isinstance(self.path_inputs, (list, tuple)) or len(self.path_inputs) != n:
+                raise ValueError(f"path_inputs must be a list of {n} dicts (or None), one per path")
+            self.path_inputs = [check_inputs(f"path_inputs[{i}]", x) for i, x in enumerate(self.path_inputs)]
+            if all(x is None for x in self.path_inputs):
+                self.path_inputs = None
 
     def checked_routing(self) -> list[torch.Tensor] | None:
         """``routing`` validated against the nodes (one ``[layers, node_len, k]`` LongTensor of expert ids
@@ -316,4 +344,14 @@ class RolloutTree:
         return RolloutTree(
             move(self.segments), list(self.parents), list(self.path_ends), self.advantages.to(device),
             move(self.loss_masks), move(self.old_logprobs), move(self.ref_logprobs), move(self.routing),
+            None if self.path_inputs is None else _move_inputs(self.path_inputs, device),
         )  # fmt: skip
+
+
+def _move_inputs(path_inputs: list, device) -> list:
+    """Each path's inputs on ``device``; paths that share one dict keep sharing one (a group's prompt)."""
+    moved: dict[int, dict] = {}
+    for x in path_inputs:
+        if x is not None and id(x) not in moved:
+            moved[id(x)] = {k: v.to(device) for k, v in x.items()}
+    return [None if x is None else moved[id(x)] for x in path_inputs]
