@@ -159,9 +159,8 @@ def apply_fsdp(
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # SUM: each rank's groups add up
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM; same math on NCCL
-            # every rank reduces every parameter, also one its groups left without a gradient. torch 2.11 has no
-            # such switch: there every parameter must get a gradient on every rank (dense models do; an MoE
-            # expert no token reaches on a rank does not), docs/gpu.md
+            # every rank reduces every parameter, also one its groups left without a gradient (torch 2.11 has
+            # no such switch: reduce_gradients gives those a zero gradient itself)
             if hasattr(module, "set_reduce_scatter_unused_params"):
                 module.set_reduce_scatter_unused_params(True)
     # PrefixFlow runs the model piecewise (embedding, blocks, head), never through the root's forward: make
@@ -180,6 +179,31 @@ def _param_groups(state) -> list:
     return [] if group is None else [group]
 
 
+def _zero_unused_grads(group) -> None:
+    """torch 2.11's ``set_reduce_scatter_unused_params``: a zero gradient for each parameter this rank left
+    without one, so that every rank reduce-scatters the same units with the same sizes."""
+    for p in group.fsdp_params:
+        if not hasattr(p, "_unsharded_param") or not p.unsharded_param.requires_grad:
+            continue
+        if p.unsharded_accumulated_grad is None and p.unsharded_param.grad is None:
+            p.unsharded_param.grad = torch.zeros_like(p.unsharded_param)
+
+
+def _reduce_scatter_states(comm) -> list:
+    """Reduce-scatters still pending: a list in torch 2.13, one state or None in torch 2.11."""
+    if hasattr(comm, "reduce_scatter_states"):
+        return list(comm.reduce_scatter_states)
+    state = getattr(comm, "reduce_scatter_state", None)
+    return [] if state is None else [state]
+
+
+def _clear_reduce_scatter_states(comm) -> None:
+    if hasattr(comm, "reduce_scatter_states"):
+        comm.reduce_scatter_states.clear()
+    else:
+        comm.reduce_scatter_state = None
+
+
 def _root_state(model: nn.Module):
     if not isinstance(model, FSDPModule):
         raise ValueError("the model is not sharded with FSDP2 (see prefixflow.parallel.apply_fsdp)")
@@ -187,7 +211,8 @@ def _root_state(model: nn.Module):
 
 
 def _states(model: nn.Module) -> list:
-    return list(_root_state(model)._state_ctx.all_states)
+    # torch 2.11 lists a state of several modules (a ``fully_shard([norm, output])`` unit) once per module
+    return list(dict.fromkeys(_root_state(model)._state_ctx.all_states))
 
 
 def _groups(model: nn.Module):
@@ -227,6 +252,8 @@ def reduce_gradients(model: nn.Module) -> None:
     states = _states(model)
     for state in reversed(states):
         for group in reversed(_param_groups(state)):
+            if not hasattr(group, "reduce_scatter_unused_params"):
+                _zero_unused_grads(group)
             group.reduce_grads = group.all_reduce_grads = True
             try:
                 group.post_backward()
@@ -238,10 +265,10 @@ def reduce_gradients(model: nn.Module) -> None:
             group._training_state = TrainingState.IDLE
         state._training_state = TrainingState.IDLE
     stream = root._device_handle.current_stream()
-    for rs_state in root._comm_ctx.reduce_scatter_states:
+    for rs_state in _reduce_scatter_states(root._comm_ctx):
         if rs_state.event is not None:
             stream.wait_event(rs_state.event)
-    root._comm_ctx.reduce_scatter_states.clear()
+    _clear_reduce_scatter_states(root._comm_ctx)
     root._comm_ctx.post_forward_order.clear()
 
 
@@ -390,7 +417,7 @@ def fsdp_residue(model: nn.Module) -> list[str]:
         out.append("iter_forward_root is set")
     if ctx.post_backward_final_callback_queued:
         out.append("post-backward final callback still queued")
-    if comm.post_forward_order or comm.reduce_scatter_states or comm.all_gather_state is not None:
+    if comm.post_forward_order or _reduce_scatter_states(comm) or comm.all_gather_state is not None:
         out.append("communication bookkeeping not cleared")
     for state in _states(model):
         if state._training_state != TrainingState.IDLE or state._modules_to_run_forward:
