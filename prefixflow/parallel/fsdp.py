@@ -24,7 +24,8 @@ PrefixFlow's schedule calls FSDP's own hooks in an order FSDP was not written fo
 :func:`fsdp_residue` lists whatever FSDP state outlives a group (tests assert it is empty), and the
 reduce-scatters/all-gathers per unit are counted (:func:`collective_counts`).
 
-This module touches a few private FSDP2 attributes (torch is pinned to 2.13.0); they are all here.
+This module touches a few private FSDP2 attributes (torch is pinned to 2.13.0); they are all here and in
+:mod:`prefixflow.parallel.fsdp_compat` (where torch 2.11 names them differently).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from ..hooks import ScheduleHooks, add_hooks, hooks_of
 from ..model.adapters import adapter_for
 from ..runtime import runtime_of
+from . import fsdp_compat as compat
 
 __all__ = [
     "FSDPConfig",
@@ -171,39 +173,6 @@ def apply_fsdp(
     return model
 
 
-def _param_groups(state) -> list:
-    """An FSDP state's parameter groups: a list in torch 2.13, one group or None in torch 2.11."""
-    if hasattr(state, "_fsdp_param_groups"):
-        return state._fsdp_param_groups
-    group = getattr(state, "_fsdp_param_group", None)
-    return [] if group is None else [group]
-
-
-def _zero_unused_grads(group) -> None:
-    """torch 2.11's ``set_reduce_scatter_unused_params``: a zero gradient for each parameter this rank left
-    without one, so that every rank reduce-scatters the same units with the same sizes."""
-    for p in group.fsdp_params:
-        if not hasattr(p, "_unsharded_param") or not p.unsharded_param.requires_grad:
-            continue
-        if p.unsharded_accumulated_grad is None and p.unsharded_param.grad is None:
-            p.unsharded_param.grad = torch.zeros_like(p.unsharded_param)
-
-
-def _reduce_scatter_states(comm) -> list:
-    """Reduce-scatters still pending: a list in torch 2.13, one state or None in torch 2.11."""
-    if hasattr(comm, "reduce_scatter_states"):
-        return list(comm.reduce_scatter_states)
-    state = getattr(comm, "reduce_scatter_state", None)
-    return [] if state is None else [state]
-
-
-def _clear_reduce_scatter_states(comm) -> None:
-    if hasattr(comm, "reduce_scatter_states"):
-        comm.reduce_scatter_states.clear()
-    else:
-        comm.reduce_scatter_state = None
-
-
 def _root_state(model: nn.Module):
     if not isinstance(model, FSDPModule):
         raise ValueError("the model is not sharded with FSDP2 (see prefixflow.parallel.apply_fsdp)")
@@ -211,13 +180,12 @@ def _root_state(model: nn.Module):
 
 
 def _states(model: nn.Module) -> list:
-    # torch 2.11 lists a state of several modules (a ``fully_shard([norm, output])`` unit) once per module
-    return list(dict.fromkeys(_root_state(model)._state_ctx.all_states))
+    return compat.all_states(_root_state(model))
 
 
 def _groups(model: nn.Module):
     for state in _states(model):
-        yield from _param_groups(state)
+        yield from compat.param_groups(state)
 
 
 def collective_counts(model: nn.Module) -> dict[str, dict[str, int]]:
@@ -251,31 +219,25 @@ def reduce_gradients(model: nn.Module) -> None:
     root = _root_state(model)
     states = _states(model)
     for state in reversed(states):
-        for group in reversed(_param_groups(state)):
-            if not hasattr(group, "reduce_scatter_unused_params"):
-                _zero_unused_grads(group)
+        for group in reversed(compat.param_groups(state)):
+            compat.zero_unused_grads(group)  # torch 2.11 only
             group.reduce_grads = group.all_reduce_grads = True
             try:
                 group.post_backward()
             finally:
                 group.reduce_grads = group.all_reduce_grads = False
     for state in states:
-        for group in _param_groups(state):
+        for group in compat.param_groups(state):
             group.finalize_backward()
             group._training_state = TrainingState.IDLE
         state._training_state = TrainingState.IDLE
-    stream = root._device_handle.current_stream()
-    for rs_state in _reduce_scatter_states(root._comm_ctx):
-        if rs_state.event is not None:
-            stream.wait_event(rs_state.event)
-    _clear_reduce_scatter_states(root._comm_ctx)
+    compat.wait_reduce_scatters(root._comm_ctx, root._device_handle.current_stream())
     root._comm_ctx.post_forward_order.clear()
 
 
 def discard(model: nn.Module) -> None:
     """After an error: reset FSDP's per-iteration state, reshard, and drop gradients not yet reduced."""
-    _root_state(model)  # raises unless the model is sharded
-    model.reset_iter_state()
+    compat.reset_iter_state(model, _root_state(model))  # raises unless the model is sharded
     for group in _groups(model):
         for param in group.fsdp_params:
             param.unsharded_accumulated_grad = None
@@ -289,7 +251,7 @@ def _close_interrupted_forwards(model: nn.Module) -> list:
     interrupted = []
     ctx = _root_state(model)._state_ctx
     for state in _states(model):
-        groups = _param_groups(state)
+        groups = compat.param_groups(state)
         if state._training_state != TrainingState.FORWARD and all(
             g._training_state != TrainingState.FORWARD for g in groups
         ):
@@ -342,7 +304,7 @@ class FSDPSchedule(ScheduleHooks):
         # before resharded it).
         last = adapter_for(self.model).blocks(self.model)[-1]._get_fsdp_state()
         for state in {id(s): s for s in [*self._interrupted, last]}.values():
-            for group in _param_groups(state):
+            for group in compat.param_groups(state):
                 group.unshard()
                 group.wait_for_unshard()
         yield
@@ -355,7 +317,7 @@ class FSDPSchedule(ScheduleHooks):
         try:
             yield
         finally:
-            self.model.reset_iter_state()
+            compat.reset_iter_state(self.model, _root_state(self.model))
 
 
 def _schedule(model: nn.Module) -> FSDPSchedule:
@@ -417,12 +379,12 @@ def fsdp_residue(model: nn.Module) -> list[str]:
         out.append("iter_forward_root is set")
     if ctx.post_backward_final_callback_queued:
         out.append("post-backward final callback still queued")
-    if comm.post_forward_order or _reduce_scatter_states(comm) or comm.all_gather_state is not None:
+    if comm.post_forward_order or compat.reduce_scatter_states(comm) or comm.all_gather_state is not None:
         out.append("communication bookkeeping not cleared")
     for state in _states(model):
         if state._training_state != TrainingState.IDLE or state._modules_to_run_forward:
             out.append(f"state of {state._modules[0].__class__.__name__} is {state._training_state.name}")
-        for group in _param_groups(state):
+        for group in compat.param_groups(state):
             name = group._module_fqn or "?"
             if group._training_state != TrainingState.IDLE:
                 out.append(f"{name}: {group._training_state.name}")
