@@ -24,7 +24,8 @@ PrefixFlow's schedule calls FSDP's own hooks in an order FSDP was not written fo
 :func:`fsdp_residue` lists whatever FSDP state outlives a group (tests assert it is empty), and the
 reduce-scatters/all-gathers per unit are counted (:func:`collective_counts`).
 
-This module touches a few private FSDP2 attributes (torch is pinned to 2.13.0); they are all here.
+This module touches a few private FSDP2 attributes (torch is pinned to 2.13.0); they are all here and in
+:mod:`prefixflow.parallel.fsdp_compat` (where torch 2.11 names them differently).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from ..hooks import ScheduleHooks, add_hooks, hooks_of
 from ..model.adapters import adapter_for
 from ..runtime import runtime_of
+from . import fsdp_compat as compat
 
 __all__ = [
     "FSDPConfig",
@@ -159,9 +161,8 @@ def apply_fsdp(
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # SUM: each rank's groups add up
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM; same math on NCCL
-            # every rank reduces every parameter, also one its groups left without a gradient. torch 2.11 has no
-            # such switch: there every parameter must get a gradient on every rank (dense models do; an MoE
-            # expert no token reaches on a rank does not), docs/gpu.md
+            # every rank reduces every parameter, also one its groups left without a gradient (torch 2.11 has
+            # no such switch: reduce_gradients gives those a zero gradient itself)
             if hasattr(module, "set_reduce_scatter_unused_params"):
                 module.set_reduce_scatter_unused_params(True)
     # PrefixFlow runs the model piecewise (embedding, blocks, head), never through the root's forward: make
@@ -172,14 +173,6 @@ def apply_fsdp(
     return model
 
 
-def _param_groups(state) -> list:
-    """An FSDP state's parameter groups: a list in torch 2.13, one group or None in torch 2.11."""
-    if hasattr(state, "_fsdp_param_groups"):
-        return state._fsdp_param_groups
-    group = getattr(state, "_fsdp_param_group", None)
-    return [] if group is None else [group]
-
-
 def _root_state(model: nn.Module):
     if not isinstance(model, FSDPModule):
         raise ValueError("the model is not sharded with FSDP2 (see prefixflow.parallel.apply_fsdp)")
@@ -187,12 +180,12 @@ def _root_state(model: nn.Module):
 
 
 def _states(model: nn.Module) -> list:
-    return list(_root_state(model)._state_ctx.all_states)
+    return compat.all_states(_root_state(model))
 
 
 def _groups(model: nn.Module):
     for state in _states(model):
-        yield from _param_groups(state)
+        yield from compat.param_groups(state)
 
 
 def collective_counts(model: nn.Module) -> dict[str, dict[str, int]]:
@@ -226,29 +219,25 @@ def reduce_gradients(model: nn.Module) -> None:
     root = _root_state(model)
     states = _states(model)
     for state in reversed(states):
-        for group in reversed(_param_groups(state)):
+        for group in reversed(compat.param_groups(state)):
+            compat.zero_unused_grads(group)  # torch 2.11 only
             group.reduce_grads = group.all_reduce_grads = True
             try:
                 group.post_backward()
             finally:
                 group.reduce_grads = group.all_reduce_grads = False
     for state in states:
-        for group in _param_groups(state):
+        for group in compat.param_groups(state):
             group.finalize_backward()
             group._training_state = TrainingState.IDLE
         state._training_state = TrainingState.IDLE
-    stream = root._device_handle.current_stream()
-    for rs_state in root._comm_ctx.reduce_scatter_states:
-        if rs_state.event is not None:
-            stream.wait_event(rs_state.event)
-    root._comm_ctx.reduce_scatter_states.clear()
+    compat.wait_reduce_scatters(root._comm_ctx, root._device_handle.current_stream())
     root._comm_ctx.post_forward_order.clear()
 
 
 def discard(model: nn.Module) -> None:
     """After an error: reset FSDP's per-iteration state, reshard, and drop gradients not yet reduced."""
-    _root_state(model)  # raises unless the model is sharded
-    model.reset_iter_state()
+    compat.reset_iter_state(model, _root_state(model))  # raises unless the model is sharded
     for group in _groups(model):
         for param in group.fsdp_params:
             param.unsharded_accumulated_grad = None
@@ -262,7 +251,7 @@ def _close_interrupted_forwards(model: nn.Module) -> list:
     interrupted = []
     ctx = _root_state(model)._state_ctx
     for state in _states(model):
-        groups = _param_groups(state)
+        groups = compat.param_groups(state)
         if state._training_state != TrainingState.FORWARD and all(
             g._training_state != TrainingState.FORWARD for g in groups
         ):
@@ -315,7 +304,7 @@ class FSDPSchedule(ScheduleHooks):
         # before resharded it).
         last = adapter_for(self.model).blocks(self.model)[-1]._get_fsdp_state()
         for state in {id(s): s for s in [*self._interrupted, last]}.values():
-            for group in _param_groups(state):
+            for group in compat.param_groups(state):
                 group.unshard()
                 group.wait_for_unshard()
         yield
@@ -328,7 +317,7 @@ class FSDPSchedule(ScheduleHooks):
         try:
             yield
         finally:
-            self.model.reset_iter_state()
+            compat.reset_iter_state(self.model, _root_state(self.model))
 
 
 def _schedule(model: nn.Module) -> FSDPSchedule:
@@ -390,12 +379,12 @@ def fsdp_residue(model: nn.Module) -> list[str]:
         out.append("iter_forward_root is set")
     if ctx.post_backward_final_callback_queued:
         out.append("post-backward final callback still queued")
-    if comm.post_forward_order or comm.reduce_scatter_states or comm.all_gather_state is not None:
+    if comm.post_forward_order or compat.reduce_scatter_states(comm) or comm.all_gather_state is not None:
         out.append("communication bookkeeping not cleared")
     for state in _states(model):
         if state._training_state != TrainingState.IDLE or state._modules_to_run_forward:
             out.append(f"state of {state._modules[0].__class__.__name__} is {state._training_state.name}")
-        for group in _param_groups(state):
+        for group in compat.param_groups(state):
             name = group._module_fqn or "?"
             if group._training_state != TrainingState.IDLE:
                 out.append(f"{name}: {group._training_state.name}")

@@ -105,7 +105,7 @@ class Cluster:
             **os.environ,
             "SLURM_CONF": str(self.conf),
             "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}",
-            "PYTHONPATH": str(repo),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p),
             "OMP_NUM_THREADS": "1",
         }
 
