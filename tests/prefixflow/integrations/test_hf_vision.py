@@ -135,22 +135,23 @@ def test_negative_controls_fail(setup, monkeypatch):
                 vlm.compare_grads(model, want, tol=1e-6)
 
 
-def test_only_import_prefixflow_and_score_group(setup):
-    """A fresh process with only ``import prefixflow`` finds the VLM adapter (the entry point); here,
+def test_only_import_prefixflow_and_score_group():
+    """A fresh process with only ``import prefixflow`` finds the VLM adapter (through the entry point);
     ``score_group`` gives the same log-probs through both systems."""
     import subprocess
     import sys
     from pathlib import Path
 
-    kind, model, group, _ = setup
     code = (
         "import sys; sys.path.insert(0, 'tests'); import prefixflow as pf; from support import vlm; "
-        f"m = vlm.build_qwen({kind!r}); assert 'prefixflow.integrations.hf' not in sys.modules; "
+        "m = vlm.build_qwen('qwen3_vl'); assert 'prefixflow.integrations.hf' not in sys.modules; "
         "pf.apply_prefixflow(m); print(type(pf.adapter_for(m)).__name__)"
     )
     root = Path(__file__).resolve().parents[3]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert out.stdout.strip().endswith("VisionLanguageAdapter")
+    model = pf.apply_prefixflow(vlm.build_qwen("qwen2_5_vl"))
+    group, _ = make_group("qwen2_5_vl")
     ours = pf.score_group(model, group)
     base = pf.score_group(model, group, system="baseline")
     assert all(float((a - b).abs().max()) <= 1e-12 for a, b in zip(ours, base, strict=True))
