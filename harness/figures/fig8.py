@@ -116,7 +116,7 @@ def figure8a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     axes[1].set_ylabel("actor loss")
     for ax in axes[:2]:
         ax.set_xlabel("GRPO step")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)  # below the traces
     ax = axes[2]
     if not div.empty:
         colors = dict(zip(PAIR_KINDS, ("tab:grey", "tab:blue", "tab:orange"), strict=True))
