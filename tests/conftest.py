@@ -59,3 +59,13 @@ def _private_jobs_dir():
         os.environ.pop("PF_BENCH_JOBS_DIR", None)
     else:
         os.environ["PF_BENCH_JOBS_DIR"] = previous
+
+
+def pytest_collection_modifyitems(config, items):
+    """The ``fuzz`` tests (large hypothesis budgets, tests/properties) run only with ``PF_FUZZ=1``."""
+    if os.environ.get("PF_FUZZ") == "1":
+        return
+    skip = pytest.mark.skip(reason="fuzz budget: run with PF_FUZZ=1 pytest -m fuzz tests/properties")
+    for item in items:
+        if "fuzz" in item.keywords:
+            item.add_marker(skip)

@@ -58,7 +58,7 @@ def figure11(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     scale, unit = mem_unit(ok["peak_mem_phase_b_bytes"])
     policies = sorted(ok["ac"].unique())
     palette = dict(zip(policies, sns.color_palette("tab10", len(policies)), strict=True))
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fig, ax = plt.subplots(figsize=(8.4, 4.4))
     for (ac, off), g in ok.groupby(["ac", "offload"]):
         g = g.sort_values("microbatch")
         ax.plot(
@@ -77,13 +77,13 @@ def figure11(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
             f"b={int(r.microbatch)} {r.ac}, offload {'on' if r.offload else 'off'}: {r.status}"
             for r in failed.itertuples()
         })  # fmt: skip
-        ax.text(
-            0.98,
-            0.98,
+        ax.text(  # outside the axes, under the legend: no data is covered
+            1.02,
+            0.0,
             "\n".join(lines),
             transform=ax.transAxes,
-            ha="right",
-            va="top",
+            ha="left",
+            va="bottom",
             fontsize=6,
             bbox={"boxstyle": "round", "fc": "white", "ec": "0.7"},
         )
@@ -93,6 +93,6 @@ def figure11(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     ax.set_title(
         f"Figure 11: suffix budget ({split_label(first.prefix_len, first.suffix_len)}, N={int(first.n)})"
     )
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)  # beside the data
     mark_revisions(fig, pts, "Figure 11")
     return [save(fig, out_dir, "fig11_suffix_budget")]

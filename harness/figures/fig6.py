@@ -94,7 +94,7 @@ def figure6a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         raise SkipFigure("no CP records with both prefixflow (prefetch) and prefixflow_cp_demand")
     theme()
     panels = list(dict.fromkeys(table.sort_values("simulated")["panel"]))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.4), squeeze=False)
     parts = [("compute_s", "compute", "#4c72b0"), ("overlapped_s", "overlapped comm", "#8fb1e0"),
              ("exposed_s", "exposed comm (prefix K/V)", "#c44e52"), ("sequence_s", "sequence K/V exchange", "#999999")]  # fmt: skip
     for ax, panel in zip(axes[0], panels, strict=True):
@@ -114,7 +114,8 @@ def figure6a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         ax.set_ylim(0, max(bottom) * 1.25)
         ax.set_title(panel, fontsize=8)
         ax.set_ylabel("Phase B per rank (s)")
-    axes[0][0].legend(fontsize=7, loc="lower left")
+    # below the axes: inside, it covered the bars
+    axes[0][0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.1), ncol=2)
     fig.suptitle("Figure 6a: CP Phase B, on-demand vs prefetched prefix K/V gathers", fontsize=10)
     return [save(fig, out_dir, "fig6a_cp_prefetch")]
 

@@ -97,7 +97,7 @@ def figure8a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         raise SkipFigure("no Claim-2 closed-loop records with both trainers")
     div = divergence_table(df)
     theme()
-    fig, axes = plt.subplots(1, 3, figsize=(13.0, 3.4))
+    fig, axes = plt.subplots(1, 3, figsize=(13.0, 4.4))
     window = _window(int(steps["step"].max()))
     styles = {"compare": "-", "reference": ":"}
     for _, g in steps.groupby("run", sort=False):
@@ -116,7 +116,7 @@ def figure8a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     axes[1].set_ylabel("actor loss")
     for ax in axes[:2]:
         ax.set_xlabel("GRPO step")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)  # below the traces
     ax = axes[2]
     if not div.empty:
         colors = dict(zip(PAIR_KINDS, ("tab:grey", "tab:blue", "tab:orange"), strict=True))
@@ -136,7 +136,7 @@ def figure8a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
             ax.set_title(f"step {step}:\n" + ", ".join(parts), fontsize=8)
     ax.set_xlabel("GRPO step (checkpoints)")
     ax.set_ylabel("weight RMSE between runs / own drift\n(mean over the pair's two runs)")
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)  # inside, it covered curves
     fig.suptitle(
         f"Figure 8a: closed-loop GRPO, baseline vs PrefixFlow ({steps['model'].iloc[0]}, "
         f"{steps['dtype'].iloc[0]})",
@@ -164,7 +164,7 @@ def figure8b(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     keys = sorted(rep.groupby(["trace", "system", "replayed_in"]).groups)
     ncols = min(4, len(keys))
     nrows = -(-len(keys) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 4.6 * nrows), squeeze=False)
     for ax in axes.flat[len(keys) :]:
         ax.set_visible(False)
     for ax, (trace, system, replayed_in) in zip(axes.flat, keys, strict=False):
@@ -197,7 +197,9 @@ def figure8b(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         )
         ax.set_xlabel("replayed step")
         ax.set_ylabel("parameter difference")
-        ax.legend(fontsize=7)
+        ax.legend(
+            fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1
+        )  # inside, it covered curves
     fig.suptitle("Figure 8b: frozen-trace replay against the source run's weights", fontsize=9)
     return [save(fig, out_dir, "fig8b_trace_replay")]
 
