@@ -42,8 +42,11 @@ def test_bad_indices_name_the_entry(parents, text):
 def test_one_million_token_path_builds_in_under_a_second():
     seq = torch.randint(0, 1000, (1_000_000,), generator=torch.Generator().manual_seed(0))
     branch = torch.cat([seq[:500_000], torch.tensor([1001, 1002])])
-    start = time.perf_counter()
-    tree = build_tree([seq, branch], [1.0, -1.0])  # loss_masks=None: after the common prefix
-    assert time.perf_counter() - start < 1.0
+    times = []
+    for _ in range(3):  # the fastest of three: a busy machine slows a run, never speeds one up
+        start = time.perf_counter()
+        tree = build_tree([seq, branch], [1.0, -1.0])  # loss_masks=None: after the common prefix
+        times.append(time.perf_counter() - start)
+    assert min(times) < 1.0, times
     assert tree.n_nodes == 3 and tree.path_lens == [1_000_000, 500_002]
     assert tree.node_len(0) == 500_000 and tree.parents == [-1, 0, 0]
