@@ -14,7 +14,6 @@ one verl micro-batch of ``microbatch`` rows (null: the whole group), GRPO's defa
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -36,15 +35,6 @@ class VerlStepStats:
     n_microbatches: int
     prefix_tokens: int
     suffix_tokens: int
-
-
-def _init_gloo() -> None:
-    if torch.distributed.is_initialized():
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def group_batch(group, *, vocab_size: int, seed: int = 0):
@@ -106,7 +96,7 @@ class VerlEngineContender:
             raise ValueError(
                 f"system {self.name!r} takes a fixed microbatch (verl's micro-batch rows) or null"
             )
-        from harness.peers.verl_platform import select_cpu_platform
+        from harness.peers.verl_platform import init_one_rank, select_cpu_platform
 
         if str(cell.device) == "cpu":
             select_cpu_platform()
@@ -121,7 +111,7 @@ class VerlEngineContender:
         if self.vendor:
             import prefixflow.integrations.verl  # noqa: F401  (registers the engine)
 
-        _init_gloo()
+        init_one_rank()
         self._dir = tempfile.TemporaryDirectory(prefix=f"pf-{self.name}-")
         model.config.architectures = [type(model).__name__]
         model.save_pretrained(self._dir.name)

@@ -19,6 +19,18 @@ __all__ = ["PLATFORM", "select_cpu_platform"]
 PLATFORM = "prefixflow_cpu"
 
 
+def init_one_rank() -> None:
+    """A one-process gloo group on loopback (verl's FSDP engines need a process group)."""
+    import socket
+
+    if torch.distributed.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
 def select_cpu_platform() -> None:
     """Select the CPU platform for verl in this process (idempotent)."""
     os.environ.setdefault("VERL_PLATFORM", PLATFORM)

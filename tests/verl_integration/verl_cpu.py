@@ -13,19 +13,9 @@ import socket
 import numpy as np
 import torch
 
-from harness.peers.verl_platform import select_cpu_platform  # noqa: E402
+from harness.peers.verl_platform import init_one_rank, select_cpu_platform  # noqa: E402,F401
 
 select_cpu_platform()
-
-
-def init_one_rank() -> None:
-    """A one-process gloo group on loopback (FSDP needs a process group)."""
-    if torch.distributed.is_initialized():
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def save_tiny_model(path, model_type: str = "qwen3", seed: int = 0) -> None:
