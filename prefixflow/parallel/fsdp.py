@@ -161,8 +161,8 @@ def apply_fsdp(
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # SUM: each rank's groups add up
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM; same math on NCCL
-            # every rank reduces every parameter, also one its groups left without a gradient (torch 2.11 has
-            # no such switch: reduce_gradients gives those a zero gradient itself)
+            # every rank reduces every parameter, also one its groups left without a gradient. torch 2.11 has no
+            # such switch: there every parameter must get a gradient on every rank (fsdp_compat, docs/gpu.md)
             if hasattr(module, "set_reduce_scatter_unused_params"):
                 module.set_reduce_scatter_unused_params(True)
     # PrefixFlow runs the model piecewise (embedding, blocks, head), never through the root's forward: make
@@ -220,7 +220,6 @@ def reduce_gradients(model: nn.Module) -> None:
     states = _states(model)
     for state in reversed(states):
         for group in reversed(compat.param_groups(state)):
-            compat.zero_unused_grads(group)  # torch 2.11 only
             group.reduce_grads = group.all_reduce_grads = True
             try:
                 group.post_backward()

@@ -2,8 +2,9 @@
 
 Each helper reads the 2.13 name where it exists and does the same with 2.11's otherwise; prefixflow.parallel.fsdp
 goes through these only. 2.11 keeps one parameter group per state, one pending reduce-scatter, lists a
-multi-module state once per module, and has neither ``set_reduce_scatter_unused_params`` nor
-``FSDPModule.reset_iter_state``.
+multi-module state once per module, and has no ``FSDPModule.reset_iter_state``. It also lacks
+``set_reduce_scatter_unused_params``: there every parameter must get a gradient on every rank (dense models
+do; an MoE expert no token reaches on a rank does not).
 """
 
 from __future__ import annotations
@@ -24,18 +25,6 @@ def param_groups(state) -> list:
 def all_states(root) -> list:
     """The root's states, each once (2.11 lists a ``fully_shard([norm, output])`` state once per module)."""
     return list(dict.fromkeys(root._state_ctx.all_states))
-
-
-def zero_unused_grads(group) -> None:
-    """2.13's ``set_reduce_scatter_unused_params(True)`` on 2.11: a zero gradient for each parameter this rank
-    left without one, so every rank reduce-scatters the same units with the same sizes. No-op on 2.13."""
-    if hasattr(group, "reduce_scatter_unused_params"):
-        return
-    for p in group.fsdp_params:
-        if not hasattr(p, "_unsharded_param") or not p.unsharded_param.requires_grad:
-            continue
-        if p.unsharded_accumulated_grad is None and p.unsharded_param.grad is None:
-            p.unsharded_param.grad = torch.zeros_like(p.unsharded_param)
 
 
 def reduce_scatter_states(comm) -> list:
