@@ -178,7 +178,8 @@ class NodeAttention:
         if cached is None and self.mask is None and self.sequence is None:
             return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
         k, v = _whole_sequence(self.sequence, k, v)
-        mask = self.layer_masks.get(wrapper.layer, self.mask)
+        # read the layer index only where a layer has its own mask: a compiled block would guard on it per layer
+        mask = self.layer_masks.get(wrapper.layer, self.mask) if self.layer_masks else self.mask
         if cached is not None and self.variant == "split" and mask is self.mask:
             return split_attention(
                 q, k, v, *cached, self._own_mask, scale=scale, prepared=self._split_mask,
@@ -225,5 +226,5 @@ class MaskedAttention:
         if self.mask is None and self.sequence is None:
             return wrapper.inner(q, k, v, scale=scale, enable_gqa=enable_gqa, is_causal=True)
         k, v = _whole_sequence(self.sequence, k, v)
-        mask = self.layer_masks.get(wrapper.layer, self.mask)
+        mask = self.layer_masks.get(wrapper.layer, self.mask) if self.layer_masks else self.mask
         return _masked_sdpa(wrapper, q, k, v, mask, scale, enable_gqa)

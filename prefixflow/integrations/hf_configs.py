@@ -190,7 +190,13 @@ def _with_overrides(model_type: str, raw: dict, overrides: dict, default):
     except Exception as exc:  # noqa: BLE001 - transformers' strict dataclass validators raise their own types
         cause = " ".join(str(exc).strip().splitlines()[-1].split())[:200]
         given = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
-        raise ValueError(f"override {given}: HF model type {model_type!r} refuses it: {cause}") from None
+        advice = (
+            " (give a value of the field's type, e.g. 1.0 for a float, 1 for an int, true/false for a bool)"
+        )
+        typed = "expected" in cause or isinstance(exc, TypeError)
+        raise ValueError(
+            f"override {given}: HF model type {model_type!r} refuses it: {cause}{advice if typed else ''}"
+        ) from None
     for key, value in overrides.items():
         built = getattr(config, key)
         if built != value:

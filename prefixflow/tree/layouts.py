@@ -89,8 +89,9 @@ def lay_out(
             visible[b, starts[j] : starts[j] + node_lens[j]] = True
     lens = [len(r) for r in rows]
     firsts = {r.first_position for r in rows}
-    # No mask where plain causal attention is exact: full sequences (padded), or one row reading no keys
-    plain = n_keys == 0 and (firsts == {0} if layout == "padded" else len(rows) == 1)
+    # No mask where plain causal attention is exact: full sequences (padded). A packed row keeps its mask: the
+    # cost model and the compiled graphs count one attention kind per layout (counted by the preflight)
+    plain = layout == "padded" and n_keys == 0 and firsts == {0}
     if layout == "padded":
         width = max(lens)
         tokens = torch.zeros(len(rows), width, dtype=torch.long)
@@ -115,13 +116,10 @@ def lay_out(
         tokens = torch.cat([r.tokens for r in rows]).unsqueeze(0)
         positions = torch.cat([r.first_position + torch.arange(n) for r, n in zip(rows, lens, strict=True)])
         positions = positions.unsqueeze(0)
-        if plain:
-            mask = None  # one row, no cached keys: causal at its own positions
-        else:
-            seg = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lens))
-            q = torch.arange(int(seg.numel()))
-            own = (seg.view(-1, 1) == seg.view(1, -1)) & (q.view(-1, 1) >= q.view(1, -1))
-            mask = torch.cat([visible[seg], own], dim=1).view(1, 1, own.shape[0], -1)
+        seg = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lens))
+        q = torch.arange(int(seg.numel()))
+        own = (seg.view(-1, 1) == seg.view(1, -1)) & (q.view(-1, 1) >= q.view(1, -1))
+        mask = torch.cat([visible[seg], own], dim=1).view(1, 1, own.shape[0], -1)
         offsets = torch.tensor([0, *lens]).cumsum(0).tolist()
         row_of = [0] * len(rows)
     index = [
@@ -147,7 +145,7 @@ def mask_bytes(row_lens: list[int], n_keys: int, layout: str, *, full_sequences:
     cached keys (``full_sequences``: every row starts at position 0); 0 where it builds none. What a memory
     preflight counts before any of them is allocated."""
     rows, total, width = len(row_lens), sum(row_lens), max(row_lens, default=0)
-    if n_keys == 0 and (full_sequences if layout == "padded" else rows == 1):
+    if n_keys == 0 and full_sequences and layout == "padded":
         return 0
     if layout == "padded":  # own [b, L, L] beside the mask [b, L, U + L]
         return rows * width * width + rows * width * (n_keys + width)

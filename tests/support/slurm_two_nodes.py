@@ -152,7 +152,14 @@ def main(repo: Path, work: Path) -> dict:
             report["resumed"] = sweep(2, "two", "--retry-failed")
         report["resumed"]["sockets"] = resumed_sockets.rows()
         report["resumed"]["records"] = _records(work / "two" / "dp2")
-        report["queue_after"] = cluster.on("node1", "squeue", "-h", check=False).stdout
+        # the resumed job may still be tearing down when the sweep has its record; a requeued lost job would
+        # run its whole cell again (tens of seconds): wait a few seconds for the queue to drain, not longer
+        deadline = time.monotonic() + 8
+        while (
+            queue := cluster.on("node1", "squeue", "-h", check=False).stdout
+        ).strip() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        report["queue_after"] = queue
     finally:
         cluster.stop()
     return report
