@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+import revision_worker  # scripts/, beside this file
+
 CELLS = ("claim3", "trees", "hybrid")
 SYSTEMS = ("baseline", "prefixflow")
 
@@ -98,11 +100,9 @@ def worker(cell: str) -> None:
 
 
 def _start(root: str, cell: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(root), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, __file__, "--worker", cell], cwd=root, env=env, stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = revision_worker.start(
+        root, __file__, cell, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     ready = json.loads(proc.stdout.readline())
     if not ready["ready"].startswith(os.path.abspath(root)):
         raise RuntimeError(f"the worker for {root} imported prefixflow from {ready['ready']}")

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 
+import revision_worker  # scripts/, beside this file
+
 TINY = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256, "max_seq_len": 1024}
 # name: (model, input kind, train_group kwargs, model transform)
 CASES = {
@@ -92,9 +94,9 @@ def worker(folder: str, cases: list[str]) -> None:
 
 
 def _run(root: str, folder: str, cases: list[str]) -> None:
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(root), "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", folder, "--cases", ",".join(cases)]
-    subprocess.run(argv, cwd=root, env=env, check=True)
+    proc = revision_worker.start(root, __file__, folder, "--cases", ",".join(cases))
+    if proc.wait() != 0:
+        raise subprocess.CalledProcessError(proc.returncode, f"{__file__} --worker in {root}")
 
 
 def compare(before: str, after: str, cases: list[str]) -> list[dict]:

@@ -105,6 +105,7 @@ def hf_model_config(name: str, overrides: dict[str, Any] | None = None):
     and the values the harness cannot train exactly refused (:func:`check_hf_values`)."""
     try:
         from prefixflow.integrations.hf import hf_config
+        from prefixflow.integrations.hf_configs import TYPE_ADVICE
     except ImportError as e:
         raise ValueError(f"hf: models need the hf extra (pip install -e '.[hf]'): {e}") from None
     try:
@@ -119,10 +120,7 @@ def hf_model_config(name: str, overrides: dict[str, Any] | None = None):
             f"override {field.group(1)}={short((overrides or {}).get(field.group(1)))}" if field else "config"
         )
         cause = str(e).strip().splitlines()[-1].strip()
-        raise ValueError(
-            f"hf:{_clip(name)}: {where}: {_clip(cause, 200)}; give a value of the field's type (e.g. 1.0 for a "
-            "float, 1 for an int, true/false for a bool)"
-        ) from None
+        raise ValueError(f"hf:{_clip(name)}: {where}: {_clip(cause, 200)}; {TYPE_ADVICE}") from None
     check_hf_values(config, f"hf:{_clip(name)}")
     return config
 

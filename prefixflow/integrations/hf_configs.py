@@ -18,6 +18,7 @@ __all__ = [
     "HF_MODELS",
     "hf_config",
     "list_hf_models",
+    "TYPE_ADVICE",
 ]
 
 VERIFIED_MODEL_TYPES = (
@@ -34,7 +35,8 @@ DROPOUT_CONFIG_FIELDS = (
     "attention_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout", "residual_dropout",
     "embedding_dropout",
 )  # fmt: skip
-
+# Said after a type refusal of an override (transformers' messages don't say what to give instead).
+TYPE_ADVICE = "give a value of the field's type, e.g. 1.0 for a float, 1 for an int, true/false for a bool"
 
 _TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 # The TorchTitan debug models' shapes (llama3:debugmodel, qwen3:debugmodel), for side-by-side speed rows.
@@ -190,12 +192,10 @@ def _with_overrides(model_type: str, raw: dict, overrides: dict, default):
     except Exception as exc:  # noqa: BLE001 - transformers' strict dataclass validators raise their own types
         cause = " ".join(str(exc).strip().splitlines()[-1].split())[:200]
         given = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
-        advice = (
-            " (give a value of the field's type, e.g. 1.0 for a float, 1 for an int, true/false for a bool)"
-        )
         typed = "expected" in cause or isinstance(exc, TypeError)
         raise ValueError(
-            f"override {given}: HF model type {model_type!r} refuses it: {cause}{advice if typed else ''}"
+            f"override {given}: HF model type {model_type!r} refuses it: {cause}"
+            + (f" ({TYPE_ADVICE})" if typed else "")
         ) from None
     for key, value in overrides.items():
         built = getattr(config, key)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["Item", "Prepared", "Family", "QwenVL"]
+__all__ = ["Item", "Prepared", "Family", "EncoderOutputsFamily", "QwenVL"]
 
 
 @dataclass
@@ -159,6 +159,28 @@ class Family:
 
 def _text_positions(n: int, device) -> torch.Tensor:
     return torch.arange(n, device=device).view(1, -1).expand(3, -1)
+
+
+class EncoderOutputsFamily(Family):
+    """A family with 1-D positions whose base model takes the encoded images as ``mm_encoder_outputs``
+    (Gemma-3, LLaVA-OneVision): the tower and projector are its encoder."""
+
+    dims = 1
+
+    def encoder_modules(self, model):
+        return [model.model.vision_tower, model.model.multi_modal_projector]
+
+    def text_forward(self, model, tokens, positions):
+        return model.model(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
+
+    def forward(self, model, ids, positions, encoded):
+        out = model.model(
+            input_ids=ids,
+            position_ids=positions[0],
+            mm_encoder_outputs=dict(encoded) or None,
+            use_cache=False,
+        )
+        return out.last_hidden_state
 
 
 class QwenVL(Family):

@@ -7,39 +7,23 @@ from __future__ import annotations
 
 import torch
 
-from .hf_vlm_families import Family, Item, _runs
+from .hf_vlm_families import EncoderOutputsFamily, Item, _runs
 
 __all__ = ["Gemma3"]
 
 
-class Gemma3(Family):
+class Gemma3(EncoderOutputsFamily):
     """``pixel_values``: ``[images, channels, size, size]``; ``token_type_ids``: 1 on image tokens (required:
     without it the model's image tokens attend causally, which the processor never asks for)."""
 
     model_types = ("gemma3",)
     keys = ("pixel_values", "token_type_ids", "attention_mask")
-    dims = 1
-
-    def encoder_modules(self, model):
-        return [model.model.vision_tower, model.model.multi_modal_projector]
 
     def placeholder_ids(self, model):
         return {int(model.config.image_token_id)}
 
-    def text_forward(self, model, tokens, positions):
-        return model.model(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
-
     def encode(self, model, kind, items):
         return model.model.get_image_features(torch.stack([it.pixels for it in items]), return_dict=True)
-
-    def forward(self, model, ids, positions, encoded):
-        out = model.model(
-            input_ids=ids,
-            position_ids=positions[0],
-            mm_encoder_outputs=dict(encoded) or None,
-            use_cache=False,
-        )
-        return out.last_hidden_state
 
     def blocks(self, prepared):
         return [[(it.start, it.end) for it in items] for items in prepared.items]

@@ -7,27 +7,20 @@ from __future__ import annotations
 
 import torch
 
-from .hf_vlm_families import Family, Item
+from .hf_vlm_families import EncoderOutputsFamily, Item
 
 __all__ = ["LlavaOnevision"]
 
 
-class LlavaOnevision(Family):
+class LlavaOnevision(EncoderOutputsFamily):
     """Images: ``pixel_values`` ``[images, tiles, channels, size, size]`` and ``image_sizes`` ``[images, 2]``
     (``batch_num_images`` when the processor gives it: an image of a multi-image prompt is not tiled)."""
 
     model_types = ("llava_onevision",)
     keys = ("pixel_values", "image_sizes", "batch_num_images", "attention_mask")
-    dims = 1
-
-    def encoder_modules(self, model):
-        return [model.model.vision_tower, model.model.multi_modal_projector]
 
     def placeholder_ids(self, model):
         return {int(model.config.image_token_id), int(model.config.video_token_id)}
-
-    def text_forward(self, model, tokens, positions):
-        return model.model(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
 
     def encode(self, model, kind, items):
         counts = [it.extra["images"] for it in items]
@@ -35,15 +28,6 @@ class LlavaOnevision(Family):
             torch.stack([it.pixels for it in items]), torch.stack([it.grid for it in items]),
             batch_num_images=_groups(counts), return_dict=True,
         )  # fmt: skip
-
-    def forward(self, model, ids, positions, encoded):
-        out = model.model(
-            input_ids=ids,
-            position_ids=positions[0],
-            mm_encoder_outputs=dict(encoded) or None,
-            use_cache=False,
-        )
-        return out.last_hidden_state
 
     def _tokens_per_image(self, model, sizes: torch.Tensor, tiled: list[bool]) -> list[int]:
         return self._layout(model, sizes, tiled)[0]

@@ -35,7 +35,6 @@ class MoEScheduleHooks(ScheduleHooks):
     """Routing replay, logical token accounting and the auxiliary balance loss for both systems.
     Registered by :func:`prefixflow.moe.apply_moe`; reads its ``config`` (a :class:`MoEConfig`)."""
 
-
     def __init__(self, config) -> None:
         self.config = config
         self.layers: list[nn.Module] = []

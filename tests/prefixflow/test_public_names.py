@@ -28,7 +28,14 @@ NAMES = documented_names(LIBRARY.read_text())
 
 def test_the_page_documents_the_public_calls():
     found = {name for _, name in NAMES}
-    assert {"build_model", "RolloutGroup", "build_tree", "train_group", "score_group", "run_alignment"} <= found
+    assert {
+        "build_model",
+        "RolloutGroup",
+        "build_tree",
+        "train_group",
+        "score_group",
+        "run_alignment",
+    } <= found
 
 
 @pytest.mark.parametrize("module,name", NAMES)

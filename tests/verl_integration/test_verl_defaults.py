@@ -28,13 +28,6 @@ TAU_ABS, TAU_REL = 1e-3, 1e-2
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3-tiny")
-    vc.save_tiny_model(path, "qwen3")
-    return path
-
-
-@pytest.fixture(scope="module")
 def interleaved():
     """3 uids x 4 responses, rows interleaved (a, b, c, a, ...): verl's micro-batches split every uid."""
     proto = vc.grpo_batch(uids=("a", "b", "c"), seed=2)

@@ -24,13 +24,6 @@ KL_TYPES = ("low_var_kl", "kl", "abs", "mse")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3-tiny")
-    vc.save_tiny_model(path, "qwen3")
-    return path
-
-
-@pytest.fixture(scope="module")
 def proto():
     return vc.grpo_batch()
 
