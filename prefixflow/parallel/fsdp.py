@@ -56,6 +56,7 @@ __all__ = [
     "accumulate_groups",
     "gathered_for_step",
     "fsdp_residue",
+    "reshard_units",
     "collective_counts",
     "reset_collective_counts",
 ]
@@ -285,6 +286,7 @@ class FSDPSchedule(ScheduleHooks):
             raise
         finally:
             self._interrupted = []
+        compat.end_backward(_root_state(model))
         if not self.defer_reduction:
             reduce_gradients(model)
 
@@ -364,6 +366,16 @@ def gathered_for_step(model: nn.Module) -> Iterator[None]:
         for group, mesh_info, after_backward in saved:
             group.post_forward_mesh_info = mesh_info
             group.reshard_after_backward = after_backward
+            group._training_state = TrainingState.IDLE
+            group.reshard()
+
+
+def reshard_units(model: nn.Module) -> None:
+    """Reshard every unit that a forward outside PrefixFlow's schedule left gathered (an idle unit kept gathered
+    after its forward: torch 2.11 still marks it in FORWARD, where ``FSDPModule.reshard`` does nothing), so the
+    module holds its sharded parameters again. Collective-free."""
+    for group in _groups(model):
+        if group.fsdp_params and not group.is_sharded:
             group._training_state = TrainingState.IDLE
             group.reshard()
 

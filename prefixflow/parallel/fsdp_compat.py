@@ -89,3 +89,10 @@ def _reset_group(group, stream) -> None:
     group._post_forward_indices.clear()
     group._training_state = TrainingState.IDLE
     group._to_sharded()
+
+
+def end_backward(root) -> None:
+    """After a group's backward: no forward is in flight. torch 2.13's root post-backward callback clears
+    ``iter_forward_root``; 2.11's does not, and a unit whose forward activation checkpointing recomputed in the
+    backward stays the "forward root", so the next forward would skip the root's pre-forward."""
+    root._state_ctx.iter_forward_root = None

@@ -89,9 +89,7 @@ def reshard(inner: nn.Module) -> None:
     """Reshard every FSDP2 unit. TRL's forwards leave the LM head's unit gathered (it is kept gathered after its
     forward), with its unsharded tensors registered as the module's parameters; afterwards ``named_parameters``
     are the sharded ones again."""
-    for module in inner.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    pf_fsdp.reshard_units(inner)
 
 
 @contextlib.contextmanager

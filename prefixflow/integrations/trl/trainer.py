@@ -89,6 +89,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         self._refuse_unsupported()
         dims = None if prefixflow_parallel is None else ParallelDims.of(prefixflow_parallel)
         inner = self._prefixflow_model(self.accelerator.unwrap_model(self.model))
+        self._prefixflow_gathered = None  # the full weights save_model gathered for _save (sharded models)
         self._prefixflow_sharded = sharding.check(
             inner,
             dims,
@@ -291,10 +292,22 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             metrics["prefixflow/trees"].append(float(sum(not hasattr(p.group, "prompt") for p in plans)))
         return torch.tensor(total, dtype=torch.float64, device=self.accelerator.device)
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Sharded: every rank joins the gather of the full weights here, which the main process then writes
+        (transformers < 5.24 calls ``_save`` on the main process only, so a gather there would hang)."""
+        if not self._prefixflow_sharded:
+            return super().save_model(output_dir, _internal_call)
+        self._prefixflow_gathered = sharding.full_state_dict(self._prefixflow_model(self.model))
+        try:
+            return super().save_model(output_dir, _internal_call)
+        finally:
+            self._prefixflow_gathered = None
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Sharded: every rank joins the gather of the full weights, which the main process writes."""
         if self._prefixflow_sharded and state_dict is None:
-            state_dict = sharding.full_state_dict(self._prefixflow_model(self.model))
+            state_dict = self._prefixflow_gathered
+            if state_dict is None:
+                raise RuntimeError("a sharded model's weights are gathered by save_model on every rank")
         super()._save(output_dir, state_dict=state_dict)
 
     def _gathered(self, inner: nn.Module):
