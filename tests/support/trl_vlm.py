@@ -120,6 +120,48 @@ def model(family: str, seed: int = 0, dtype=torch.float32):
     return m
 
 
+def conditioned(model, seed: int = 0):
+    """Re-draw the weights well-conditioned for fp32 comparisons (unit-gain matrices, norms 1, small random
+    biases): support.vlm's fp64 weights amplify fp32 rounding past TRL's own layout-to-layout noise."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.fill_(1.0)
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) / p.shape[-1] ** 0.5)
+    return model
+
+
+def trl_grads(tr, inputs) -> tuple[float, dict]:
+    """TRL's own ``compute_loss -> backward`` on the micro-batch: its loss and every parameter's gradient."""
+    model = tr.model
+    model.zero_grad(set_to_none=True)
+    loss = tr.compute_loss(model, inputs)
+    loss.backward()
+    return float(loss.detach()), {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def prefixflow_grads(tr, inputs) -> tuple[float, dict]:
+    """PrefixFlow's update on the same micro-batch (checked first, as training_step does)."""
+    model = tr.model
+    model.zero_grad(set_to_none=True)
+    loss = tr._prefixflow_update(model, inputs)
+    return float(loss), {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def worst_ratio(got: dict, want: dict) -> float:
+    """max over tensors of max|got - want| / max|want|, skipping attention key biases (their gradient is 0 in
+    exact arithmetic: rounding noise on both sides, see support.vlm.compare_grads)."""
+    return max(
+        float((got[n] - w).abs().max() / w.abs().max())
+        for n, w in want.items()
+        if w is not None and not n.endswith("k_proj.bias")
+    )
+
+
 def trainer(tmp_path, family: str, cls=None, model=None, dataset=None, **options):
     """A trainer (PrefixFlowGRPOTrainer by default) over the tiny VLM set-up; ``prefixflow_*``/``peft_config``/
     ``verify_*`` go to the constructor, the rest to ``GRPOConfig``."""
@@ -134,7 +176,8 @@ def trainer(tmp_path, family: str, cls=None, model=None, dataset=None, **options
     base = {
         "max_completion_length": 8,
         # the placeholder / marker ids are never sampled (TRL suppresses only the image token itself)
-        "generation_kwargs": {"exponential_decay_length_penalty": (2, 1.6), "suppress_tokens": special},
+        "generation_kwargs": {"exponential_decay_length_penalty": (2, 1.6 if family == "qwen2_5_vl" else 3.0),
+                              "suppress_tokens": special},
     }
     return cls(
         model=model if model is not None else globals()["model"](family),
@@ -206,4 +249,7 @@ def _rope64(m, x, position_ids, layer_type):
     return (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
 
 
-__all__ = ["tokenizer", "processor", "dataset", "model", "trainer", "micro_batch", "fp64", "SPECIAL"]
+__all__ = [
+    "tokenizer", "processor", "dataset", "model", "conditioned", "trainer", "micro_batch", "trl_grads",
+    "prefixflow_grads", "worst_ratio", "fp64", "SPECIAL",
+]  # fmt: skip

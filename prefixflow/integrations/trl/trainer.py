@@ -132,6 +132,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
     def _refuse_unsupported(self) -> None:
         args = self.args
+        inner = self._prefixflow_model(self.accelerator.unwrap_model(self.model))
+        model_type = getattr(getattr(inner, "config", None), "model_type", None)
         refusals = {
             f"loss_type={self.loss_type!r} (supported: {SUPPORTED_LOSS_TYPES})": (
                 self.loss_type not in SUPPORTED_LOSS_TYPES
@@ -147,8 +149,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             "use_vllm with vllm_importance_sampling_correction (set it False)": (
                 self.use_vllm and self.vllm_importance_sampling_correction
             ),
-            f"vision-language model type {self._model_type()!r} (trained: {list(vision.TRAINED_VLM_TYPES)})": (
-                self._is_vlm and self._model_type() not in vision.TRAINED_VLM_TYPES
+            f"vision-language model type {model_type!r} (trained: {list(vision.TRAINED_VLM_TYPES)})": (
+                self._is_vlm and model_type not in vision.TRAINED_VLM_TYPES
             ),
             "MoE router aux loss (set output_router_logits=False)": self.aux_loss_enabled,
             "FSDP or DeepSpeed through accelerate (DDP runs; for FSDP2 pass prefixflow_parallel={'dp_shard': N})": (
@@ -159,7 +161,6 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         bad = [name for name, refused in refusals.items() if refused]
         if bad:
             raise ValueError(f"PrefixFlowGRPOTrainer does not support: {'; '.join(bad)}")
-        inner = self._prefixflow_model(self.accelerator.unwrap_model(self.model))
         if not isinstance(inner, hf.PreTrainedModel):
             raise ValueError(
                 "PrefixFlowGRPOTrainer needs a transformers PreTrainedModel (or a PEFT model around one), "
@@ -167,9 +168,6 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             )
         if args.gradient_accumulation_steps < 1:
             raise ValueError("gradient_accumulation_steps must be >= 1")
-
-    def _model_type(self) -> str:
-        return str(getattr(self._prefixflow_model(self.accelerator.unwrap_model(self.model)).config, "model_type", ""))
 
     # -- the actor update -----------------------------------------------------------------------------
     def training_step(self, model: nn.Module, inputs, num_items_in_batch=None) -> torch.Tensor:
@@ -306,11 +304,12 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                 for p in plans
             ]
         options = {"layout": self.prefixflow_layout, "microbatch": self.prefixflow_microbatch, "loss": "grpo"}
-        total = 0.0
+        total, vision = 0.0, 0
         with self.compute_loss_context_manager(), self.accelerator.autocast(), self._gathered(inner):
             for plan in plans:
                 stats = train_group(inner, plan.group, loss_config=plan.loss_config, **options)
                 total += stats.loss * shards
+                vision += stats.vision_tokens
         if not plans:  # every completion masked: TRL back-propagates a zero loss, i.e. zero gradients
             for p in inner.parameters():
                 if p.requires_grad and p.grad is None:
@@ -320,6 +319,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             metrics["prefixflow/group_size"].append(sum(p.group.n for p in plans) / len(plans))
             metrics["prefixflow/prefix_tokens_reused"].append(float(reused_tokens(plans)))
             metrics["prefixflow/trees"].append(float(sum(not hasattr(p.group, "prompt") for p in plans)))
+            if self._is_vlm:  # patches the tower encoded (each distinct image once per micro-batch)
+                metrics["prefixflow/vision_tokens"].append(float(vision))
         return torch.tensor(total, dtype=torch.float64, device=self.accelerator.device)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
