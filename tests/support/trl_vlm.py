@@ -91,18 +91,19 @@ def processor(family: str):
 SIZES = ((56, 56), (56, 84), (84, 56), (84, 84))  # Qwen: 4, 6, 6 and 9 image tokens; Gemma: all resized to 28
 
 
-def dataset(n_prompts: int = 4, seed: int = 0, column: str = "image"):
+def dataset(n_prompts: int = 4, seed: int = 0, column: str = "image", same_text: bool = False):
     """Conversational prompts of different lengths, one random image each (``image``) or a list of one
-    (``images``: TRL's other convention)."""
+    (``images``: TRL's other convention). ``same_text``: every prompt the same words and image size (different
+    images behind the same token ids)."""
     from datasets import Dataset
     from PIL import Image
 
     gen = torch.Generator().manual_seed(seed)
     prompts, pictures = [], []
     for i in range(n_prompts):
-        words = torch.randint(0, 40, (3 + 2 * i,), generator=gen).tolist()
+        words = torch.randint(0, 40, (3 + 2 * i,), generator=gen).tolist() if not same_text or i == 0 else words
         prompts.append([{"role": "user", "content": " ".join(f"w{j}" for j in words)}])
-        w, h = SIZES[i % len(SIZES)]
+        w, h = SIZES[0 if same_text else i % len(SIZES)]
         pixels = torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy()
         image = Image.fromarray(pixels)
         pictures.append(image if column == "image" else [image])

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 import time
 
 import torch
@@ -260,7 +261,9 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             except ValueError as err:
                 if not self._is_vlm:
                     raise
-                raise ValueError(f"TRL micro-batch rows {plan.rows}: {err}") from None
+                text = re.sub(r"path_inputs\[(\d+)\]", lambda m: f"row {plan.rows[int(m[1])]}'s inputs", str(err))
+                text = text.replace("prompt_inputs", "the prompt's inputs")
+                raise ValueError(f"TRL micro-batch rows {plan.rows}: {text}") from None
         return plans
 
     def _prefixflow_update(self, model: nn.Module, inputs, plans=None) -> torch.Tensor:

@@ -44,6 +44,7 @@ CASES = {  # family, trainer options, dataset column
         dict(loss_type="dapo", prefixflow_tree=True, prefixflow_layout="packed", prefixflow_microbatch=1),
         "images",
     ),
+    "qwen2_5_vl-same-text-auto": ("qwen2_5_vl", dict(loss_type="grpo"), "same text"),
     "qwen3_vl-flat": ("qwen3_vl", dict(loss_type="bnpo", prefixflow_tree=False), "image"),
     "gemma3-flat-packed": ("gemma3", dict(loss_type="grpo", prefixflow_tree=False, prefixflow_layout="packed"), "images"),
     "gemma3-tree": ("gemma3", dict(loss_type="sapo", prefixflow_tree=True), "image"),
@@ -57,12 +58,17 @@ def test_fp64_micro_batch_equals_trl(tmp_path, monkeypatch, case):
     family, options, column = CASES[case]
     model = V.conditioned(V.model(family, dtype=torch.float64))
     V.fp64(model, monkeypatch)
-    tr = V.trainer(tmp_path, family, model=model, dataset=V.dataset(column=column), **options)
+    data = V.dataset(same_text=True) if column == "same text" else V.dataset(column=column)
+    tr = V.trainer(tmp_path, family, model=model, dataset=data, **options)
     inputs = V.micro_batch(tr)
     tr.beta = 0.04
     assert len(set(inputs["completion_mask"].sum(-1).tolist())) > 1, "completions should differ in length"
     plans = tr._plan(inputs)
-    if options["prefixflow_tree"]:
+    if column == "same text":  # one prompt's token ids, two images: a tree splitting right before the images
+        assert len({tuple(r) for r in inputs["prompt_ids"].tolist()}) == 1
+        (plan,) = plans
+        assert plan.group.n == 8 and len({tuple(p.tolist()) for p in inputs["pixel_values"]}) > 16
+    elif options["prefixflow_tree"]:
         (plan,) = plans
         assert plan.group.path_inputs is not None and len(plan.rows) == 8
     else:
@@ -137,7 +143,7 @@ def test_one_sgd_step_equals_grpo_trainer_fp64(tmp_path, monkeypatch):
     generations identical, the update within 1e-12 per tensor."""
     steps, batches = {}, {}
     for cls in (GRPOTrainer, None):
-        model = V.model("gemma3", dtype=torch.float64)
+        model = V.conditioned(V.model("gemma3", dtype=torch.float64))
         V.fp64(model, monkeypatch)
         tr = V.trainer(tmp_path / str(cls), "gemma3", cls=cls, model=model, loss_type="dapo", prefixflow_tree=False)
         before = [p.detach().clone() for p in tr.model.parameters()]
