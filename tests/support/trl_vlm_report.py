@@ -81,6 +81,38 @@ def row(family, options, dtype, column):
             V.worst_ratio(got, want), floor, trl_patches, pf_patches)  # fmt: skip
 
 
+def lora_row() -> float:
+    """LoRA on the language model (Qwen2.5-VL, fp64, support.vlm's weights): the adapter gradients' worst ratio."""
+    import peft
+
+    targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, init_lora_weights=False)
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        model = V.model("qwen2_5_vl", dtype=torch.float64)
+        V.fp64(model, mp)
+        tr = V.trainer(tmp, "qwen2_5_vl", model=model, loss_type="grpo", peft_config=lora)
+        inputs = V.micro_batch(tr)
+        return V.worst_ratio(V.prefixflow_grads(tr, inputs)[1], V.trl_grads(tr, inputs)[1])
+
+
+def step_row() -> float:
+    """One SGD step, GRPOTrainer against PrefixFlowGRPOTrainer (Gemma-3, dapo, fp64): the update's worst ratio."""
+    from trl import GRPOTrainer
+
+    steps = []
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        for cls in (GRPOTrainer, None):
+            model = V.conditioned(V.model("gemma3", dtype=torch.float64))
+            V.fp64(model, mp)
+            tr = V.trainer(f"{tmp}/{cls}", "gemma3", cls=cls, model=model, loss_type="dapo", prefixflow_tree=False)
+            before = [p.detach().clone() for p in tr.model.parameters()]
+            tr.train()
+            steps.append([p.detach() - b for p, b in zip(tr.model.parameters(), before, strict=True)])
+    top = max(float(s.abs().max()) for s in steps[0])
+    return max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(steps[1], steps[0], strict=True)
+               if float(w.abs().max()) > 1e-8 * top)  # fmt: skip
+
+
 def main() -> None:
     print("| case | dtype | loss | worst gradient | TRL's own, one more pad column (loss / gradient) | tower patches, TRL / PrefixFlow |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -88,6 +120,8 @@ def main() -> None:
         name, dt, loss, grad, floor, trl, pf = row(*case)
         floor = "-" if floor is None else f"{floor[0]:.1e} / {floor[1]:.1e}"
         print(f"| {name} | {dt} | {loss:.1e} | {grad:.1e} | {floor} | {trl} / {pf} |", flush=True)
+    print(f"\nLoRA on the language model, Qwen2.5-VL fp64, adapter gradients: {lora_row():.1e}")
+    print(f"One SGD step, GRPOTrainer vs PrefixFlowGRPOTrainer, Gemma-3 dapo fp64, the update: {step_row():.1e}")
 
 
 if __name__ == "__main__":
