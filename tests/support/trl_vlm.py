@@ -99,9 +99,10 @@ def dataset(n_prompts: int = 4, seed: int = 0, column: str = "image", same_text:
     from PIL import Image
 
     gen = torch.Generator().manual_seed(seed)
-    prompts, pictures = [], []
+    prompts, pictures, words = [], [], []
     for i in range(n_prompts):
-        words = torch.randint(0, 40, (3 + 2 * i,), generator=gen).tolist() if not same_text or i == 0 else words
+        if not same_text or i == 0:
+            words = torch.randint(0, 40, (3 + 2 * i,), generator=gen).tolist()
         prompts.append([{"role": "user", "content": " ".join(f"w{j}" for j in words)}])
         w, h = SIZES[0 if same_text else i % len(SIZES)]
         pixels = torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy()
@@ -142,7 +143,9 @@ def trl_grads(tr, inputs) -> tuple[float, dict]:
     model.zero_grad(set_to_none=True)
     loss = tr.compute_loss(model, inputs)
     loss.backward()
-    return float(loss.detach()), {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    return float(loss.detach()), {
+        n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
+    }
 
 
 def prefixflow_grads(tr, inputs) -> tuple[float, dict]:
@@ -177,8 +180,10 @@ def trainer(tmp_path, family: str, cls=None, model=None, dataset=None, **options
     base = {
         "max_completion_length": 8,
         # the placeholder / marker ids are never sampled (TRL suppresses only the image token itself)
-        "generation_kwargs": {"exponential_decay_length_penalty": (2, 1.6 if family == "qwen2_5_vl" else 3.0),
-                              "suppress_tokens": special},
+        "generation_kwargs": {
+            "exponential_decay_length_penalty": (2, 1.6 if family == "qwen2_5_vl" else 3.0),
+            "suppress_tokens": special,
+        },
     }
     return cls(
         model=model if model is not None else globals()["model"](family),
@@ -229,7 +234,9 @@ def fp64(model, monkeypatch) -> None:
         if name in ("Qwen2_5_VLRotaryEmbedding", "Qwen3VLTextRotaryEmbedding"):
             module.forward = lambda x, position_ids, m=module: _mrope64(m, x, position_ids)
         elif name == "Gemma3RotaryEmbedding":
-            module.forward = lambda x, position_ids, layer_type, m=module: _rope64(m, x, position_ids, layer_type)
+            module.forward = lambda x, position_ids, layer_type, m=module: _rope64(
+                m, x, position_ids, layer_type
+            )
 
 
 def _mrope64(m, x, position_ids):

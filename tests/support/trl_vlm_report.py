@@ -86,7 +86,9 @@ def lora_row() -> float:
     import peft
 
     targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, init_lora_weights=False)
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, init_lora_weights=False
+    )
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
         model = V.model("qwen2_5_vl", dtype=torch.float64)
         V.fp64(model, mp)
@@ -104,7 +106,9 @@ def step_row() -> float:
         for cls in (GRPOTrainer, None):
             model = V.conditioned(V.model("gemma3", dtype=torch.float64))
             V.fp64(model, mp)
-            tr = V.trainer(f"{tmp}/{cls}", "gemma3", cls=cls, model=model, loss_type="dapo", prefixflow_tree=False)
+            tr = V.trainer(
+                f"{tmp}/{cls}", "gemma3", cls=cls, model=model, loss_type="dapo", prefixflow_tree=False
+            )
             before = [p.detach().clone() for p in tr.model.parameters()]
             tr.train()
             steps.append([p.detach() - b for p, b in zip(tr.model.parameters(), before, strict=True)])
@@ -114,14 +118,18 @@ def step_row() -> float:
 
 
 def main() -> None:
-    print("| case | dtype | loss | worst gradient | TRL's own, one more pad column (loss / gradient) | tower patches, TRL / PrefixFlow |")
+    print(
+        "| case | dtype | loss | worst gradient | TRL's own, one more pad column (loss / gradient) | tower patches, TRL / PrefixFlow |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for case in CASES:
         name, dt, loss, grad, floor, trl, pf = row(*case)
         floor = "-" if floor is None else f"{floor[0]:.1e} / {floor[1]:.1e}"
         print(f"| {name} | {dt} | {loss:.1e} | {grad:.1e} | {floor} | {trl} / {pf} |", flush=True)
     print(f"\nLoRA on the language model, Qwen2.5-VL fp64, adapter gradients: {lora_row():.1e}")
-    print(f"One SGD step, GRPOTrainer vs PrefixFlowGRPOTrainer, Gemma-3 dapo fp64, the update: {step_row():.1e}")
+    print(
+        f"One SGD step, GRPOTrainer vs PrefixFlowGRPOTrainer, Gemma-3 dapo fp64, the update: {step_row():.1e}"
+    )
 
 
 if __name__ == "__main__":

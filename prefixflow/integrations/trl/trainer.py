@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import re
 import time
 
 import torch
@@ -261,9 +260,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             except ValueError as err:
                 if not self._is_vlm:
                     raise
-                text = re.sub(r"path_inputs\[(\d+)\]", lambda m: f"row {plan.rows[int(m[1])]}'s inputs", str(err))
-                text = text.replace("prompt_inputs", "the prompt's inputs")
-                raise ValueError(f"TRL micro-batch rows {plan.rows}: {text}") from None
+                raise vision.refusal(err, plan.rows) from None
         return plans
 
     def _prefixflow_update(self, model: nn.Module, inputs, plans=None) -> torch.Tensor:

@@ -11,10 +11,11 @@ named as the model names them, and refuses what PrefixFlow cannot train exactly,
 from __future__ import annotations
 
 import hashlib
+import re
 
 import torch
 
-__all__ = ["TRAINED_VLM_TYPES", "row_inputs", "inputs_key"]
+__all__ = ["TRAINED_VLM_TYPES", "row_inputs", "inputs_key", "refusal"]
 
 # the vision-language model types PrefixFlowGRPOTrainer trains (checked against TRL's own step)
 TRAINED_VLM_TYPES = ("qwen2_5_vl", "qwen3_vl", "gemma3")
@@ -78,7 +79,9 @@ def row_inputs(inputs: dict, placeholders: set[int]) -> list[dict] | None:
     grids = inputs.get("image_grid_thw")
     counts = inputs.get("num_images")
     if pixels is None and grids is not None:
-        raise ValueError("TRL input 'image_grid_thw' comes without 'pixel_values'; pass the processor's whole output")
+        raise ValueError(
+            "TRL input 'image_grid_thw' comes without 'pixel_values'; pass the processor's whole output"
+        )
     if pixels is not None:
         if counts is None:
             counts = [1] * b if grids is None and pixels.shape[0] == b else None
@@ -128,3 +131,10 @@ def inputs_key(inputs: dict | None) -> str:
         h.update(f"{key}{tuple(t.shape)}{t.dtype}".encode())
         h.update(t.flatten().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def refusal(err: ValueError, rows: list[int]) -> ValueError:
+    """A group's or tree's refusal in TRL's terms: its micro-batch rows, tree path ``i`` named as its row."""
+    text = re.sub(r"path_inputs\[(\d+)\]", lambda m: f"row {rows[int(m[1])]}'s inputs", str(err))
+    text = text.replace("prompt_inputs", "the prompt's inputs")
+    return ValueError(f"TRL micro-batch rows {rows}: {text}")

@@ -46,7 +46,11 @@ CASES = {  # family, trainer options, dataset column
     ),
     "qwen2_5_vl-same-text-auto": ("qwen2_5_vl", dict(loss_type="grpo"), "same text"),
     "qwen3_vl-flat": ("qwen3_vl", dict(loss_type="bnpo", prefixflow_tree=False), "image"),
-    "gemma3-flat-packed": ("gemma3", dict(loss_type="grpo", prefixflow_tree=False, prefixflow_layout="packed"), "images"),
+    "gemma3-flat-packed": (
+        "gemma3",
+        dict(loss_type="grpo", prefixflow_tree=False, prefixflow_layout="packed"),
+        "images",
+    ),
     "gemma3-tree": ("gemma3", dict(loss_type="sapo", prefixflow_tree=True), "image"),
 }
 
@@ -134,7 +138,12 @@ def test_negative_controls_break_the_fp64_equality(tmp_path, monkeypatch):
         with pytest.MonkeyPatch.context() as m:
             inject(m)
             _, got = V.prefixflow_grads(tr, inputs)
-        broken = [n for n, w in want.items() if w is not None and (got[n] is None or not torch.allclose(got[n], w, rtol=0, atol=1e-6 * float(w.abs().max())))]
+        broken = [
+            n
+            for n, w in want.items()
+            if w is not None
+            and (got[n] is None or not torch.allclose(got[n], w, rtol=0, atol=1e-6 * float(w.abs().max())))
+        ]
         assert broken, f"{name}: still equal"
 
 
@@ -145,7 +154,9 @@ def test_one_sgd_step_equals_grpo_trainer_fp64(tmp_path, monkeypatch):
     for cls in (GRPOTrainer, None):
         model = V.conditioned(V.model("gemma3", dtype=torch.float64))
         V.fp64(model, monkeypatch)
-        tr = V.trainer(tmp_path / str(cls), "gemma3", cls=cls, model=model, loss_type="dapo", prefixflow_tree=False)
+        tr = V.trainer(
+            tmp_path / str(cls), "gemma3", cls=cls, model=model, loss_type="dapo", prefixflow_tree=False
+        )
         before = [p.detach().clone() for p in tr.model.parameters()]
         real = tr._prepare_inputs
         tr._prepare_inputs = lambda batch, real=real, cls=cls: batches.setdefault(cls, real(batch))
@@ -157,7 +168,11 @@ def test_one_sgd_step_equals_grpo_trainer_fp64(tmp_path, monkeypatch):
     assert torch.equal(batches[GRPOTrainer]["completion_ids"], batches[None]["completion_ids"])
     base, pf = steps.values()
     assert max(float(s.abs().max()) for s in base) > 1e-3
-    worst = max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(pf, base, strict=True) if w.abs().max() > 1e-8 * max(float(s.abs().max()) for s in base))
+    worst = max(
+        float((g - w).abs().max() / w.abs().max())
+        for g, w in zip(pf, base, strict=True)
+        if w.abs().max() > 1e-8 * max(float(s.abs().max()) for s in base)
+    )
     assert worst <= 1e-12
 
 
@@ -165,7 +180,9 @@ def test_lora_on_the_language_model_equals_trl_peft_fp64(tmp_path, monkeypatch):
     """LoRA on the language model's projections (the tower frozen, as peft leaves it): the adapter gradients
     equal TRL + PEFT's within 1e-12, and nothing else gets a gradient."""
     targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, init_lora_weights=False)
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, init_lora_weights=False
+    )
     model = V.model("qwen2_5_vl", dtype=torch.float64)
     V.fp64(model, monkeypatch)
     tr = V.trainer(tmp_path, "qwen2_5_vl", model=model, loss_type="grpo", peft_config=lora)

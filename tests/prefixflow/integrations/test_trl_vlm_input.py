@@ -41,7 +41,11 @@ def test_image_tokens_that_do_not_match_the_pixel_inputs(qwen):
     at = int((bad["prompt_ids"][row] == vlm.IMAGE).nonzero()[0])
     bad["prompt_ids"][row, at] = 7  # one placeholder fewer than image_grid_thw asks for
     bad["mm_token_type_ids"][row, at] = 0
-    message = _refused(tr, bad, r"TRL micro-batch rows \[.*\]: the prompt has \d+ image tokens; row 0's inputs\['image_grid_thw'\]")
+    message = _refused(
+        tr,
+        bad,
+        r"TRL micro-batch rows \[.*\]: the prompt has \d+ image tokens; row 0's inputs\['image_grid_thw'\]",
+    )
     assert p == bad["prompt_ids"].shape[1] and "gives" in message
     bad = _copy(inputs)
     bad["image_grid_thw"][0, 2] += 2  # the grid no longer matches the patch rows
@@ -52,7 +56,11 @@ def test_images_inside_a_completion(qwen):
     tr, inputs = qwen
     bad = _copy(inputs)
     bad["completion_ids"][2, 1] = vlm.IMAGE
-    _refused(tr, bad, r"completion_ids row 2 holds the image placeholder id 250 \(token 1\): images inside a completion")
+    _refused(
+        tr,
+        bad,
+        r"completion_ids row 2 holds the image placeholder id 250 \(token 1\): images inside a completion",
+    )
     bad = _copy(inputs)
     bad["mm_token_type_ids"][3, bad["prompt_ids"].shape[1]] = 1  # a tool's image response
     _refused(tr, bad, r"TRL input 'mm_token_type_ids' marks completion token 0 of row 3 as an image")
@@ -79,7 +87,9 @@ def test_a_right_padding_processor_and_keys_of_other_families(qwen):
     row = int((~mask).sum(-1).argmax())  # the row most padded: its image marks land on its padding
     pads = int((~mask[row]).sum())
     assert pads > 2
-    bad["mm_token_type_ids"][row, : mask.shape[1]] = bad["mm_token_type_ids"][row, : mask.shape[1]].roll(-pads)
+    bad["mm_token_type_ids"][row, : mask.shape[1]] = bad["mm_token_type_ids"][row, : mask.shape[1]].roll(
+        -pads
+    )
     _refused(tr, bad, r"marks row \d+'s left padding as image tokens.*padding_side='left'")
     bad = _copy(inputs)
     bad["pixel_attention_mask"] = torch.ones(3)
