@@ -94,3 +94,11 @@ def test_a_right_padding_processor_and_keys_of_other_families(qwen):
     bad = _copy(inputs)
     bad["pixel_attention_mask"] = torch.ones(3)
     _refused(tr, bad, r"TRL input 'pixel_attention_mask' is not supported by PrefixFlowGRPOTrainer")
+
+
+def test_a_vlm_type_it_does_not_train_is_refused_at_construction(tmp_path):
+    model = vlm.build_llava_onevision(dtype=torch.float32)
+    with pytest.raises(
+        ValueError, match=r"vision-language model type 'llava_onevision' \(trained: \['qwen2_5_vl'"
+    ):
+        V.trainer(tmp_path, "qwen2_5_vl", model=model)
