@@ -26,6 +26,7 @@ import torch
 from ... import RolloutGroup, build_tree
 from ...loss import LossConfig
 from ...tree.rollout_tree import RolloutTree
+from .vision import inputs_key
 
 __all__ = [
     "SUPPORTED_LOSS_TYPES",
@@ -34,6 +35,8 @@ __all__ = [
     "plan_groups",
     "TREE_MIN_SHARED",
     "check_min_shared_tokens",
+    "check_positions",
+    "reused_tokens",
 ]
 
 # TRL loss_type -> PrefixFlow LossConfig.policy; GRPOConfig's full list in TRL 1.16
@@ -95,6 +98,7 @@ def plan_groups(
     policy_options: dict | None = None,
     tree: bool | str = "auto",
     min_shared_tokens: int | str = 1,
+    row_inputs: list[dict] | None = None,
 ) -> list[TrainingUnit]:
     """Group a TRL micro-batch by prompt (or into one prefix tree) with the loss config reproducing TRL's.
 
@@ -105,10 +109,12 @@ def plan_groups(
     prompt + completion; False = one flat group per prompt; ``"auto"`` = a tree when there are tool masks or
     different prompts share :data:`TREE_MIN_SHARED` leading tokens; ``min_shared_tokens``: the tree's
     (:func:`prefixflow.build_tree`; 2 on models with recurrent layers). Raises ``ValueError`` for what PrefixFlow
-    cannot reproduce.
+    cannot reproduce. ``row_inputs``: a VLM micro-batch's per-row prompt inputs (:func:`.vision.row_inputs`),
+    each group's ``prompt_inputs`` (a tree's ``path_inputs``); rows share a group only if their token ids and
+    their images agree.
     """
     for key in ("importance_sampling_ratio", "pixel_values"):
-        if inputs.get(key) is not None:
+        if inputs.get(key) is not None and (key != "pixel_values" or row_inputs is None):
             raise ValueError(f"TRL input {key!r} is not supported by PrefixFlowGRPOTrainer")
     if tree not in (True, False, "auto"):
         raise ValueError(f"prefixflow_tree must be True, False or 'auto', got {tree!r}")
@@ -132,7 +138,8 @@ def plan_groups(
         prompts.append(tuple(prompt_ids[row][prompt_mask[row]].tolist()))
         masks.append(trained[row, :n])
         if bool(masks[row].any()):
-            by_prompt.setdefault(prompts[row], []).append(row)
+            key = prompts[row] if row_inputs is None else (prompts[row], inputs_key(row_inputs[row]))
+            by_prompt.setdefault(key, []).append(row)
     tokens = sum(int(m.sum()) for m in masks)
     aggregation, norm_len, batch_size, batch_tokens, weight = _normaliser(
         loss_type, inputs, rows=b, tokens=tokens, ga=gradient_accumulation_steps,
@@ -160,20 +167,22 @@ def plan_groups(
     if not by_prompt:
         return []
     if tree == "auto":
-        tree = tool_mask is not None or _prompts_share(list(by_prompt), TREE_MIN_SHARED)
+        heads = [prompts[rows[0]] for rows in by_prompt.values()]
+        tree = tool_mask is not None or _prompts_share(heads, TREE_MIN_SHARED)
     if tree:
         rows = [r for rs in by_prompt.values() for r in rs]
-        tree = _tree(inputs, rows, prompts, masks, lengths, old, ref, min_shared_tokens)
+        tree = _tree(inputs, rows, prompts, masks, lengths, old, ref, min_shared_tokens, row_inputs)
         return [TrainingUnit(rows, tree, config)]
     plans = []
-    for prompt, rows in by_prompt.items():
+    for rows in by_prompt.values():
         group = RolloutGroup(
-            prompt=torch.tensor(prompt, dtype=torch.long, device=prompt_ids.device),
+            prompt=torch.tensor(prompts[rows[0]], dtype=torch.long, device=prompt_ids.device),
             responses=[completion_ids[r, : lengths[r]] for r in rows],
             advantages=advantages[rows],
             old_logprobs=_per_row(old, rows, lengths),
             ref_logprobs=_per_row(ref, rows, lengths),
             loss_masks=None if tool_mask is None else [masks[r] for r in rows],
+            prompt_inputs=None if row_inputs is None else row_inputs[rows[0]] or None,
         )
         plans.append(TrainingUnit(rows, group, config))
     return plans
@@ -184,7 +193,7 @@ def _prompts_share(prompts: list[tuple[int, ...]], k: int) -> bool:
     return len(set(heads)) < len(heads)
 
 
-def _tree(inputs, rows, prompts, masks, lengths, old, ref, min_shared_tokens) -> RolloutTree:
+def _tree(inputs, rows, prompts, masks, lengths, old, ref, min_shared_tokens, row_inputs) -> RolloutTree:
     """Every trained row's prompt + completion as one trie; prompt tokens and tool output are never trained."""
     completion_ids = inputs["completion_ids"]
     device = completion_ids.device
@@ -204,6 +213,7 @@ def _tree(inputs, rows, prompts, masks, lengths, old, ref, min_shared_tokens) ->
     return build_tree(
         seqs, inputs["advantages"][rows], loss_masks, old_logprobs=whole(old), ref_logprobs=whole(ref),
         min_shared_tokens=min_shared_tokens,
+        path_inputs=None if row_inputs is None else [row_inputs[r] or None for r in rows],
     )  # fmt: skip
 
 
@@ -215,3 +225,28 @@ def check_min_shared_tokens(value) -> None:
 
 def _per_row(t: torch.Tensor | None, rows: list[int], lengths: list[int]) -> list[torch.Tensor] | None:
     return None if t is None else [t[r, : lengths[r]] for r in rows]
+
+
+def reused_tokens(plans: list[TrainingUnit]) -> int:
+    """Tokens not recomputed: a flat group's prompt once per completion beyond the first; a tree's path tokens
+    beyond its unique ones."""
+    return sum(
+        (p.group.n - 1) * (p.group.prompt_len - 1)
+        if hasattr(p.group, "prompt")
+        else sum(p.group.path_lens) - p.group.unique_tokens
+        for p in plans
+    )
+
+
+def check_positions(model, inputs) -> None:
+    """A prompt + completion longer than the model's ``max_position_embeddings``, named in HF's terms; from the
+    micro-batch's masks, before any group or tree is built."""
+    limit = int(model.config.get_text_config().max_position_embeddings)
+    lengths = inputs["prompt_mask"].bool().sum(-1) + inputs["completion_mask"].bool().sum(-1)
+    longest = int(lengths.max()) if lengths.numel() else 0
+    if longest > limit:
+        raise ValueError(
+            f"a prompt + completion of {longest} tokens exceeds the model's config.max_position_embeddings="
+            f"{limit}; lower GRPOConfig.max_completion_length or the prompt length, or raise "
+            "config.max_position_embeddings"
+        )

@@ -37,9 +37,10 @@ from ...parallel import ParallelDims, parallelize
 from ...runtime import runtime_of
 from ...schedule.driver import check_group
 from .. import hf
-from . import sharding
+from ..hf_vision import FAMILIES
+from . import sharding, vision
 from .options import check_options, min_shared_tokens_for
-from .plan import SUPPORTED_LOSS_TYPES, TrainingUnit, plan_groups
+from .plan import SUPPORTED_LOSS_TYPES, TrainingUnit, check_positions, plan_groups, reused_tokens
 
 __all__ = ["PrefixFlowGRPOTrainer", "VERIFY_TOLERANCE"]
 
@@ -59,6 +60,10 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
     (compare the first micro-batch's gradients with TRL's own ``compute_loss -> backward``, in fp32 when the
     weights are fp32, and raise beyond ``verify_tolerance``, default by dtype: ``VERIFY_TOLERANCE``).
     ``peft_config`` (LoRA) works as in TRL. A TRL option PrefixFlow does not reproduce raises ``ValueError`` here.
+
+    Vision-language GRPO as in TRL (images in the dataset's ``image``/``images`` column, the model's processor as
+    ``processing_class``) for :data:`.vision.TRAINED_VLM_TYPES`: each prompt's images go to its group as
+    ``prompt_inputs``; the tower runs once per group.
 
     FSDP2: ``prefixflow_parallel={"dp_shard": N}`` (N = the number of processes) shards the model with
     :func:`prefixflow.parallel.parallelize` once TRL has set it up; a model the caller already sharded that way
@@ -128,6 +133,8 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
     def _refuse_unsupported(self) -> None:
         args = self.args
+        inner = self._prefixflow_model(self.accelerator.unwrap_model(self.model))
+        model_type = getattr(getattr(inner, "config", None), "model_type", None)
         refusals = {
             f"loss_type={self.loss_type!r} (supported: {SUPPORTED_LOSS_TYPES})": (
                 self.loss_type not in SUPPORTED_LOSS_TYPES
@@ -143,7 +150,9 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             "use_vllm with vllm_importance_sampling_correction (set it False)": (
                 self.use_vllm and self.vllm_importance_sampling_correction
             ),
-            "vision-language models": self._is_vlm,
+            f"vision-language model type {model_type!r} (trained: {list(vision.TRAINED_VLM_TYPES)})": (
+                self._is_vlm and model_type not in vision.TRAINED_VLM_TYPES
+            ),
             "MoE router aux loss (set output_router_logits=False)": self.aux_loss_enabled,
             "FSDP or DeepSpeed through accelerate (DDP runs; for FSDP2 pass prefixflow_parallel={'dp_shard': N})": (
                 self.is_fsdp_enabled or self.is_deepspeed_enabled
@@ -153,7 +162,6 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         bad = [name for name, refused in refusals.items() if refused]
         if bad:
             raise ValueError(f"PrefixFlowGRPOTrainer does not support: {'; '.join(bad)}")
-        inner = self._prefixflow_model(self.accelerator.unwrap_model(self.model))
         if not isinstance(inner, hf.PreTrainedModel):
             raise ValueError(
                 "PrefixFlowGRPOTrainer needs a transformers PreTrainedModel (or a PEFT model around one), "
@@ -170,13 +178,14 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
+        plans = self._checked_plans(model, inputs)  # bad input raises here, before any forward or gradient
         if self.verify_first_step and not self._prefixflow_verified:
-            loss = self._verified_update(model, inputs)
+            loss = self._verified_update(model, inputs, plans)
         else:
             if self.prefixflow_metrics and self._logs_this_step():
                 with torch.no_grad(), self.compute_loss_context_manager():
                     super()._compute_loss(model, inputs)  # TRL's own kl / entropy / clip_ratio metrics
-            loss = self._prefixflow_update(model, inputs)
+            loss = self._prefixflow_update(model, inputs, plans)
         self._step += 1
         self._current_train_step_time += time.perf_counter() - time_before
         if self._step % self.current_gradient_accumulation_steps == 0:
@@ -198,6 +207,10 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
     def _plan(self, inputs) -> list[TrainingUnit]:
         args = self.args
+        row_inputs = None
+        if self._is_vlm:
+            inner = self._prefixflow_model(self.accelerator.unwrap_model(self.model))
+            row_inputs = vision.row_inputs(inputs, FAMILIES[inner.config.model_type].placeholder_ids(inner))
         policy_options = {}
         if self.loss_type == "sapo":
             policy_options.update(
@@ -232,11 +245,28 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             policy_options=policy_options,
             tree=self.prefixflow_tree,
             min_shared_tokens=self.prefixflow_min_shared_tokens,
+            row_inputs=row_inputs,
         )
 
-    def _prefixflow_update(self, model: nn.Module, inputs) -> torch.Tensor:
+    def _checked_plans(self, model: nn.Module, inputs) -> list[TrainingUnit]:
+        """The micro-batch's groups (or tree), every one checked before the first one changes a gradient; a
+        VLM group's refusal names its micro-batch rows."""
+        inner = self._prefixflow_model(self.accelerator.unwrap_model(model))
+        check_positions(inner, inputs)
+        plans = self._plan(inputs)
+        options = {"layout": self.prefixflow_layout, "microbatch": self.prefixflow_microbatch, "loss": "grpo"}
+        for plan in plans:
+            try:
+                check_group(inner, plan.group, loss_config=plan.loss_config, **options)
+            except ValueError as err:
+                if not self._is_vlm:
+                    raise
+                raise vision.refusal(err, plan.rows) from None
+        return plans
+
+    def _prefixflow_update(self, model: nn.Module, inputs, plans=None) -> torch.Tensor:
         if self.accelerator.num_processes == 1 or self._prefixflow_sharded:
-            return self._local_update(model, inputs)
+            return self._local_update(model, inputs, plans)
         # DDP: train_group runs on the unwrapped model, so DDP's reducer never sees it; this micro-batch's
         # gradient is averaged over the processes here (one all-reduce), as DDP averages TRL's.
         params = [p for p in model.parameters() if p.requires_grad]
@@ -244,7 +274,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         for p in params:
             p.grad = None
         with _no_sync(model):
-            loss = self._local_update(model, inputs)
+            loss = self._local_update(model, inputs, plans)
         flat = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in params])
         torch.distributed.all_reduce(flat)
         flat /= self.accelerator.num_processes
@@ -255,13 +285,14 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             p.grad = g.clone() if s is None else s + g
         return loss
 
-    def _local_update(self, model: nn.Module, inputs) -> torch.Tensor:
-        """This process's groups into ``param.grad``. Sharded (FSDP2): every unit is gathered once for the
-        micro-batch (ranks may train different numbers of groups) and reduce-scattered once at its end; the
-        objective is divided by the number of processes, because FSDP sums where DDP averages TRL's."""
+    def _local_update(self, model: nn.Module, inputs, plans=None) -> torch.Tensor:
+        """This process's groups into ``param.grad`` (``plans``: :meth:`_checked_plans`'s, or made here). Sharded
+        (FSDP2): every unit is gathered once for the micro-batch (ranks may train different numbers of groups)
+        and reduce-scattered once at its end; the objective is divided by the number of processes, because FSDP
+        sums where DDP averages TRL's."""
         inner = self._prefixflow_model(self.accelerator.unwrap_model(model))
-        _check_positions(inner, inputs)
-        plans = self._plan(inputs)
+        if plans is None:
+            plans = self._checked_plans(model, inputs)
         shards = self.accelerator.num_processes if self._prefixflow_sharded else 1
         if shards > 1:
             plans = [
@@ -274,13 +305,12 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
                 for p in plans
             ]
         options = {"layout": self.prefixflow_layout, "microbatch": self.prefixflow_microbatch, "loss": "grpo"}
-        for plan in plans:  # every group is valid before the first one changes a gradient
-            check_group(inner, plan.group, loss_config=plan.loss_config, **options)
-        total = 0.0
+        total, vision = 0.0, 0
         with self.compute_loss_context_manager(), self.accelerator.autocast(), self._gathered(inner):
             for plan in plans:
                 stats = train_group(inner, plan.group, loss_config=plan.loss_config, **options)
                 total += stats.loss * shards
+                vision += stats.vision_tokens
         if not plans:  # every completion masked: TRL back-propagates a zero loss, i.e. zero gradients
             for p in inner.parameters():
                 if p.requires_grad and p.grad is None:
@@ -288,8 +318,10 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
         else:
             metrics = self._metrics["train"]
             metrics["prefixflow/group_size"].append(sum(p.group.n for p in plans) / len(plans))
-            metrics["prefixflow/prefix_tokens_reused"].append(float(stats_reused(plans)))
+            metrics["prefixflow/prefix_tokens_reused"].append(float(reused_tokens(plans)))
             metrics["prefixflow/trees"].append(float(sum(not hasattr(p.group, "prompt") for p in plans)))
+            if self._is_vlm:  # patches the tower encoded (each distinct image once per micro-batch)
+                metrics["prefixflow/vision_tokens"].append(float(vision))
         return torch.tensor(total, dtype=torch.float64, device=self.accelerator.device)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -313,7 +345,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
     def _gathered(self, inner: nn.Module):
         return sharding.gathered(inner) if self._prefixflow_sharded else contextlib.nullcontext()
 
-    def _verified_update(self, model: nn.Module, inputs) -> torch.Tensor:
+    def _verified_update(self, model: nn.Module, inputs, plans) -> torch.Tensor:
         """TRL's plain path and PrefixFlow's on the same micro-batch, in fp32 when the weights are fp32; raise if
         their gradients differ beyond the tolerance, then run the real update (in the training precision)."""
         sharded = self._prefixflow_sharded
@@ -339,7 +371,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             want = [p.grad for _, p in params]
             for _, p in params:
                 p.grad = None
-            loss = self._local_update(model, inputs)
+            loss = self._local_update(model, inputs, plans)
             got = [p.grad for _, p in params]
         worst, where = sharding.worst_rel_diff(params, got, want, collective=sharded)
         loss_diff = abs(float(loss) - want_loss) / (abs(want_loss) or 1.0)
@@ -348,7 +380,7 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
             tolerance = VERIFY_TOLERANCE.get(dtype, 5e-2) if dtype in (torch.float64, torch.float32) else 5e-2
         for _, p in params:
             p.grad = None
-        loss = self._prefixflow_update(model, inputs)  # the update itself, in the training precision
+        loss = self._prefixflow_update(model, inputs, plans)  # the update itself, in the training precision
         for (_, p), s in zip(params, saved, strict=True):
             p.grad = p.grad if s is None else (s if p.grad is None else s + p.grad)
         # the update is the gradient (a loss near 0, zero-mean advantages, has no scale); NaN fails the check
@@ -380,28 +412,3 @@ class PrefixFlowGRPOTrainer(GRPOTrainer):
 
 def _no_sync(model: nn.Module):
     return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
-
-
-def stats_reused(plans: list[TrainingUnit]) -> int:
-    """Tokens not recomputed: a flat group's prompt once per completion beyond the first; a tree's path tokens
-    beyond its unique ones."""
-    return sum(
-        (p.group.n - 1) * (p.group.prompt_len - 1)
-        if hasattr(p.group, "prompt")
-        else sum(p.group.path_lens) - p.group.unique_tokens
-        for p in plans
-    )
-
-
-def _check_positions(model: nn.Module, inputs) -> None:
-    """A prompt + completion longer than the model's ``max_position_embeddings``, named in HF's terms; from the
-    micro-batch's masks, before any group or tree is built."""
-    limit = int(model.config.get_text_config().max_position_embeddings)
-    lengths = inputs["prompt_mask"].bool().sum(-1) + inputs["completion_mask"].bool().sum(-1)
-    longest = int(lengths.max()) if lengths.numel() else 0
-    if longest > limit:
-        raise ValueError(
-            f"a prompt + completion of {longest} tokens exceeds the model's config.max_position_embeddings="
-            f"{limit}; lower GRPOConfig.max_completion_length or the prompt length, or raise "
-            "config.max_position_embeddings"
-        )

@@ -9,7 +9,7 @@ Covered here or in the sibling modules: every loss type (test_trl_losses), ``bet
 per-device batch, ``delta`` clipping, sequence importance sampling with ``num_iterations=2``.
 
 Left out, and why: vLLM (generation server or colocated engine: not installed, GPU), liger kernels (not
-installed; TRL refuses them with its fused LM head), vision-language models (PrefixFlow refuses them), the
+installed; TRL refuses them with its fused LM head), vision-language models (test_trl_vlm), the
 entropy mask and entropy bonus (refused: they need every token's full-vocabulary entropy before the loss),
 DeepSpeed/FSDP through accelerate (GPU states only; refused), ``use_transformers_paged``/continuous batching
 and ``cast_lm_head_to_fp32`` on GPU-only paths, ``sync_ref_model`` (a callback on TRL's side: unchanged, not
