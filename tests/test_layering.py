@@ -47,6 +47,7 @@ PREFIXFLOW_LAYERS = [
         "prefixflow.hooks",
         "prefixflow.memory.offload",
         "prefixflow.memory.storage",
+        "prefixflow.memory.fake_tier",
         "prefixflow.schedule.grad_guard",
     ],
     # the schedule: GroupRun, the stage, the caches, the phase functions, validation, stats, the driver
