@@ -89,7 +89,7 @@ HARNESS_LAYERS = [
     ["harness.records", "harness.contenders", "harness.simulate"],
     ["harness.spec"],
     ["harness.run"],
-    ["harness.execute"],
+    ["harness.execute", "harness.estimate"],
     ["harness.sweep", "harness.rl", "harness.local_ranks"],
     ["harness.cli", "harness.rl_precision"],
 ]

@@ -11,6 +11,7 @@ from harness.estimate.fake import FAKE_METER, RealTensorError
 from harness.estimate.loop import estimate_systems
 from harness.run.columns import failed_records
 from harness.run.measurement import refusal
+from harness.run.memory import check_cell_sequences
 from harness.spec.cell import Cell
 
 __all__ = ["estimate_cell", "unsupported", "RealTensorError", "FAKE_METER"]
@@ -45,9 +46,13 @@ def estimate_cell(cell: Cell) -> list[dict[str, Any]]:
     why = unsupported(cell)
     if why is not None:
         return failed_records(cell, "refused", why, "cpu")
-    refused = refusal(cell, check_memory=False)  # the device, the layout, the model, the sequences
+    refused = refusal(cell, check_memory=False)  # the device, the layout, the model
     if refused is not None:
         return refused
+    try:  # the sequences against the model's positions (the memory floor is what the estimate finds)
+        check_cell_sequences([cell])
+    except ValueError as e:
+        return failed_records(cell, "error", str(e), "cpu")
     ran: dict[str, Any] = {}
 
     def runner(*args, **kwargs):
@@ -68,6 +73,9 @@ def estimate_cell(cell: Cell) -> list[dict[str, Any]]:
         run = ran.get(rec["system"])
         if run is not None and run.memory is not None:
             rec["estimate_s"] = run.memory.get("estimate_s")
+        if run is not None and run.memory is not None:
+            for phase, peak in run.memory.get("phase_peak_bytes", {}).items():
+                rec[f"peak_mem_phase_{phase.lower()}_bytes"] = float(peak)
         if rec.get("status") == "ok":
             rec["mem_meter"] = FAKE_METER
         out.append(_finite_or_none(rec))
