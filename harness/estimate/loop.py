@@ -37,7 +37,7 @@ class FakeBuild:
     def build(self, name: str):
         device, self.bench.device = self.bench.device, META
         try:
-            with torch.device("meta"):
+            with on_host(), torch.device("meta"):  # meta tensors, outside the fake mode; then made fake
                 contender, model = self.bench.build(name)
         finally:
             self.bench.device = device
