@@ -134,7 +134,10 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 def _where(exc: BaseException) -> str:
     """The innermost frame of this repository's code in ``exc``'s traceback, as ``path:line``."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith(_ROOT)]
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__)
+        if f.filename.startswith(_ROOT) and f.name != "__torch_dispatch__"  # not the meters' and guard's modes
+    ]  # fmt: skip
     return f" (at {os.path.relpath(frames[-1].filename, _ROOT)}:{frames[-1].lineno})" if frames else ""
 
 
