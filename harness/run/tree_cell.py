@@ -80,7 +80,7 @@ class TreeBench:
         return {}
 
 
-def run_tree_cell(cell: Cell, runner=run_systems) -> list[dict[str, Any]]:
+def run_tree_cell(cell: Cell, runner=None) -> list[dict[str, Any]]:
     """Every system of ``cell`` on its tree, interleaved; never raises for a failing system. ``runner``: the
     loop (an estimate's runs the same cell on fake tensors)."""
     try:
@@ -88,7 +88,7 @@ def run_tree_cell(cell: Cell, runner=run_systems) -> list[dict[str, Any]]:
     except RuntimeError:
         return failed_records(cell, "error", traceback.format_exc())
     bench = TreeBench(cell, device)
-    runs, inputs = runner(cell, device, bench)
+    runs, inputs = (runner or run_systems)(cell, device, bench)
     if not inputs:
         return [{**base_record(cell, str(device)), "system": r.name, "status": r.failure[0], "error": r.failure[1]}
                 for r in runs]  # fmt: skip
