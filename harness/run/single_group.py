@@ -127,7 +127,10 @@ def run_single_group_cell(cell: Cell, memory_only: bool = False, runner=None) ->
     except RuntimeError:
         return failed_records(cell, "error", traceback.format_exc())
     bench = GroupBench(cell, device)
-    runs, inputs = (runner or run_systems)(cell, device, bench, memory_only=memory_only)
+    if runner is None:
+        runs, inputs = run_systems(cell, device, bench, memory_only=memory_only)
+    else:
+        runs, inputs = runner(cell, device, bench, memory_only=memory_only)
     group = inputs[0] if inputs else None
     records = cell_records(
         cell, [[_record(cell, device, bench, run, group, memory_only) for run in runs]], False

@@ -88,7 +88,10 @@ def run_tree_cell(cell: Cell, runner=None) -> list[dict[str, Any]]:
     except RuntimeError:
         return failed_records(cell, "error", traceback.format_exc())
     bench = TreeBench(cell, device)
-    runs, inputs = (runner or run_systems)(cell, device, bench)
+    if runner is None:
+        runs, inputs = run_systems(cell, device, bench)
+    else:
+        runs, inputs = runner(cell, device, bench)
     if not inputs:
         return [{**base_record(cell, str(device)), "system": r.name, "status": r.failure[0], "error": r.failure[1]}
                 for r in runs]  # fmt: skip
