@@ -144,3 +144,7 @@ def test_sweep_estimate(tmp_path, how):
     assert len(df) == 4 and set(df["status"]) == {"ok"} and set(df["mem_meter"]) == {"fake-live-bytes"}
     tiers = df[(df["system"] == "prefixflow") & df["offload"]]["offload_tier"]
     assert list(tiers) == ["fake"]
+    if how == "flag":  # figures read estimate records like any others
+        from harness.figures.fig10 import figure10a
+
+        assert [p.name for p in figure10a(df, tmp_path / "figs")] == ["fig10a_phase_b_peak.png"]
