@@ -79,6 +79,7 @@ def assert_fake_equals_real(cell: Cell, run_cell) -> None:
         for phase, peak in phases.items():
             got = est.get(f"peak_mem_phase_{phase.lower()}_bytes")
             assert got is not None, f"{name}: no Phase {phase} peak in the estimate"
+            print(f"{cell.cell_id} {name} Phase {phase}: fake {got:.0f} real {peak} gap {got - peak:+.0f} B")  # -s
             assert abs(got - peak) <= tolerance(peak), f"{name} Phase {phase}: fake {got:.0f} vs real {peak}"
         assert est["peak_mem_bytes"] == max(est[f"peak_mem_phase_{p.lower()}_bytes"] for p in phases)
         if cell.offload and name == "prefixflow":
