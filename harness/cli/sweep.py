@@ -116,7 +116,9 @@ def sweep(
             _fail(str(e))
     estimate = estimate or s.executor.kind == "estimate"
     if estimate and executor is ExecutorKind.slurm:
-        _fail("--executor slurm: estimates run on this machine; use --executor local or debug with --estimate")
+        _fail(
+            "--executor slurm: estimates run on this machine; use --executor local or debug with --estimate"
+        )
     try:
         if estimate and executor is ExecutorKind.debug:
             from harness.execute.executors import DebugExecutor

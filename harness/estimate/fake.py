@@ -91,7 +91,9 @@ def materialise(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
         for name, p in list(module._parameters.items()):
             if p is not None:
                 if id(p) not in params:
-                    params[id(p)] = nn.Parameter(fake_of(p, f"{mod_name}.{name}"), requires_grad=p.requires_grad)
+                    params[id(p)] = nn.Parameter(
+                        fake_of(p, f"{mod_name}.{name}"), requires_grad=p.requires_grad
+                    )
                 module._parameters[name] = params[id(p)]
         for name, b in list(module._buffers.items()):
             if b is not None:
@@ -148,7 +150,11 @@ def refusal_of(exc: BaseException, cell_id: str) -> str | None:
     if isinstance(exc, RealTensorError):
         return f"cell {cell_id}: cannot be estimated: {exc}{_where(exc)}"
     if isinstance(exc, DataDependentOutputException | DynamicOutputShapeException):
-        what = "reads tensor values" if isinstance(exc, DataDependentOutputException) else "has a value-dependent shape"
+        what = (
+            "reads tensor values"
+            if isinstance(exc, DataDependentOutputException)
+            else "has a value-dependent shape"
+        )
         return (
             f"cell {cell_id}: cannot be estimated: {exc.func} {what}, which fake tensors have not "
             f"(data-dependent control flow){_where(exc)}"

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from ..attention.modes import ATTENTION_VARIANTS, AttentionState
-from ..runtime import PrefixFlowRuntime, runtime_of
 from ..memory.fake_tier import TIER_FAKE
+from ..runtime import PrefixFlowRuntime, runtime_of
 from .adapters import adapter_for
 
 __all__ = ["PrefixFlowConfig", "PrefixFlowRuntime", "apply_prefixflow", "runtime_of", "apply_ac", "AC_MODES"]

@@ -17,15 +17,16 @@ from __future__ import annotations
 import pytest
 
 from harness.estimate import estimate_cell
-from prefixflow.memory import storage
 from harness.run import loop
 from harness.run.single_group import run_single_group_cell
 from harness.run.tree_cell import run_tree_cell
 from harness.spec.cell import Cell, ModelSpec
 from harness.workloads import AgenticShape
+from prefixflow.memory import storage
 
 TINY = ModelSpec(
-    name="llama3:debugmodel", overrides={"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512}
+    name="llama3:debugmodel",
+    overrides={"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 512},
 )
 # (layout, ac, offload, microbatch)
 MATRIX = [
@@ -79,7 +80,9 @@ def assert_fake_equals_real(cell: Cell, run_cell) -> None:
         for phase, peak in phases.items():
             got = est.get(f"peak_mem_phase_{phase.lower()}_bytes")
             assert got is not None, f"{name}: no Phase {phase} peak in the estimate"
-            print(f"{cell.cell_id} {name} Phase {phase}: fake {got:.0f} real {peak} gap {got - peak:+.0f} B")  # -s
+            print(
+                f"{cell.cell_id} {name} Phase {phase}: fake {got:.0f} real {peak} gap {got - peak:+.0f} B"
+            )  # -s
             assert abs(got - peak) <= tolerance(peak), f"{name} Phase {phase}: fake {got:.0f} vs real {peak}"
         assert est["peak_mem_bytes"] == max(est[f"peak_mem_phase_{p.lower()}_bytes"] for p in phases)
         if cell.offload and name == "prefixflow":

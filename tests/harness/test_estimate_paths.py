@@ -41,6 +41,7 @@ axes:
 {executor}
 """
 
+
 def _cell(**kw) -> Cell:
     base = dict(spec="est", model=ModelSpec(name="llama3:debugmodel", overrides={"dim": 32, "n_heads": 2,
                 "n_layers": 2, "vocab_size": 128}), prefix_len=12, suffix_len=4, n=2, warmup=0, repeats=1,
@@ -49,13 +50,13 @@ def _cell(**kw) -> Cell:
 
 
 def test_normal_path_imports_nothing_of_the_estimate():
-    code = textwrap.dedent(f"""
+    code = textwrap.dedent("""
         import sys
         import harness.cli, harness.cli.run, harness.cli.sweep, harness.execute.executors, harness.sweep
         from harness.execute.local import run_cell
         from harness.spec.cell import Cell, ModelSpec
-        cell = Cell(spec="x", model=ModelSpec(name="llama3:debugmodel", overrides={{"dim": 32, "n_heads": 2,
-                    "n_layers": 2, "vocab_size": 128}}), prefix_len=12, suffix_len=4, n=2, warmup=0, repeats=1,
+        cell = Cell(spec="x", model=ModelSpec(name="llama3:debugmodel", overrides={"dim": 32, "n_heads": 2,
+                    "n_layers": 2, "vocab_size": 128}), prefix_len=12, suffix_len=4, n=2, warmup=0, repeats=1,
                     device="cpu", offload=True)
         assert all(r["status"] == "ok" for r in run_cell(cell))
         loaded = sorted(m for m in sys.modules if m.startswith("harness.estimate"))
@@ -85,7 +86,9 @@ def test_refused_in_one_line_naming_the_op_and_the_cell(monkeypatch):
     base, pf = estimate_cell(cell)
     assert base["status"] == "ok"
     assert pf["status"] == "refused" and "\n" not in pf["error"]
-    assert pf["error"].startswith(f"cell {cell.cell_id}: cannot be estimated: aten.equal.default reads tensor values")
+    assert pf["error"].startswith(
+        f"cell {cell.cell_id}: cannot be estimated: aten.equal.default reads tensor values"
+    )
     assert "prefixflow/attention/split.py" in pf["error"]
 
 
@@ -100,14 +103,18 @@ def test_kinds_not_estimated_are_refused_in_one_line(kw, why):
     cell = _cell(**kw)
     records = estimate_cell(cell)
     assert {r["status"] for r in records} == {"refused"}
-    assert records[0]["error"] == f"cell {cell.cell_id}: cannot be estimated: " + records[0]["error"].split(
-        "cannot be estimated: ", 1
-    )[1]
+    assert (
+        records[0]["error"]
+        == f"cell {cell.cell_id}: cannot be estimated: "
+        + records[0]["error"].split("cannot be estimated: ", 1)[1]
+    )
     assert why in records[0]["error"] and "\n" not in records[0]["error"]
 
 
 def test_offload_tier_is_checked():
-    with pytest.raises(ValueError, match=r"PrefixFlowConfig.offload_tier 'disk' unknown; valid: \('auto', 'fake'\)"):
+    with pytest.raises(
+        ValueError, match=r"PrefixFlowConfig.offload_tier 'disk' unknown; valid: \('auto', 'fake'\)"
+    ):
         PrefixFlowConfig(offload=True, offload_tier="disk")
 
 
