@@ -133,3 +133,13 @@ def test_offload_in_flight_bound():
             assert fake - tolerance(peak) <= peak <= fake + moved + tolerance(peak)
         else:  # Phase A ends when every copy out is written
             assert abs(fake - peak) <= tolerance(peak), phase
+
+
+@pytest.mark.usefixtures("sync_copies")
+def test_fake_equals_real_auto_microbatch():
+    # microbatch="auto" measures its own probes: under an estimate they must read fake storages too
+    cell = _cell(n=6, microbatch="auto", memory_budget=15_500_000, systems=("prefixflow",))
+    est, real = estimate_cell(cell)[0], run_single_group_cell(cell)[0]
+    assert est["microbatch_sizes"] == real["microbatch_sizes"] == "1,1,2,2"
+    assert est["auto_per_token_bytes"] == real["auto_per_token_bytes"]
+    assert abs(est["peak_mem_bytes"] - real["peak_mem_bytes"]) <= tolerance(real["peak_mem_bytes"])
