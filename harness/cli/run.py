@@ -180,8 +180,14 @@ def run(
     if estimate:
         from harness.estimate import unsupported
 
+        from harness.run.memory import check_cell_sequences
+
         if (why := unsupported(cell)) is not None:
             _fail(why)
+        try:  # the sequences against the model's positions; the memory floor is what the estimate finds
+            check_cell_sequences([cell])
+        except ValueError as e:
+            _fail(str(e))
     else:
         try:  # on the meta device: the sequences fit the model and its memory floor fits this machine
             preflight_cell(cell)

@@ -155,3 +155,9 @@ def test_sweep_estimate(tmp_path, how):
         from harness.figures.fig10 import figure10a
 
         assert [p.name for p in figure10a(df, tmp_path / "figs")] == ["fig10a_phase_b_peak.png"]
+
+
+def test_run_estimate_checks_the_sequences():
+    result = runner.invoke(app, ["run", *TINY, "--override", "max_seq_len=8", "--estimate"])
+    assert result.exit_code == 2
+    assert "max_seq_len=8" in result.output and "Traceback" not in result.output
