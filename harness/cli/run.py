@@ -179,7 +179,6 @@ def run(
         _fail(f"--model/--override: {e}")
     if estimate:
         from harness.estimate import unsupported
-
         from harness.run.memory import check_cell_sequences
 
         if (why := unsupported(cell)) is not None:
