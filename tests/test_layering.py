@@ -47,6 +47,7 @@ PREFIXFLOW_LAYERS = [
         "prefixflow.hooks",
         "prefixflow.memory.offload",
         "prefixflow.memory.storage",
+        "prefixflow.memory.fake_tier",
         "prefixflow.schedule.grad_guard",
     ],
     # the schedule: GroupRun, the stage, the caches, the phase functions, validation, stats, the driver
@@ -88,7 +89,7 @@ HARNESS_LAYERS = [
     ["harness.records", "harness.contenders", "harness.simulate"],
     ["harness.spec"],
     ["harness.run"],
-    ["harness.execute"],
+    ["harness.execute", "harness.estimate"],
     ["harness.sweep", "harness.rl", "harness.local_ranks"],
     ["harness.cli", "harness.rl_precision"],
 ]

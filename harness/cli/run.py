@@ -61,6 +61,18 @@ RUN_COLUMNS = [
     "split_grad_kv_bytes",
     "split_exchange_exact",
 ]
+ESTIMATE_COLUMNS = [
+    "system",
+    "status",
+    "peak_mem_phase_a_bytes",
+    "peak_mem_phase_b_bytes",
+    "peak_mem_phase_c_bytes",
+    "peak_mem_bytes",
+    "counted_flops",
+    "offloaded_bytes",
+    "mem_meter",
+    "estimate_s",
+]
 
 
 def run(
@@ -106,6 +118,13 @@ def run(
     split_threshold: Annotated[
         float, typer.Option(min=0, help="split a group when the busiest DP rank exceeds the mean by this")
     ] = 0.25,
+    estimate: Annotated[
+        bool,
+        typer.Option(
+            "--estimate",
+            help="estimate per-phase peak memory and FLOPs on fake tensors instead of running (docs/estimate.md)",
+        ),
+    ] = False,
 ) -> None:
     """Run one cell and print its records (a layout with several ranks runs on local ranks, loopback only)."""
     from harness.contenders import available_contenders
@@ -158,10 +177,21 @@ def run(
         check_model_spec(cell.model)
     except (ValueError, TypeError) as e:
         _fail(f"--model/--override: {e}")
-    try:  # on the meta device: the sequences fit the model and its memory floor fits this machine
-        preflight_cell(cell)
-    except ValueError as e:
-        _fail(str(e))
+    if estimate:
+        from harness.estimate import unsupported
+        from harness.run.memory import check_cell_sequences
+
+        if (why := unsupported(cell)) is not None:
+            _fail(why)
+        try:  # the sequences against the model's positions; the memory floor is what the estimate finds
+            check_cell_sequences([cell])
+        except ValueError as e:
+            _fail(str(e))
+    else:
+        try:  # on the meta device: the sequences fit the model and its memory floor fits this machine
+            preflight_cell(cell)
+        except ValueError as e:
+            _fail(str(e))
     folder = None if out is None else spec_folder(out, cell.spec)
     if folder is not None:  # before the cell runs, not after
         try:
@@ -171,7 +201,12 @@ def run(
     if cell.world_size > 1:
         err_console.print(Text(f"cell {cell.cell_id}: {cell.world_size} local ranks", style="dim"))
     with reporting(lambda msg: err_console.print(Text(f"cell {cell.cell_id}: {msg}", style="dim"))):
-        records = run_cell(cell)
+        if estimate:
+            from harness.estimate import estimate_cell
+
+            records = estimate_cell(cell)
+        else:
+            records = run_cell(cell)
     if folder is not None:
         try:
             path = write_records(folder / f"{cell.cell_id}.parquet", records, root=out)
@@ -183,7 +218,8 @@ def run(
             typer.echo(json.dumps(_json_safe(rec)))
     else:
         df = pd.DataFrame(records)
-        cols = [c for c in RUN_COLUMNS if c in df.columns and df[c].notna().any()]  # no empty offload columns
+        shown = ESTIMATE_COLUMNS if estimate else RUN_COLUMNS
+        cols = [c for c in shown if c in df.columns and df[c].notna().any()]  # no empty offload columns
         console.print(_table(df[cols], title=f"cell {cell.cell_id}"))
     for rec in records:
         if rec["status"] != "ok":

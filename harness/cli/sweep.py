@@ -46,6 +46,13 @@ def sweep(
     max_cells: Annotated[
         int, typer.Option(min=1, help="refuse a spec that expands to more cells (a guard against typos)")
     ] = DEFAULT_MAX_CELLS,
+    estimate: Annotated[
+        bool,
+        typer.Option(
+            "--estimate",
+            help="estimate each cell on fake tensors (as the spec's executor: {kind: estimate}; docs/estimate.md)",
+        ),
+    ] = False,
 ) -> None:
     """Run every missing cell of SPEC (resumable: recorded cells are skipped). Exits 1 if a cell failed."""
     from harness.execute.executors import make_executor
@@ -107,8 +114,18 @@ def sweep(
             jobs_folder(spec_folder(out, s.name))
         except (OSError, UnsafePathError) as e:
             _fail(str(e))
+    estimate = estimate or s.executor.kind == "estimate"
+    if estimate and executor is ExecutorKind.slurm:
+        _fail(
+            "--executor slurm: estimates run on this machine; use --executor local or debug with --estimate"
+        )
     try:
-        ex = make_executor(executor.value, s.executor, max_jobs)
+        if estimate and executor is ExecutorKind.debug:
+            from harness.execute.executors import DebugExecutor
+
+            ex = DebugExecutor(estimate=True)
+        else:
+            ex = make_executor("estimate" if estimate else executor.value, s.executor, max_jobs)
     except (RuntimeError, ValueError) as e:
         _fail(str(e))
     with Progress(
@@ -127,7 +144,7 @@ def sweep(
             progress.console.print(
                 Text(
                     f"{s.name}: {len(p.cells)} cells, {len(p.done)} recorded, "
-                    f"{len(p.todo)} to run ({executor.value}) -> {p.folder}"
+                    f"{len(p.todo)} to run ({executor.value}{', estimated' if estimate else ''}) -> {p.folder}"
                 )
             )
 

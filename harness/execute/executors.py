@@ -1,4 +1,5 @@
-"""Executors: ``debug`` (in-process), ``local`` (worker subprocesses, bounded), ``slurm`` (submitit arrays).
+"""Executors: ``debug`` (in-process), ``local`` (worker subprocesses, bounded), ``slurm`` (submitit arrays), and
+``estimate`` (local worker subprocesses that estimate each cell on fake tensors: ``harness.estimate``).
 
 Every executor takes cells and a spec folder and guarantees one record file per cell: the worker writes it,
 and where a worker cannot (timeout, hard crash, lost job) the executor writes status timeout/error rows.
@@ -33,7 +34,7 @@ from harness.safe_fs import open_new
 from harness.spec.cell import Cell
 from harness.spec.schema import ExecutorSettings
 
-EXECUTORS = ("local", "slurm", "debug")
+EXECUTORS = ("local", "slurm", "debug", "estimate")
 WORKER_ARGV = [sys.executable, "-m", "harness.execute.worker"]
 
 
@@ -42,9 +43,15 @@ class DebugExecutor:
 
     name = "debug"
 
+    def __init__(self, estimate: bool = False) -> None:
+        self.estimate = estimate  # each cell estimated on fake tensors (harness.estimate), not run
+
     def run(self, cells: list[Cell], folder: Path, on_done: OnDone) -> None:
+        runner = None
+        if self.estimate:
+            from harness.estimate.worker import estimate_here as runner
         for cell in cells:
-            on_done(cell, run_job(cell, record_path(folder, cell)))
+            on_done(cell, run_job(cell, record_path(folder, cell), runner))
 
 
 def _die_with_parent() -> None:
@@ -60,6 +67,7 @@ class LocalExecutor:
     own process group, killed on timeout and when the sweep process dies."""
 
     name = "local"
+    worker = "harness.execute.worker"  # the module each cell's process runs
 
     def __init__(self, max_jobs: int = 2, timeout_min: float | None = None, poll_s: float = 0.1) -> None:
         self.max_jobs = max(1, max_jobs)
@@ -81,12 +89,15 @@ class LocalExecutor:
             env = loopback_env(env)  # ranks talk over loopback only
         return env
 
+    def _argv(self) -> list[str]:
+        return WORKER_ARGV
+
     def _start(self, cell: Cell, folder: Path) -> tuple[subprocess.Popen, float]:
         jpath = write_job(job_path(folder, cell), cell, record_path(folder, cell))
         logs, root = folder / "_logs", folder.parent
-        argv = [*WORKER_ARGV, str(jpath)]
-        if cell.world_size > 1:  # one worker per local rank (loopback only); rank 0 writes the record
-            argv = local_ranks_argv(cell.world_size, "harness.execute.worker", [str(jpath)])
+        argv = [*self._argv(), str(jpath)]
+        if cell.world_size > 1 and self._slots(cell) > 1:  # one worker per local rank; rank 0 writes the record
+            argv = local_ranks_argv(cell.world_size, self.worker, [str(jpath)])
         with (
             open_new(logs / f"{cell.cell_id}.out", root) as out,
             open_new(logs / f"{cell.cell_id}.err", root) as err,
@@ -148,10 +159,26 @@ class LocalExecutor:
                 self._kill(proc)
 
 
+class EstimateExecutor(LocalExecutor):
+    """:class:`LocalExecutor` whose workers estimate their cell on fake tensors (``harness.estimate.worker``):
+    one process per cell whatever its layout (an estimate runs in one process)."""
+
+    name = "estimate"
+    worker = "harness.estimate.worker"
+
+    def _slots(self, cell: Cell) -> int:
+        return 1
+
+    def _argv(self) -> list[str]:
+        return [sys.executable, "-m", self.worker]
+
+
 def make_executor(kind: str, settings: ExecutorSettings, max_jobs: int | None = None):
     """The executor named ``kind`` (one of EXECUTORS)."""
     if kind == "debug":
         return DebugExecutor()
+    if kind == "estimate":
+        return EstimateExecutor(max_jobs=max_jobs or settings.max_jobs)
     if kind == "local":
         return LocalExecutor(max_jobs=max_jobs or settings.max_jobs)
     if kind == "slurm":

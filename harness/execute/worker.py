@@ -26,15 +26,16 @@ def _set_threads() -> None:
         torch.set_num_threads(int(value))
 
 
-def run_job(cell: Cell, record_path: Path) -> str:
+def run_job(cell: Cell, record_path: Path, runner=None) -> str:
     """Run ``cell`` (here, or on its local ranks when this process is not one of them) and write its records;
-    returns the cell's status."""
+    returns the cell's status. ``runner(cell, folder)``: what gives the records (default: run the cell;
+    an estimate's worker estimates it)."""
     from harness.execute.local import run_cell
     from harness.run.columns import failed_records
 
     _set_threads()
     try:
-        records = run_cell(cell, record_path.parent)
+        records = (runner or run_cell)(cell, record_path.parent)
     except Exception:
         records = failed_records(cell, "error", traceback.format_exc())
     if records is None:  # a rank other than 0 of a multi-rank cell: rank 0 writes the record
@@ -45,13 +46,13 @@ def run_job(cell: Cell, record_path: Path) -> str:
     return cell_status(pd.DataFrame(records))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, runner=None, module: str = "harness.execute.worker") -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m harness.execute.worker JOB.json", file=sys.stderr)
+        print(f"usage: python -m {module} JOB.json", file=sys.stderr)
         return 2
     cell, record_path = read_job(argv[0])
-    status = run_job(cell, record_path)
+    status = run_job(cell, record_path, runner)
     _close_process_group()
     print(f"cell {cell.cell_id}: {status}")
     return 0

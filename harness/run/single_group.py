@@ -118,15 +118,19 @@ def _record(
     return rec
 
 
-def run_single_group_cell(cell: Cell, memory_only: bool = False) -> list[dict[str, Any]]:
+def run_single_group_cell(cell: Cell, memory_only: bool = False, runner=None) -> list[dict[str, Any]]:
     """Every system of ``cell`` on one group, interleaved; one record per system, never raises for a failing
-    one (status error/oom with the traceback). ``memory_only``: see :func:`harness.run.loop.run_systems`."""
+    one (status error/oom with the traceback). ``memory_only``: see :func:`harness.run.loop.run_systems`;
+    ``runner``: the loop (an estimate's runs the same cell on fake tensors)."""
     try:
         device = resolve_device(cell.device)
     except RuntimeError:
         return failed_records(cell, "error", traceback.format_exc())
     bench = GroupBench(cell, device)
-    runs, inputs = run_systems(cell, device, bench, memory_only=memory_only)
+    if runner is None:
+        runs, inputs = run_systems(cell, device, bench, memory_only=memory_only)
+    else:
+        runs, inputs = runner(cell, device, bench, memory_only=memory_only)
     group = inputs[0] if inputs else None
     records = cell_records(
         cell, [[_record(cell, device, bench, run, group, memory_only) for run in runs]], False

@@ -80,14 +80,18 @@ class TreeBench:
         return {}
 
 
-def run_tree_cell(cell: Cell) -> list[dict[str, Any]]:
-    """Every system of ``cell`` on its tree, interleaved; never raises for a failing system."""
+def run_tree_cell(cell: Cell, runner=None) -> list[dict[str, Any]]:
+    """Every system of ``cell`` on its tree, interleaved; never raises for a failing system. ``runner``: the
+    loop (an estimate's runs the same cell on fake tensors)."""
     try:
         device = resolve_device(cell.device)
     except RuntimeError:
         return failed_records(cell, "error", traceback.format_exc())
     bench = TreeBench(cell, device)
-    runs, inputs = run_systems(cell, device, bench)
+    if runner is None:
+        runs, inputs = run_systems(cell, device, bench)
+    else:
+        runs, inputs = runner(cell, device, bench)
     if not inputs:
         return [{**base_record(cell, str(device)), "system": r.name, "status": r.failure[0], "error": r.failure[1]}
                 for r in runs]  # fmt: skip

@@ -186,6 +186,11 @@ class ExecutorSettings(StrictModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
+    kind: Literal["measure", "estimate"] = Field(
+        "measure",
+        description="measure: run the cells; estimate: their memory and FLOPs on fake tensors "
+        "(harness.estimate, as `pf-bench sweep --estimate`)",
+    )
     max_jobs: int = Field(
         2, ge=1, le=10_000, description="concurrent cells (local) / array parallelism (slurm)"
     )

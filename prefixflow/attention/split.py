@@ -34,6 +34,8 @@ import math
 import torch
 from torch.nn.attention import SDPBackend
 
+from ..schedule.host import has_values
+
 __all__ = ["split_attention", "split_attention_reference", "suffix_bias"]
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -54,7 +56,8 @@ def suffix_bias(
     if causal or suffix_mask is None:
         return None, True
     s = suffix_mask.shape[-1]
-    if suffix_mask.shape[-2] == s:  # a query block over other keys (sequence-sharded) is never plain causal
+    # A fake mask (an estimate) cannot be inspected: the layout already said causal where it is (causal_suffix).
+    if suffix_mask.shape[-2] == s and has_values(suffix_mask):  # a sequence-sharded query block never is
         tril = torch.ones(s, s, dtype=torch.bool, device=suffix_mask.device).tril_()
         if torch.equal(suffix_mask, tril.expand_as(suffix_mask)):
             return None, True

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from prefixflow.memory.live_bytes import LiveBytesMeter
+from prefixflow.schedule.host import has_values
 
 __all__ = ["FixedChunks", "BudgetChunks", "AUTO", "OverBudgetWarning"]
 
@@ -80,8 +81,10 @@ class BudgetChunks:
     ) -> None:
         self.model, self.lengths, self.layout, self.budget = model, list(lengths), layout, int(budget)
         self.ids = list(range(len(self.lengths))) if ids is None else list(ids)  # what each length belongs to
-        self.device = next(model.parameters()).device
-        self.meter = LiveBytesMeter(self.device.type)
+        first = next(model.parameters())
+        self.device = first.device
+        # Under an estimate the parameters are fake: their storages (and all the call makes) live on "meta".
+        self.meter = LiveBytesMeter(self.device.type if has_values(first) else ("meta", self.device.type))
         self.meter.register(self.model)
         self.resident: int | None = None
         self.per_token: float | None = None

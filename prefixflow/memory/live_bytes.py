@@ -35,16 +35,18 @@ def _storage_of(obj: torch.Tensor | torch.UntypedStorage) -> torch.UntypedStorag
 
 
 class LiveBytesMeter(TorchDispatchMode):
-    """Live and peak bytes of tensor storages on one device type (default ``"cpu"``).
+    """Live and peak bytes of tensor storages on one device type (default ``"cpu"``), or several (a tuple:
+    an estimate's fake storages live on ``"meta"`` beside its real host tensors on ``"cpu"``).
 
     ``current``/``peak`` count resident ("device") bytes; ``offloaded``/``offloaded_peak`` count bytes
     an offload tier marked as moved out. The mode may be entered and left repeatedly; storages it has
     seen stay tracked (and their frees counted) while it is not active.
     """
 
-    def __init__(self, device_type: str = "cpu") -> None:
+    def __init__(self, device_type: str | tuple[str, ...] = "cpu") -> None:
         super().__init__()
         self.device_type = device_type
+        self._types = (device_type,) if isinstance(device_type, str) else tuple(device_type)
         # re-entrant: an allocation under the lock can run the GC, whose finalizers free other storages
         self._lock = threading.RLock()
         self._tracked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> [nbytes, off]
@@ -56,7 +58,7 @@ class LiveBytesMeter(TorchDispatchMode):
 
     # -- accounting ---------------------------------------------------------------------------------
     def _track(self, storage: torch.UntypedStorage, offloaded: bool) -> None:
-        if storage.device.type != self.device_type:
+        if storage.device.type not in self._types:
             return
         nbytes = storage.nbytes()
         with self._lock:

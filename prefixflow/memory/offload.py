@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from ..model.adapters import adapter_for
+from .fake_tier import TIER_FAKE, FakePool
 from .storage import (
     TIER_CPU,
     TIER_CUDA,
@@ -61,13 +62,13 @@ from .storage import (
     Packed,
     PinnedPool,
     Slot,
-    bytes_of,
     check_version,
 )
 
-__all__ = ["OffloadStats", "PrefixOffload", "TIER_CPU", "TIER_CUDA", "DEFAULT_MIN_BYTES"]
+__all__ = ["OffloadStats", "PrefixOffload", "TIER_CPU", "TIER_CUDA", "TIER_FAKE", "TIERS", "DEFAULT_MIN_BYTES"]
 
 DEFAULT_MIN_BYTES = 4096
+TIERS = ("auto", TIER_FAKE)  # as PrefixFlowConfig.offload_tier: by device, or an estimate's (.fake_tier)
 _FOOTPRINT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> last group's offloaded bytes
 
 
@@ -109,7 +110,8 @@ class PrefixOffload:
 
     ``model``: the TorchTitan model (its parameters/buffers stay resident, its blocks give layer tags);
     ``cache``: the group's ``PrefixKVCache`` (its live K/V stay resident); ``prefetch``: False = demand-load
-    only; ``min_bytes``: storages below this stay resident; ``ahead``: layers loaded ahead of the backward.
+    only; ``min_bytes``: storages below this stay resident; ``ahead``: layers loaded ahead of the backward;
+    ``tier``: ``"auto"`` (by device) or ``"fake"`` (under an estimate's FakeTensorMode, ``.fake_tier``).
     """
 
     def __init__(
@@ -120,13 +122,20 @@ class PrefixOffload:
         prefetch: bool = True,
         min_bytes: int = DEFAULT_MIN_BYTES,
         ahead: int = 1,
+        tier: str = "auto",
     ) -> None:
+        if tier not in TIERS:
+            raise ValueError(f"offload tier {tier!r} unknown; valid: {TIERS}")
         self.model, self.cache, self.min_bytes, self.ahead = model, cache, min_bytes, ahead
         self.device = next(model.parameters()).device
         self._blocks = _blocks_of(model)
-        self._protected = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
         hint = _FOOTPRINT.get(model, 0)
-        self.pool = PinnedPool(self.device, hint) if self.device.type == "cuda" else FilePool()
+        if tier == TIER_FAKE:
+            self.pool = FakePool()
+        else:
+            self.pool = PinnedPool(self.device, hint) if self.device.type == "cuda" else FilePool()
+        key = self.pool.key
+        self._protected = {key(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
         self.stats = OffloadStats(tier=self.pool.tier, prefetch=prefetch)
         self._lock = threading.RLock()
         self._slots: list[Slot] = []
@@ -157,7 +166,7 @@ class PrefixOffload:
         self._layer = index
 
     def _keep_reason(self, t: torch.Tensor) -> str | None:
-        if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
+        if not self.pool.plain(t):
             return "subclass"
         if not (t.dtype.is_floating_point or t.dtype.is_complex) or t.is_conj() or t.is_neg():
             return "non_float"
@@ -166,11 +175,12 @@ class PrefixOffload:
         storage = t.untyped_storage()
         if storage.nbytes() < self.min_bytes:
             return "small"
-        ptr = storage.data_ptr()
+        key = self.pool.key
+        ptr = key(storage)
         if ptr in self._protected:
             return "param"
         for e in self.cache.layers.values():
-            if ptr in (e.live_k.untyped_storage().data_ptr(), e.live_v.untyped_storage().data_ptr()):
+            if ptr in (key(e.live_k.untyped_storage()), key(e.live_v.untyped_storage())):
                 return "kv"
         return None
 
@@ -187,7 +197,7 @@ class PrefixOffload:
                 slot = Slot(len(self._slots), self._layer, t)
                 self._slots.append(slot)
                 self._by_storage[storage] = slot
-                self.pool.store(slot, bytes_of(t.detach()))
+                self.pool.store(slot, t.detach())
                 self.stats.offloaded_tensors += 1
                 self.stats.offloaded_bytes += slot.nbytes
                 self.stats.pool_capacity_bytes = self.pool.capacity()
@@ -236,8 +246,7 @@ class PrefixOffload:
             data = slot.data
             if self.stats.prefetch and (self._frontier is None or slot.layer < self._frontier):
                 self._advance(slot.layer)
-        out = torch.empty(0, dtype=packed.dtype, device=data.device)
-        return out.set_(data.untyped_storage(), packed.offset, packed.size, packed.stride)
+        return self.pool.rebuild(data, packed.dtype, packed.offset, packed.size, packed.stride)
 
     def _drop_handle(self, slot: Slot) -> None:
         with self._lock:

@@ -23,7 +23,7 @@ def version_alias(t: torch.Tensor) -> torch.Tensor:
     storage swap bumps the shared counter once; it is set back, so ``t`` reads the same version as before."""
     version = t._version
     alias = t.detach()  # shares t's version counter
-    alias.set_(torch.UntypedStorage(0, device=t.device))
+    alias.set_(torch.empty(0, dtype=torch.uint8, device=t.device).untyped_storage())  # fake under an estimate
     torch._C._autograd._unsafe_set_version_counter((alias,), (version,))
     return alias
 
@@ -85,7 +85,25 @@ def bytes_of(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
-class FilePool:
+class RealTier:
+    """What the real tiers share: which saved tensors they take, storage identity, the rebuilt view."""
+
+    @staticmethod
+    def plain(t: torch.Tensor) -> bool:
+        """Whether ``t`` is a tensor this tier moves (a plain tensor or parameter, no subclass)."""
+        return type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)
+
+    @staticmethod
+    def key(storage: torch.UntypedStorage) -> int:
+        return storage.data_ptr()
+
+    @staticmethod
+    def rebuild(data: torch.Tensor, dtype, offset: int, size, stride) -> torch.Tensor:
+        """The saved tensor over the loaded bytes ``data`` (uint8), with its exact view geometry."""
+        return torch.empty(0, dtype=dtype, device=data.device).set_(data.untyped_storage(), offset, size, stride)
+
+
+class FilePool(RealTier):
     """CPU tier: an unlinked temporary file, written and read by one worker thread."""
 
     tier = TIER_CPU
@@ -110,9 +128,9 @@ class FilePool:
                 raise OSError(f"offload file {self.path} ended early at byte {offset + done}")
             done += n
 
-    def store(self, slot: Slot, src: torch.Tensor) -> None:
+    def store(self, slot: Slot, t: torch.Tensor) -> None:
         slot.where, self.size = self.size, self.size + slot.nbytes
-        self.writes.append(self.io.submit(self._write, src, slot.where))  # holds src until written
+        self.writes.append(self.io.submit(self._write, bytes_of(t), slot.where))  # holds it until written
 
     def finish_stores(self) -> None:
         writes, self.writes = self.writes, []
@@ -156,7 +174,7 @@ class FilePool:
         self.fd = -1
 
 
-class PinnedPool:
+class PinnedPool(RealTier):
     """CUDA tier: pinned host chunks (bump-allocated), copies on a side stream and a prefetch stream."""
 
     tier = TIER_CUDA
@@ -177,7 +195,8 @@ class PinnedPool:
         region, chunk[1] = chunk[0][chunk[1] : chunk[1] + nbytes], chunk[1] + need
         return region
 
-    def store(self, slot: Slot, src: torch.Tensor) -> None:
+    def store(self, slot: Slot, t: torch.Tensor) -> None:
+        src = bytes_of(t)
         region = self._region(slot.nbytes)
         self.out_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.out_stream):

@@ -8,12 +8,14 @@ import torch
 from torch import nn
 
 from ..attention.modes import ATTENTION_VARIANTS, AttentionState
+from ..memory.fake_tier import TIER_FAKE
 from ..runtime import PrefixFlowRuntime, runtime_of
 from .adapters import adapter_for
 
 __all__ = ["PrefixFlowConfig", "PrefixFlowRuntime", "apply_prefixflow", "runtime_of", "apply_ac", "AC_MODES"]
 
 AC_MODES = ("none", "selective", "full")
+OFFLOAD_TIERS = ("auto", TIER_FAKE)
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,9 @@ class PrefixFlowConfig:
     CPU, concat elsewhere: split's fused CUDA path, ATen's flash / memory-efficient kernels with their LSE, has
     no GPU measurement behind it yet). ``offload``: move the dormant saved tensors of the prefix graph out of
     device memory from Phase A to Phase C (``prefixflow.memory.offload``); ``offload_prefetch``: load them back ahead
-    of the prefix backward (False = demand-load only). ``memory_budget_bytes``: the peak device memory a
+    of the prefix backward (False = demand-load only); ``offload_tier``: where they go, ``"auto"`` (a pinned
+    host pool on CUDA, a temporary file on CPU) or ``"fake"`` (an estimate under FakeTensorMode:
+    ``prefixflow.memory.fake_tier``). ``memory_budget_bytes``: the peak device memory a
     ``train_group(..., microbatch="auto")`` call may use; it picks the largest microbatches that fit
     (``prefixflow.memory.budget``).
     """
@@ -36,6 +40,7 @@ class PrefixFlowConfig:
     attention: str = "auto"
     offload: bool = False
     offload_prefetch: bool = True
+    offload_tier: str = "auto"
     memory_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
@@ -52,6 +57,10 @@ class PrefixFlowConfig:
         for name in ("offload", "offload_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"PrefixFlowConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.offload_tier not in OFFLOAD_TIERS:
+            raise ValueError(
+                f"PrefixFlowConfig.offload_tier {self.offload_tier!r} unknown; valid: {OFFLOAD_TIERS}"
+            )
         budget = self.memory_budget_bytes
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ValueError(

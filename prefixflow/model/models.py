@@ -172,7 +172,8 @@ def build_model(
     """Build a TorchTitan model by ``family:flavor`` with deterministic random weights.
 
     The model is created on the meta device, materialised on ``device`` and initialised by TorchTitan's own
-    ``init_weights`` under ``torch.manual_seed(seed)``. Only parameters are cast to ``dtype``: RoPE buffers keep
+    ``init_weights`` under ``torch.manual_seed(seed)``; ``device="meta"`` keeps it there, a shape without
+    values and so without init (what an estimate materialises as fake tensors). Only parameters are cast to ``dtype``: RoPE buffers keep
     their dtype (``Module.to(dtype)`` would turn Llama3's complex ``freqs_cis`` into a real tensor).
     Then every registered build step runs (:func:`register_build_step`): MoE flavours come with
     :func:`prefixflow.moe.apply_moe` applied; their ``overrides`` reach the MoE arguments as
@@ -185,10 +186,11 @@ def build_model(
     device = torch.device(device)
     with torch.device("meta"):
         model = cls(args)
-    model.to_empty(device=device)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        model.init_weights(buffer_device=device)
+    if device.type != "meta":  # a meta model has no values to initialise
+        model.to_empty(device=device)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            model.init_weights(buffer_device=device)
     for param in model.parameters():
         param.data = param.data.to(dtype)
     if dtype == torch.float64 and name.startswith("llama3:"):

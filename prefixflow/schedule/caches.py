@@ -84,9 +84,9 @@ class NodeCaches:
             cache.view = run.hooks.prefix_view(run.model, tree.node_len(j)) or cache.view
         self.offloads: dict[int, PrefixOffload] = {}
         if offload:
-            prefetch = run.runtime.config.offload_prefetch
+            prefetch, tier = run.runtime.config.offload_prefetch, run.runtime.config.offload_tier
             self.offloads = {
-                j: PrefixOffload(run.model, c, prefetch=prefetch) for j, c in self.caches.items()
+                j: PrefixOffload(run.model, c, prefetch=prefetch, tier=tier) for j, c in self.caches.items()
             }
         self.rows: dict[int, tuple[Microbatch, list[int]]] = {}  # Phase A's row of each node, its key nodes
         self.live: dict[int, torch.Tensor] = {}

@@ -32,6 +32,7 @@ from ..tree.plan import TreeRows, group_tree
 from ..tree.rollout_tree import RolloutTree
 from .caches import NodeCaches
 from .grad_guard import keep_grads_on_failure
+from .host import on_host
 from .phases import leaf_microbatches, node_backwards, node_forwards, path_microbatches, waves
 from .run import GroupRun, Scores
 from .stage import Stage
@@ -198,14 +199,16 @@ def resolve(
     the model's)."""
     runtime = runtime_of(model)
     hooks = hooks_of(model) if hooks is None else hooks
-    validate_call(model, group, system, layout, microbatch, hooks)
     device = next(model.parameters()).device
-    host = group_tree(group) if isinstance(group, RolloutGroup) else group
-    tree = host.to(device)
-    losses = tree.path_losses()
-    cfg = resolve_loss(loss, loss_config, losses)
+    with on_host():  # the caller's tensors, real even under an estimate's fake tensors (.host)
+        validate_call(model, group, system, layout, microbatch, hooks)
+        host = group_tree(group) if isinstance(group, RolloutGroup) else group
+        tree = host.to(device)
+        losses = tree.path_losses()
+        cfg = resolve_loss(loss, loss_config, losses)
+        rows = TreeRows(host)
     stage = runtime.stage or ONE_DEVICE
-    run = GroupRun(model, runtime, tree, TreeRows(host), system, layout, loss, cfg, stage, hooks, device,
+    run = GroupRun(model, runtime, tree, rows, system, layout, loss, cfg, stage, hooks, device,
                    losses)  # fmt: skip
     per_response = {
         "importance_sampling='sequence'": cfg.importance_sampling == "sequence",

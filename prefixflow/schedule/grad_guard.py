@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime import runtime_of
+from .host import has_values
 
 __all__ = ["NonFiniteError", "keep_grads_on_failure", "check_finite_loss", "all_finite"]
 
@@ -46,6 +47,8 @@ class NonFiniteError(ValueError):
 def check_finite_loss(value: torch.Tensor, where: str, model: nn.Module | None = None) -> None:
     """Raise NonFiniteError naming ``where`` if the scalar loss ``value`` is not finite (before its backward).
     On a parallelized ``model`` inside its guard, note it instead: the guard refuses the step on every rank."""
+    if not has_values(value):  # a fake loss (an estimate): no value to check
+        return
     if not bool(torch.isfinite(value.detach())):
         guard = None if model is None else runtime_of(model, create=True).guard
         if guard is not None and guard.get("active") and _mesh_size(model) > 1:
@@ -62,7 +65,7 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether every value of ``tensors`` is finite, in one read of each tensor and one host sync. A tensor's
     min and max are finite iff all its values are (min/max propagate NaN), so no boolean mask is allocated:
     per-tensor ``isfinite(g).all()`` writes a mask the size of the model and was most of this guard's cost."""
-    bounds = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
+    bounds = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel() and has_values(t)]  # fake: no values
     return not bounds or bool(torch.isfinite(torch.stack([b.double() for b in bounds])).all())
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ from torch import nn
 from ..loss import microbatch_loss, token_logprobs
 from ..model.adapters import adapter_for
 from .grad_guard import check_finite_loss
+from .host import has_values
 
 if TYPE_CHECKING:
     from ..tree.layouts import Microbatch
@@ -90,7 +92,7 @@ def logprob_objective(run: GroupRun, mb: Microbatch, logp: torch.Tensor) -> tupl
     extra = run.hooks.extra_loss()
     objective = value if extra is None else value + extra
     check_finite_loss(objective, f"the microbatch of responses {list(mb.responses)}", run.model)
-    return value.item(), objective
+    return (value.item() if has_values(value) else math.nan), objective  # fake under an estimate
 
 
 def keep_scores(run: GroupRun, mb: Microbatch, hidden: torch.Tensor) -> None:

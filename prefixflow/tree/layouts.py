@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..schedule.host import on_host
+
 __all__ = ["Row", "Microbatch", "lay_out", "mask_bytes", "LAYOUTS"]
 
 LAYOUTS = ("padded", "packed")
@@ -57,7 +59,8 @@ class Microbatch:
     # mask then has this rank's query rows over every key. None: every token of the microbatch is here.
     sequence: object | None = None
     # Plain causal attention over the tokens is exact on every row that carries loss (padded: a real query's
-    # visible own keys are exactly its causal predecessors; pad rows feed nothing real).
+    # visible own keys are exactly its causal predecessors; pad rows feed nothing real; packed: one row). Known
+    # on the host, so the mask need not be inspected (it has no values under an estimate's fake tensors).
     causal_suffix: bool = False
     # Every row sees every cached key (a flat group's suffixes; a tree microbatch whose rows share ancestors).
     keys_visible: bool = True
@@ -80,13 +83,17 @@ def lay_out(
     reads, in key order; ``node_lens``: the tokens of every node of the tree)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} unknown; valid layouts: {LAYOUTS}")
-    starts, n_keys = {}, 0
-    for j in key_nodes:
-        starts[j], n_keys = n_keys, n_keys + node_lens[j]
-    visible = torch.zeros(len(rows), n_keys, dtype=torch.bool)
-    for b, r in enumerate(rows):
-        for j in r.ancestors:
-            visible[b, starts[j] : starts[j] + node_lens[j]] = True
+    # Tokens, positions and index tensors are O(tokens) host work (real even under an estimate's fake tensors,
+    # schedule.host); the O(tokens^2) masks are built in the ambient mode (fake there).
+    with on_host():
+        starts, n_keys = {}, 0
+        for j in key_nodes:
+            starts[j], n_keys = n_keys, n_keys + node_lens[j]
+        visible = torch.zeros(len(rows), n_keys, dtype=torch.bool)
+        for b, r in enumerate(rows):
+            for j in r.ancestors:
+                visible[b, starts[j] : starts[j] + node_lens[j]] = True
+        keys_visible = bool(visible.all())
     lens = [len(r) for r in rows]
     firsts = {r.first_position for r in rows}
     # No mask where plain causal attention is exact: full sequences (padded). A packed row keeps its mask: the
@@ -94,49 +101,53 @@ def lay_out(
     plain = layout == "padded" and n_keys == 0 and firsts == {0}
     if layout == "padded":
         width = max(lens)
-        tokens = torch.zeros(len(rows), width, dtype=torch.long)
-        for b, r in enumerate(rows):
-            tokens[b, : lens[b]] = r.tokens
-        q = torch.arange(width)
-        if len(firsts) == 1:  # one row of positions serves the batch
-            positions = (q + firsts.pop()).unsqueeze(0)
-        else:
-            positions = torch.zeros(len(rows), width, dtype=torch.long)  # pads sit at position 0
+        with on_host():
+            tokens = torch.zeros(len(rows), width, dtype=torch.long)
             for b, r in enumerate(rows):
-                positions[b, : lens[b]] = r.first_position + q[: lens[b]]
+                tokens[b, : lens[b]] = r.tokens
+            q = torch.arange(width)
+            if len(firsts) == 1:  # one row of positions serves the batch
+                positions = (q + firsts.pop()).unsqueeze(0)
+            else:
+                positions = torch.zeros(len(rows), width, dtype=torch.long)  # pads sit at position 0
+                for b, r in enumerate(rows):
+                    positions[b, : lens[b]] = r.first_position + q[: lens[b]]
+            real = None if plain else q.unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
         if plain:
             positions, mask = None, None  # full sequences: the plain causal forward
         else:
-            real = q.unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
             own = (q.view(1, -1, 1) >= q.view(1, 1, -1)) & real.unsqueeze(1)
             mask = torch.cat([visible.unsqueeze(1).expand(-1, width, -1), own], dim=2).unsqueeze(1)
         offsets = [0] * len(rows)
         row_of = list(range(len(rows)))
     else:
-        tokens = torch.cat([r.tokens for r in rows]).unsqueeze(0)
-        positions = torch.cat([r.first_position + torch.arange(n) for r, n in zip(rows, lens, strict=True)])
-        positions = positions.unsqueeze(0)
-        seg = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lens))
-        q = torch.arange(int(seg.numel()))
+        with on_host():
+            tokens = torch.cat([r.tokens for r in rows]).unsqueeze(0)
+            positions = torch.cat([r.first_position + torch.arange(n) for r, n in zip(rows, lens, strict=True)])
+            positions = positions.unsqueeze(0)
+            seg = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lens))
+            q = torch.arange(int(seg.numel()))
+            offsets = torch.tensor([0, *lens]).cumsum(0).tolist()
         own = (seg.view(-1, 1) == seg.view(1, -1)) & (q.view(-1, 1) >= q.view(1, -1))
         mask = torch.cat([visible[seg], own], dim=1).view(1, 1, own.shape[0], -1)
-        offsets = torch.tensor([0, *lens]).cumsum(0).tolist()
         row_of = [0] * len(rows)
-    index = [
-        torch.cat([torch.full((len(r.cols),), row_of[b], dtype=torch.long) for b, r in enumerate(rows)]),
-        torch.cat([r.cols + offsets[b] for b, r in enumerate(rows)]),
-        torch.cat([r.targets for r in rows]),
-        torch.cat([torch.full((len(r.cols),), r.path, dtype=torch.long) for r in rows]),
-        torch.cat([r.slots for r in rows]),
-    ]
-    loss_rows, cols, targets, paths, slots = (t.to(device) for t in index)
+    with on_host():
+        index = [
+            torch.cat([torch.full((len(r.cols),), row_of[b], dtype=torch.long) for b, r in enumerate(rows)]),
+            torch.cat([r.cols + offsets[b] for b, r in enumerate(rows)]),
+            torch.cat([r.targets for r in rows]),
+            torch.cat([torch.full((len(r.cols),), r.path, dtype=torch.long) for r in rows]),
+            torch.cat([r.slots for r in rows]),
+        ]
+        loss_rows, cols, targets, paths, slots = (t.to(device) for t in index)
     return Microbatch(
         tokens=tokens.to(device),
         positions=None if positions is None else positions.to(device),
         mask=None if mask is None else mask.to(device),
         loss_rows=loss_rows, loss_cols=cols, targets=targets, response_ids=paths, token_ids=slots,
-        responses=tuple(r.path for r in rows), cached_keys=n_keys, causal_suffix=layout == "padded",
-        keys_visible=bool(visible.all()), rows=tuple(rows),
+        responses=tuple(r.path for r in rows), cached_keys=n_keys,
+        causal_suffix=layout == "padded" or len(rows) == 1,
+        keys_visible=keys_visible, rows=tuple(rows),
     )  # fmt: skip
 
 

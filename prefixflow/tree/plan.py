@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..group import RolloutGroup
+from ..schedule.host import on_host
 from .layouts import Row
 from .rollout_tree import RolloutTree
 
@@ -132,12 +133,13 @@ class TreeRows:
 
     def full_row(self, i: int) -> Row:
         """The baseline's row of path ``i``: the whole path but its last token, scoring every trained token."""
-        tokens = self.tree.path_tokens(i)
-        trained = self.tree.loss_masks[i].nonzero().flatten()
-        return Row(
-            i, tokens[:-1], 0, (), trained - 1, tokens[trained], torch.arange(len(trained)),
-            tuple(self.tree.path_nodes(i)), torch.ones(len(tokens) - 1),
-        )  # fmt: skip
+        with on_host():  # host planning over the caller's tensors (real under an estimate too)
+            tokens = self.tree.path_tokens(i)
+            trained = self.tree.loss_masks[i].nonzero().flatten()
+            return Row(
+                i, tokens[:-1], 0, (), trained - 1, tokens[trained], torch.arange(len(trained)),
+                tuple(self.tree.path_nodes(i)), torch.ones(len(tokens) - 1),
+            )  # fmt: skip
 
     def key_nodes(self, rows: list[Row]) -> list[int]:
         """The cached nodes some of ``rows`` read, in key (top-down) order."""
