@@ -16,7 +16,7 @@ from harness.estimate.fake import (
     materialise,
     use_fake_tier,
 )
-from harness.run.loop import Bench, SystemRun
+from harness.run.loop import Bench, SystemRun, collector_paused
 from harness.run.progress import report
 from harness.spec.cell import Cell
 from prefixflow.schedule.host import on_host
@@ -88,7 +88,7 @@ def estimate_systems(cell: Cell, device: torch.device, bench: Bench, memory_only
                 model.zero_grad(set_to_none=True)
                 meter = FakePhaseMeter(None if count else model)
                 started = time.perf_counter()
-                with meter:
+                with collector_paused(not count), meter:
                     train = lambda: run.contender.step(model, inputs, cell, meter)  # noqa: E731
                     if count:
                         run.counted, stats = count_flops(train)

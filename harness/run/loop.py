@@ -26,12 +26,13 @@ untimed columns read after the last timed step (gradient digests). The rules bel
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
 import statistics
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -71,6 +72,23 @@ class SystemRun:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def collector_paused(paused: bool = True) -> Iterator[None]:
+    """Collect garbage first, then keep Python's cycle collector out of the body: a metered step's live bytes
+    must not depend on when the collector frees garbage left by earlier work in the process."""
+    if not paused:
+        yield
+        return
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 Step = Callable[[SystemRun, bool], dict[str, Any] | None]
@@ -134,7 +152,7 @@ def run_systems(
         try:
             model.zero_grad(set_to_none=True)
             meter = PhaseMeter(device, model=model, track_memory=track_memory)
-            with meter:
+            with collector_paused(track_memory), meter:
                 train = lambda: run.contender.step(model, inputs, cell, meter)  # noqa: E731
                 if count:
                     run.counted, stats = count_flops(train)
