@@ -19,6 +19,7 @@ from harness.safe_fs import atomic_write
 
 STATUSES = ("ok", "error", "oom", "timeout", "refused")  # refused: the memory check said it cannot fit
 RECORD_SUFFIX = ".parquet"
+ESTIMATE_METER = "fake-live-bytes"  # the mem_meter of an estimated record (harness.estimate): nothing ran
 
 # Core columns and their types; records may carry extra columns (model_flops, compile_time_s, ...).
 SCHEMA = pa.schema(

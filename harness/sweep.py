@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.execute.executors import check_record, record_path, recorded_status
-from harness.records import STATUSES, collect, summarize
+from harness.records import ESTIMATE_METER, STATUSES, collect, read_records, summarize
 from harness.safe_fs import atomic_write, open_dir, open_lock
 from harness.spec.cell import Cell
 from harness.spec.load import DEFAULT_MAX_CELLS, expand, safe_name
@@ -46,9 +46,16 @@ class Plan:
         return {cid: status for cid, status in self.done.items() if status != "ok"}
 
 
-def plan(spec: Spec, out: str | Path, retry_failed: bool = False, max_cells: int = DEFAULT_MAX_CELLS) -> Plan:
+def plan(
+    spec: Spec,
+    out: str | Path,
+    retry_failed: bool = False,
+    max_cells: int = DEFAULT_MAX_CELLS,
+    estimate: bool = False,
+) -> Plan:
     """Which cells of ``spec`` already have a verified record (skipped) and which must run. A record file
-    that fails verification is named in ``Plan.invalid`` and its cell runs again."""
+    that fails verification is named in ``Plan.invalid`` and its cell runs again. A measured sweep refuses a
+    folder that holds estimated records (``estimate``: the other way round): a cell id does not say which."""
     folder = spec_folder(out, spec.name)
     p = Plan(folder=folder, cells=expand(spec, max_cells=max_cells))
     for cell in p.cells:
@@ -60,8 +67,19 @@ def plan(spec: Spec, out: str | Path, retry_failed: bool = False, max_cells: int
         if status is None or (retry_failed and status != "ok"):
             p.todo.append(cell)
         else:
+            _same_kind(read_records(rpath), estimate, folder, cell.cell_id)
             p.done[cell.cell_id] = status
     return p
+
+
+def _same_kind(records, estimate: bool, folder: Path, cell_id: str) -> None:
+    estimated = bool((records.get("mem_meter") == ESTIMATE_METER).any()) if "mem_meter" in records else False
+    if estimated != estimate:
+        have, want = ("estimated", "measured") if estimated else ("measured", "estimated")
+        raise ValueError(
+            f"{folder}: cell {cell_id} is recorded {have}; a {want} sweep needs its own --out folder "
+            "(estimated and measured records of one cell share its id)"
+        )
 
 
 @contextmanager
@@ -169,7 +187,7 @@ def run_sweep(
         pass
     with sweep_lock(folder):
         _clean_stale_temps(folder)
-        p = plan(spec, out, retry_failed, max_cells)
+        p = plan(spec, out, retry_failed, max_cells, estimate=getattr(executor, "estimate", False))
         write_manifest(spec, p)
         if on_start is not None:
             on_start(p)

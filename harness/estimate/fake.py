@@ -31,13 +31,14 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from harness.records import ESTIMATE_METER
 from harness.run.measure import PhaseMeter
 from prefixflow.memory.live_bytes import LiveBytesMeter
 
 __all__ = ["FAKE_METER", "REAL_LIMIT", "RealTensorGuard", "RealTensorError", "FakePhaseMeter", "fake_mode",
            "materialise", "use_fake_tier", "refusal_of", "fail"]  # fmt: skip
 
-FAKE_METER = "fake-live-bytes"
+FAKE_METER = ESTIMATE_METER
 REAL_LIMIT = 1 << 20  # positions, masks and RNG state may stay real below this
 
 

@@ -96,7 +96,9 @@ class LocalExecutor:
         jpath = write_job(job_path(folder, cell), cell, record_path(folder, cell))
         logs, root = folder / "_logs", folder.parent
         argv = [*self._argv(), str(jpath)]
-        if cell.world_size > 1 and self._slots(cell) > 1:  # one worker per local rank; rank 0 writes the record
+        if (
+            cell.world_size > 1 and self._slots(cell) > 1
+        ):  # one worker per local rank; rank 0 writes the record
             argv = local_ranks_argv(cell.world_size, self.worker, [str(jpath)])
         with (
             open_new(logs / f"{cell.cell_id}.out", root) as out,
@@ -165,6 +167,7 @@ class EstimateExecutor(LocalExecutor):
 
     name = "estimate"
     worker = "harness.estimate.worker"
+    estimate = True
 
     def _slots(self, cell: Cell) -> int:
         return 1

@@ -155,6 +155,15 @@ def test_sweep_estimate(tmp_path, how):
         from harness.figures.fig10 import figure10a
 
         assert [p.name for p in figure10a(df, tmp_path / "figs")] == ["fig10a_phase_b_peak.png"]
+        # a cell id does not say it was estimated: a measured sweep refuses the folder, an estimate resumes it
+        measured = runner.invoke(
+            app, ["sweep", str(spec), "--out", str(tmp_path / "out"), "--executor", "debug"]
+        )
+        assert measured.exit_code == 2 and "is recorded estimated; a measured sweep needs its own --out" in (
+            measured.output
+        ), measured.output
+        again = runner.invoke(app, args)
+        assert again.exit_code == 0 and "2 recorded, 0 to run" in again.output, again.output
 
 
 def test_run_estimate_checks_the_sequences():
