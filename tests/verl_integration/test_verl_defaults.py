@@ -20,6 +20,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import verl_cpu as vc  # noqa: E402
 
+model_dir = vc.model_dir  # the shared fixture
+
 from prefixflow.integrations.verl import VENDOR  # noqa: E402
 
 MAX_TOL = 1e-5  # max |g - g_verl| over all parameters / max |g_verl|

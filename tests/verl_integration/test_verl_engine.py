@@ -15,6 +15,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import verl_cpu as vc  # noqa: E402
 
+model_dir = vc.model_dir  # the shared fixture
+
 from prefixflow.integrations.verl import VENDOR, PrefixFlowFSDPEngine  # noqa: E402
 
 GRAD_TOL = 1e-6  # |g - g_verl| / |g_verl| over all parameters

@@ -11,11 +11,20 @@ import os
 import socket
 
 import numpy as np
+import pytest
 import torch
 
 from harness.peers.verl_platform import init_one_rank, select_cpu_platform  # noqa: E402,F401
 
 select_cpu_platform()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random-weight Qwen3 saved as verl's engines load one (a module imports it to use it)."""
+    path = tmp_path_factory.mktemp("qwen3-tiny")
+    save_tiny_model(path, "qwen3")
+    return path
 
 
 def save_tiny_model(path, model_type: str = "qwen3", seed: int = 0) -> None:
