@@ -74,12 +74,16 @@ def _meta_shape(name: str, overrides_json: str) -> MetaShape:
         def count(k: int) -> int:
             from transformers import AutoModelForCausalLM
 
+            from harness.vlm_models import model_class
+
             small = copy.deepcopy(config)
             small.get_text_config().num_hidden_layers = k
             if isinstance(getattr(small.get_text_config(), "layer_types", None), list):
                 small.get_text_config().layer_types = small.get_text_config().layer_types[:k]
             with torch.device("meta"):
-                return sum(p.numel() for p in AutoModelForCausalLM.from_config(small).parameters())
+                cls = model_class(small)
+                built = cls(small) if cls is not None else AutoModelForCausalLM.from_config(small)
+                return sum(p.numel() for p in built.parameters())
 
         return MetaShape(
             n_params=_extrapolated(count, int(text.num_hidden_layers)),
