@@ -30,6 +30,7 @@ MAX_VISUAL_TOKENS = 262_144  # per prompt (a 1-hour video at Qwen-VL's 2 fps sam
 TEMPORAL_PATCH = 2  # Qwen-VL: frames per temporal patch
 Side = Annotated[int, Field(ge=1, le=512, description="visual tokens along one side (<= 512)")]
 Text = Annotated[int, Field(ge=1, le=65_536)]
+Grid = Annotated[tuple[Side, Side], Field(strict=False, description="[rows, cols] of visual tokens")]
 
 
 class _VisionShape(BaseModel):
@@ -113,7 +114,7 @@ class _VisionShape(BaseModel):
 
 class ChartQAShape(_VisionShape):
     kind: Literal["chart_qa"] = "chart_qa"
-    image_tokens: tuple[Side, Side] = (32, 32)
+    image_tokens: Grid = (32, 32)
 
     @property
     def visual_tokens(self) -> int:
@@ -131,7 +132,7 @@ class ChartQAShape(_VisionShape):
 class VideoShape(_VisionShape):
     kind: Literal["video"] = "video"
     frames: int = Field(16, ge=TEMPORAL_PATCH, le=4096, description="frames, a multiple of 2 (<= 4096)")
-    frame_tokens: tuple[Side, Side] = (16, 16)
+    frame_tokens: Grid = (16, 16)
     question_len: Text = 16
     answer_min: Text = 32
     answer_max: Text = 32
