@@ -89,7 +89,8 @@ def vlm_config(name: str, overrides: dict[str, Any] | None = None):
         config = AutoConfig.for_model(model_type, **{**fields, "text_config": text, "vision_config": vision})
     except Exception as exc:  # noqa: BLE001 - transformers' validators raise their own types
         cause = " ".join(str(exc).strip().splitlines()[-1].split())[:200]
-        raise ValueError(f"override of hf:{name}: {cause}") from None
+        given = ", ".join(f"{k}={v!r}" for k, v in (overrides or {}).items())
+        raise ValueError(f"override {given} of hf:{name}: refused by transformers: {cause}") from None
     for key, value in (overrides or {}).items():
         sub = config.vision_config if key.startswith(VISION_PREFIX) else config.text_config
         if getattr(sub, key.removeprefix(VISION_PREFIX)) != value:
