@@ -223,12 +223,12 @@ def vision_columns(cell: Cell, group, stats, shape=None, system: str = "") -> di
 
     shape_ = cell.vision
     out: dict[str, Any] = {
-        "workload": shape_.kind,
-        "workload_label": shape_.label,
-        "workload_params": shape_.model_dump_json(),
+        "vision_workload": shape_.kind,  # not ``workload``: that column marks tree cells (their own figures)
+        "vision_label": shape_.label,
+        "vision_params": shape_.model_dump_json(),
         "tower": cell.tower,
         "visual_tokens": shape_.visual_tokens,
-        "workload_prefix_ratio": (
+        "vision_prefix_ratio": (
             cell.prefix_len / (cell.prefix_len + sum(group.response_lens) / group.n) if group else math.nan
         ),
         "vision_tokens": getattr(stats, "vision_tokens", None),

@@ -14,6 +14,7 @@ import json
 import re
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -98,8 +99,8 @@ def test_vision_cell_records(tmp_path):
     assert (base["vision_runs"], ours["vision_runs"]) == (3, 1)
     for rec in (base, ours):
         assert rec["counted_flops"] == rec["model_flops"] > 0
-        assert rec["workload"] == "video" and rec["tower"] == "frozen" and rec["visual_tokens"] == 60
-        assert json.loads(rec["workload_params"])["frames"] == 4
+        assert rec["vision_workload"] == "video" and rec["tower"] == "frozen" and rec["visual_tokens"] == 60
+        assert json.loads(rec["vision_params"])["frames"] == 4
     assert base["model_vision_flops"] == 3 * ours["model_vision_flops"] > 0
 
 
@@ -180,3 +181,35 @@ def test_vlm_overrides(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         vlm_config("qwen2_5_vl-tiny", overrides)
     assert vlm_config("qwen2_5_vl-tiny", {"vision_depth": 3}).vision_config.depth == 3
+
+
+def _records():
+    rows = []
+    for kind, ratio in (("chart_qa", 0.88), ("video", 0.985)):
+        for tower in ("trained", "frozen"):
+            for n in (4, 8, 16):
+                for off in (False, True) if kind == "video" and n == 16 else (False,):
+                    cid = f"{kind}-{tower}-{n}-{off}"
+                    common = dict(cell_id=cid, status="ok", vision_workload=kind, tower=tower, n=n, offload=off,
+                                  vision_prefix_ratio=ratio, visual_tokens=1024, git_rev="abc")  # fmt: skip
+                    rows.append(dict(common, system="baseline", step_time_s=1.0 * n, counted_flops=10.0 * n,
+                                     peak_mem_phase_b_bytes=100.0, vision_runs=n, offload=False))  # fmt: skip
+                    rows.append(dict(common, system="prefixflow", step_time_s=2.0, counted_flops=20.0,
+                                     peak_mem_phase_b_bytes=20.0 if off else 80.0, vision_runs=1))  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_figure_and_summary(tmp_path):
+    """The figure is a function of the table; the summary pairs each PrefixFlow row with its cell's baseline."""
+    from harness.figures import render_all
+    from harness.figures.common import measured
+    from harness.figures.multimodal import vision_summary
+
+    df = _records()
+    summary = vision_summary(df)
+    assert len(summary) == 14
+    row = summary[(summary["vision_workload"] == "video") & summary["offload"] & (summary["tower"] == "trained")]
+    assert row["speedup"].item() == 8.0 and row["flop_ideal"].item() == 8.0 and row["phase_b_ratio"].item() == 0.2
+    assert measured(df).empty  # vision cells stay out of the text figures
+    made = render_all(df, tmp_path, only=["multimodal"])
+    assert [p.name for p in made] == ["multimodal.png"] and made[0].stat().st_size > 10_000
