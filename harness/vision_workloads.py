@@ -86,7 +86,12 @@ class _VisionShape(BaseModel):
                 f"vision workloads build Qwen-VL prompts (temporal patch {TEMPORAL_PATCH}); model type "
                 f"{config.model_type!r} is not one"
             )
-        ids = (config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id)
+        ids = (
+            config.image_token_id,
+            config.video_token_id,
+            config.vision_start_token_id,
+            config.vision_end_token_id,
+        )
         gen = torch.Generator().manual_seed(self.seed)
         words = lambda k: torch.randint(0, min(ids), (k,), generator=gen)  # noqa: E731
         t, h, w = self.grid(vision.spatial_merge_size)

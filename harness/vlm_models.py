@@ -11,7 +11,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["VLM_MODELS", "is_vlm_name", "vlm_config", "model_class", "build_vlm_model", "freeze_tower", "tower_modules"]
+__all__ = [
+    "VLM_MODELS",
+    "is_vlm_name",
+    "vlm_config",
+    "model_class",
+    "build_vlm_model",
+    "freeze_tower",
+    "tower_modules",
+]
 
 _VOCAB = 2048
 # Placeholder ids at the top of the vocabulary; prompt text is drawn below them (harness.vision_workloads).
@@ -43,19 +51,41 @@ VLM_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_5_vl-tiny": (  # tests: a 2-layer LM of width 64, a 2-block tower of width 32
         "qwen2_5_vl",
         _qwen25(
-            {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2},
-            {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-             "fullatt_block_indexes": [1]},
+            {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+            },
+            {
+                "depth": 2,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 2,
+                "out_hidden_size": 64,
+                "fullatt_block_indexes": [1],
+            },
         ),
     ),  # fmt: skip
     "qwen2_5_vl-small": (  # benchmarks: a 2-layer LM of width 128, a 2-block tower of width 80
         "qwen2_5_vl",
         _qwen25(
-            {"hidden_size": 128, "intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2},
-            {"depth": 2, "hidden_size": 80, "intermediate_size": 216, "num_heads": 2, "out_hidden_size": 128,
-             "fullatt_block_indexes": [1]},
+            {
+                "hidden_size": 128,
+                "intermediate_size": 688,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+            },
+            {
+                "depth": 2,
+                "hidden_size": 80,
+                "intermediate_size": 216,
+                "num_heads": 2,
+                "out_hidden_size": 128,
+                "fullatt_block_indexes": [1],
+            },
         ),
     ),  # fmt: skip
 }
@@ -74,7 +104,9 @@ def vlm_config(name: str, overrides: dict[str, Any] | None = None):
     model_type, fields = VLM_MODELS[name]
     text, vision = dict(fields["text_config"]), dict(fields["vision_config"])
     for key, value in (overrides or {}).items():
-        part, field = (vision, key.removeprefix(VISION_PREFIX)) if key.startswith(VISION_PREFIX) else (text, key)
+        part, field = (
+            (vision, key.removeprefix(VISION_PREFIX)) if key.startswith(VISION_PREFIX) else (text, key)
+        )
         part[field] = value
     probe = AutoConfig.for_model(model_type, **{**fields})
     for key in overrides or {}:
@@ -123,7 +155,9 @@ def _check(config, name: str) -> None:
         )
     bad = [i for i in vision.fullatt_block_indexes if not 0 <= i < vision.depth]
     if bad:
-        raise ValueError(f"hf:{name}: vision_fullatt_block_indexes {bad} are outside the {vision.depth} blocks")
+        raise ValueError(
+            f"hf:{name}: vision_fullatt_block_indexes {bad} are outside the {vision.depth} blocks"
+        )
 
 
 def model_class(config):

@@ -204,7 +204,9 @@ def executed_flops(
         )
     lens = _lens(S, N)
     if isinstance(shape, VisionShape):  # the language model's work, plus the tower once or N times
-        text = executed_flops(system, shape.text, P, lens, layout=layout, microbatch=microbatch, attention=attention)
+        text = executed_flops(
+            system, shape.text, P, lens, layout=layout, microbatch=microbatch, attention=attention
+        )
         return text + tower_work(shape, system, len(lens))
     if P < 1:
         raise ValueError(f"need P >= 1, got P={P}")

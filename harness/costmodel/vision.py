@@ -86,7 +86,9 @@ def tower_shape(config) -> TowerShape:
 
 
 def vision_shape(text: ModelShape, config, grids, trained: bool) -> VisionShape:
-    return VisionShape(text, tower_shape(config), tuple(tuple(int(x) for x in g) for g in grids), bool(trained))
+    return VisionShape(
+        text, tower_shape(config), tuple(tuple(int(x) for x in g) for g in grids), bool(trained)
+    )
 
 
 def tower_flops(tower: TowerShape, grids, trained: bool) -> Flops:

@@ -72,7 +72,12 @@ def figure_multimodal(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         labels.append(f"{_NAMES.get(kind, kind)}\n{tower}{' +offload' if off else ''}")
         values.append(float(g["phase_b_ratio"].median()))
         shades.append(colors.get((kind, tower), "gray"))
-    ax2.bar(range(len(values)), values, color=shades, edgecolor=["black" if "offload" in s else "none" for s in labels])
+    ax2.bar(
+        range(len(values)),
+        values,
+        color=shades,
+        edgecolor=["black" if "offload" in s else "none" for s in labels],
+    )
     ax2.axhline(0.3, color="black", linestyle="--", linewidth=1, label="target 0.3 (video, offload)")
     ax2.set_xticks(range(len(labels)), labels, fontsize=7)
     ax2.set(ylabel="Phase-B peak / baseline peak", title=f"Phase-B memory at N = {int(m['n'].max())}")
@@ -83,7 +88,9 @@ def figure_multimodal(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         ax3.plot([i - 0.15, i - 0.15], [low, high], color="black", linewidth=6, solid_capstyle="butt",
                  label="paper, Table 1 (median)" if i == 0 else None)  # fmt: skip
         ours = m[m["vision_workload"] == kind]["vision_prefix_ratio"]
-        ax3.plot([i + 0.15] * len(ours), ours, "o", color="#2ca02c", label="ours (each cell)" if i == 0 else None)
+        ax3.plot(
+            [i + 0.15] * len(ours), ours, "o", color="#2ca02c", label="ours (each cell)" if i == 0 else None
+        )
     ax3.set_xticks(range(len(kinds)), [_NAMES.get(k, k) for k in kinds])
     ax3.set(xlim=(-0.6, len(kinds) - 0.4), ylim=(0.7, 1.0), ylabel="prefix ratio |P| / (|P| + |S|)",
             title="Prefix ratios: ours beside the paper's")  # fmt: skip

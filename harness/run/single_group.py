@@ -98,8 +98,15 @@ def _record(
         rec.update(cost_columns(shape, cell, run.contender, group.response_lens, device, stats))
     rec.update(counted_columns(run.counted))
     if cell.vision is not None:
-        rec.update(vision_columns(cell, group, stats, shape=bench.shapes.get(run.name),
-                                  system=getattr(run.contender, "cost_model", run.name)))
+        rec.update(
+            vision_columns(
+                cell,
+                group,
+                stats,
+                shape=bench.shapes.get(run.name),
+                system=getattr(run.contender, "cost_model", run.name),
+            )
+        )
     if cell.memory_budget is not None:
         rec["memory_budget_bytes"] = bench.budget
         plan = getattr(stats, "plan", None)

@@ -277,8 +277,15 @@ class Cell(StrictModel):
                 f"vision: workload {self.vision.kind!r} needs an hf: vision-language model ({sorted(VLM_MODELS)}), "
                 f"not {self.model.name!r}"
             )
-        if self.tree is not None or self.world_size > 1 or self.groups_per_step > 1 or self.model.lora is not None:
-            raise ValueError("vision: a vision cell is one group in one process: drop trees, parallel, groups, lora")
+        if (
+            self.tree is not None
+            or self.world_size > 1
+            or self.groups_per_step > 1
+            or self.model.lora is not None
+        ):
+            raise ValueError(
+                "vision: a vision cell is one group in one process: drop trees, parallel, groups, lora"
+            )
 
     @property
     def cell_id(self) -> str:

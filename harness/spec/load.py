@@ -202,7 +202,9 @@ def _expand_block(spec: Spec, ax: Axes, where: str = "axes") -> list[Cell]:
         if tree is not None:
             swept["n"] = tree.nominal()[2]
         try:
-            cells.append(Cell(**fixed, model=model, prefix_len=p, suffix_len=s, tree=tree, vision=vision, **swept))
+            cells.append(
+                Cell(**fixed, model=model, prefix_len=p, suffix_len=s, tree=tree, vision=vision, **swept)
+            )
         except ValidationError as e:
             at = f"{where}.trees.{ax.trees.index(tree)}" if tree is not None else where
             at = f"{where}.vision.{ax.vision.index(vision)}" if vision is not None else at

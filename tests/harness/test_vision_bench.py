@@ -22,9 +22,8 @@ pytest.importorskip("transformers")
 
 import prefixflow as pf  # noqa: E402
 from harness.costmodel.counting import count_flops  # noqa: E402
-from harness.costmodel.flops import executed_flops, ideal_speedup  # noqa: E402
+from harness.costmodel.flops import as_shape, executed_flops, ideal_speedup  # noqa: E402
 from harness.costmodel.vision import tower_flops, vision_shape  # noqa: E402
-from harness.costmodel.flops import as_shape  # noqa: E402
 from harness.spec.cell import Cell  # noqa: E402
 from harness.vision_workloads import ChartQAShape, VideoShape  # noqa: E402
 from harness.vlm_models import build_vlm_model, freeze_tower, vlm_config  # noqa: E402
@@ -60,7 +59,9 @@ def test_cost_model_equals_what_runs(workload, tower):
             lambda s=system, la=layout, m=mb: pf.train_group(model, group, system=s, layout=la, microbatch=m)
         )
         model.zero_grad(set_to_none=True)
-        modelled = executed_flops(system, shape, group.prompt_len, group.response_lens, layout=layout, microbatch=mb)
+        modelled = executed_flops(
+            system, shape, group.prompt_len, group.response_lens, layout=layout, microbatch=mb
+        )
         assert modelled == counted, (system, layout, mb, modelled, counted)
         assert stats.vision_runs == (1 if system == "prefixflow" else group.n)
     # the baseline pays the tower N times, PrefixFlow once: the ideal lies between the text's and N
@@ -140,7 +141,9 @@ def test_hostile_vision_shapes(tmp_path, fields, message):
 
     spec = tmp_path / "s.yaml"
     shape = json.dumps(fields)
-    spec.write_text(f"name: v\naxes:\n  models: [{{name: 'hf:qwen2_5_vl-tiny'}}]\n  vision: [{shape}]\n  n: [2]\n")
+    spec.write_text(
+        f"name: v\naxes:\n  models: [{{name: 'hf:qwen2_5_vl-tiny'}}]\n  vision: [{shape}]\n  n: [2]\n"
+    )
     with pytest.raises(SpecError, match="vision") as err:
         load_spec(spec)
     assert message in str(err.value)
@@ -172,7 +175,10 @@ def test_hostile_vision_axes(tmp_path, axes, message):
     [
         ({"vision_depht": 2}, "unknown override field 'vision_depht'"),
         ({"vision_hidden_size": 36}, "vision_hidden_size=36 must be a multiple of 4"),
-        ({"vision_fullatt_block_indexes": 5}, "override vision_fullatt_block_indexes=5 of hf:qwen2_5_vl-tiny"),
+        (
+            {"vision_fullatt_block_indexes": 5},
+            "override vision_fullatt_block_indexes=5 of hf:qwen2_5_vl-tiny",
+        ),
         ({"vision_depth": 1}, "vision_fullatt_block_indexes [1] are outside the 1 blocks"),
         ({"num_hidden_layers": 0}, "num_hidden_layers=0 must be an integer >= 1"),
     ],
@@ -208,8 +214,14 @@ def test_figure_and_summary(tmp_path):
     df = _records()
     summary = vision_summary(df)
     assert len(summary) == 14
-    row = summary[(summary["vision_workload"] == "video") & summary["offload"] & (summary["tower"] == "trained")]
-    assert row["speedup"].item() == 8.0 and row["flop_ideal"].item() == 8.0 and row["phase_b_ratio"].item() == 0.2
+    row = summary[
+        (summary["vision_workload"] == "video") & summary["offload"] & (summary["tower"] == "trained")
+    ]
+    assert (
+        row["speedup"].item() == 8.0
+        and row["flop_ideal"].item() == 8.0
+        and row["phase_b_ratio"].item() == 0.2
+    )
     assert measured(df).empty  # vision cells stay out of the text figures
     made = render_all(df, tmp_path, only=["multimodal"])
     assert [p.name for p in made] == ["multimodal.png"] and made[0].stat().st_size > 10_000
