@@ -13,8 +13,8 @@ patches. A video is ``frames`` frames, two per temporal patch (Qwen-VL's ``tempo
 ``frame_tokens`` visual tokens.
 
 - ``chart_qa``: one image (default 32 x 32 = 1,024 visual tokens), a short question, answers of 32-256 tokens;
-- ``video``: 16 frames of 16 x 16 tokens (2,048 visual tokens), a short question, answers of 32 tokens:
-  a prefix ratio of 0.985 (the paper's video RLVR median: 98.0%).
+- ``video``: 16 frames of 12 x 16 tokens per frame pair (1,536 visual tokens), a short question, answers of
+  32 tokens: a prefix ratio of 0.980 (the paper's video RLVR median: 98.0%).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class ChartQAShape(_VisionShape):
 class VideoShape(_VisionShape):
     kind: Literal["video"] = "video"
     frames: int = Field(16, ge=TEMPORAL_PATCH, le=4096, description="frames, a multiple of 2 (<= 4096)")
-    frame_tokens: Grid = (16, 16)
+    frame_tokens: Grid = (12, 16)
     question_len: Text = 16
     answer_min: Text = 32
     answer_max: Text = 32
