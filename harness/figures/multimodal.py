@@ -11,7 +11,7 @@ import pandas as pd
 
 from .common import SkipFigure, flag, mark_revisions, save, theme
 
-__all__ = ["vision_frame", "vision_summary", "figure_multimodal", "PAPER_TABLE1"]
+__all__ = ["vision_frame", "vision_summary", "figure_multimodal", "multimodal_table", "PAPER_TABLE1"]
 
 # The paper's Table 1 as its text gives it (§1, §5.4): median prefix ratios, video RLVR 98.0%; chart QA (with
 # diagram QA and fixed-context RAG) within 75.8-87.6%.
@@ -97,3 +97,14 @@ def figure_multimodal(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     ax3.legend(fontsize=7, loc="lower right")
     mark_revisions(fig, m, "multimodal")
     return [save(fig, out_dir, "multimodal")]
+
+
+def multimodal_table(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    """``multimodal.md`` / ``.tex``: :func:`vision_summary`, one row per cell."""
+    from .tables import _write
+
+    summary = vision_summary(df)
+    if summary.empty:
+        raise SkipFigure("no vision-language records (experiments/multimodal.yaml)")
+    title = "Vision-language prompts: speedup, its executed-FLOP ideal, Phase-B peak over the baseline's"
+    return _write(out_dir, "multimodal", summary.round(4), title)

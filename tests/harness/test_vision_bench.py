@@ -225,3 +225,7 @@ def test_figure_and_summary(tmp_path):
     assert measured(df).empty  # vision cells stay out of the text figures
     made = render_all(df, tmp_path, only=["multimodal"])
     assert [p.name for p in made] == ["multimodal.png"] and made[0].stat().st_size > 10_000
+    from harness.figures import render_tables
+
+    tables = {p.name for p in render_tables(df, tmp_path)}
+    assert {"multimodal.md", "multimodal.tex"} <= tables
