@@ -84,6 +84,12 @@ def test_workload_grids_and_inputs():
     assert all(VIDEO.answer_min <= n <= VIDEO.answer_max for n in video.response_lens)
     assert torch.equal(VIDEO.group(model, 3, torch.float32).prompt, video.prompt)  # seeded
     assert abs(VideoShape().prefix_ratio - 0.980) < 1e-3  # the default video shape: the paper's 98%
+    from harness.run.memory import pixels_need
+
+    P, S = VIDEO.nominal()
+    cell = Cell(spec="t", model={"name": "hf:qwen2_5_vl-tiny"}, prefix_len=P, suffix_len=S, n=3, vision=VIDEO)
+    pixels = video.prompt_inputs["pixel_values_videos"]
+    assert pixels_need(cell) == pixels.numel() * pixels.element_size()  # the memory preflight counts them
 
 
 def test_vision_cell_records(tmp_path):
