@@ -88,7 +88,8 @@ def figure_multimodal(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         low, high = PAPER_TABLE1.get(kind, (float("nan"),) * 2)
         ax3.plot([i - 0.15, i - 0.15], [low, high], color="black", linewidth=6, solid_capstyle="butt",
                  label="paper, Table 1 (median)" if i == 0 else None)  # fmt: skip
-        ax3.plot([i - 0.15], [(low + high) / 2], "s", color="black", markersize=6)  # a lone median stays visible
+        # a lone median (a zero-length bar) stays visible
+        ax3.plot([i - 0.15], [(low + high) / 2], "s", color="black", markersize=6)
         ours = m[m["vision_workload"] == kind]["vision_prefix_ratio"]
         ax3.plot(
             [i + 0.15] * len(ours), ours, "o", color="#2ca02c", label="ours (each cell)" if i == 0 else None
