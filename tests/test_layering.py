@@ -85,6 +85,8 @@ HARNESS_LAYERS = [
         "harness.costmodel",
         "harness.figures",
         "harness.workloads",
+        "harness.vision_workloads",
+        "harness.vlm_models",
     ],
     ["harness.records", "harness.contenders", "harness.simulate"],
     ["harness.spec"],

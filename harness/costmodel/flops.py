@@ -27,6 +27,10 @@ PrefixFlow schedule must do (the above with causal pairs only, no padding). :fun
 paper's §3.1 model, ``1 / (ŝ + â + p̂/N)``, which charges the prefix forward and backward in every layer: it
 is a lower bound that PrefixFlow can beat by the dead last-layer work (a third of the baseline on 2 layers).
 
+**Vision-language models** (Qwen2.5-VL): a :class:`~harness.costmodel.vision.VisionShape` adds the vision
+tower to the language model's work, once per group under PrefixFlow and once per sequence under the baseline
+(:mod:`harness.costmodel.vision`).
+
 **Hybrids** (Qwen3.5 gated DeltaNet, Nemotron-H Mamba-2): :func:`as_shape` of their config is a
 :class:`~harness.costmodel.hybrid.HybridShape`, and every function here hands it to
 :mod:`harness.costmodel.hybrid` (baseline and PrefixFlow; PrefixGrouper does not run them).
@@ -51,6 +55,7 @@ from harness.costmodel.hybrid import (
 )
 from harness.costmodel.moe import moe_shape
 from harness.costmodel.shape import ModelShape
+from harness.costmodel.vision import VisionShape, tower_flops, tower_work
 from harness.costmodel.work import Flops, suffix_pairs
 from harness.costmodel.work import causal_pairs as _causal
 from harness.costmodel.work import microbatches as _chunks
@@ -85,7 +90,7 @@ def _llama3_hidden(dim: int, multiple_of: int, ffn_dim_multiplier: float | None)
 def as_shape(args) -> ModelShape:
     """A :class:`ModelShape` from itself, a TorchTitan llama3 ``TransformerModelArgs`` or ``Qwen3ModelArgs``, or
     a Hugging Face dense decoder config (``hidden_size``, ``num_hidden_layers``, ``intermediate_size``, ...)."""
-    if isinstance(args, (ModelShape, HybridShape)):
+    if isinstance(args, (ModelShape, HybridShape, VisionShape)):
         return args
     if hasattr(args, "hidden_size") and hasattr(args, "num_hidden_layers"):
         return _hf_shape(args)
@@ -198,6 +203,11 @@ def executed_flops(
             system, shape, P, S, N, layout=layout, microbatch=microbatch, attention=attention
         )
     lens = _lens(S, N)
+    if isinstance(shape, VisionShape):  # the language model's work, plus the tower once or N times
+        text = executed_flops(
+            system, shape.text, P, lens, layout=layout, microbatch=microbatch, attention=attention
+        )
+        return text + tower_work(shape, system, len(lens))
     if P < 1:
         raise ValueError(f"need P >= 1, got P={P}")
     if layout not in ("padded", "packed") or attention not in ("split", "concat"):
@@ -223,6 +233,8 @@ def least_prefixflow_flops(shape, P: int, S, N: int | None = None) -> Flops:
     shape, lens = as_shape(shape), _lens(S, N)
     if isinstance(shape, HybridShape):
         return least_hybrid_flops(shape, P, lens)
+    if isinstance(shape, VisionShape):
+        return least_prefixflow_flops(shape.text, P, lens) + tower_work(shape, "prefixflow", len(lens))
     T = P - 1
     work = _prefix(shape, T)
     for s in lens:
@@ -247,12 +259,16 @@ def speedup_terms(shape, P: int, S: int) -> dict[str, float]:
     if P < 1 or S < 1:
         raise ValueError(f"need P >= 1, S >= 1; got P={P}, S={S}")
     T = P - 1
+    tower = 0
+    if isinstance(shape, VisionShape):  # the tower is prefix work
+        tower, shape = tower_flops(shape.tower, shape.grids, shape.trained).total, shape.text
     if isinstance(shape, HybridShape):
         prefix, suffix, accum = hybrid_paper_terms(shape, P, S)
     else:
         prefix = _trained(shape, T, _causal(T), 0).total
         suffix = _trained(shape, S, S * T + _causal(S), S).total
         accum = 2 * shape.n_layers * T * shape.n_kv_heads * shape.head_dim
+    prefix += tower
     total = prefix + suffix
     return {"p": prefix / total, "s": suffix / total, "a": accum / total}
 

@@ -20,6 +20,7 @@ from .fig8 import claim2_table, figure8a, figure8b
 from .fig9 import figure9a, figure9a_concat, figure9a_split, figure9b
 from .fig10 import figure10a, figure10b, frontier_table
 from .fig11 import figure11
+from .multimodal import figure_multimodal, multimodal_table
 from .smoke import smoke_overview
 from .tables import alignment_table, peer_table, speedup_table
 from .trees import tree_speedup, tree_tables, tree_time_memory
@@ -47,6 +48,7 @@ FIGURES: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {
     "smoke": smoke_overview,
     "trees_speedup": tree_speedup,
     "trees_time_memory": tree_time_memory,
+    "multimodal": figure_multimodal,
 }
 
 
@@ -76,6 +78,7 @@ def render_tables(df: pd.DataFrame, out_dir: str | Path, alignment=None) -> list
     paths = _run("speedup table", speedup_table, df, Path(out_dir))
     paths += _run("PrefixGrouper table", peer_table, df, Path(out_dir))
     paths += _run("tree tables", tree_tables, df, Path(out_dir))
+    paths += _run("multimodal table", multimodal_table, df, Path(out_dir))
     if alignment is None:
         log.info("skip table3: no alignment records given")
     else:

@@ -105,6 +105,8 @@ def measured(df: pd.DataFrame) -> pd.DataFrame:
         ok &= df["record_kind"].isna()
     if "workload" in df.columns:  # tree cells: their own figures (harness.figures.trees)
         ok &= df["workload"].isna()
+    if "vision_workload" in df.columns:  # vision cells: their own figure (harness.figures.multimodal)
+        ok &= df["vision_workload"].isna()
     return df[ok]
 
 

@@ -127,10 +127,23 @@ def model_shape(model: torch.nn.Module, cell: Cell):
     from prefixflow import model_args
 
     try:
+        if cell.model.name.startswith(HF_PREFIX) and hasattr(model.config, "vision_config"):
+            return _vision_shape(model, cell)
         args = model.config if cell.model.name.startswith(HF_PREFIX) else model_args(model)
         return flops.as_shape(args)
     except (TypeError, ValueError, AttributeError):
         return None
+
+
+def _vision_shape(model: torch.nn.Module, cell: Cell):
+    """A vision-language model's cost-model shape: its language model, its tower and the cell's images."""
+    from harness.costmodel import flops
+    from harness.costmodel.vision import vision_shape
+
+    config = model.config
+    grids = cell.vision.grids(config.vision_config.spatial_merge_size) if cell.vision is not None else ()
+    trains = any(p.requires_grad for p in model.model.visual.parameters())
+    return vision_shape(flops.as_shape(config.text_config), config, grids, trains)
 
 
 def model_columns(model: torch.nn.Module, cell: Cell, system: str) -> dict[str, Any]:
@@ -199,6 +212,31 @@ def cost_columns(shape, cell: Cell, system: Any, lens, device, stats=None) -> di
     out["model_gemm_flops"] = float(modelled.gemm) if known else math.nan
     out["model_attention_flops"] = float(modelled.attention) if known else math.nan
     out["model_recurrent_flops"] = float(modelled.recurrent) if known else math.nan
+    return out
+
+
+def vision_columns(cell: Cell, group, stats, shape=None, system: str = "") -> dict[str, Any]:
+    """A vision cell's workload and tower columns: the shape, the tower's mode, the prompt's visual tokens, and
+    what the tower ran (``GroupStats``: patches encoded, rows that ran it, its counted forward FLOPs) beside the
+    cost model's tower FLOPs (forward and backward, every run)."""
+    from harness.costmodel.vision import VisionShape, tower_work
+
+    shape_ = cell.vision
+    out: dict[str, Any] = {
+        "vision_workload": shape_.kind,  # not ``workload``: that column marks tree cells (their own figures)
+        "vision_label": shape_.label,
+        "vision_params": shape_.model_dump_json(),
+        "tower": cell.tower,
+        "visual_tokens": shape_.visual_tokens,
+        "vision_prefix_ratio": (
+            cell.prefix_len / (cell.prefix_len + sum(group.response_lens) / group.n) if group else math.nan
+        ),
+        "vision_tokens": getattr(stats, "vision_tokens", None),
+        "vision_runs": getattr(stats, "vision_runs", None),
+        "vision_flops": getattr(stats, "vision_flops", None),
+    }
+    if isinstance(shape, VisionShape) and group is not None:
+        out["model_vision_flops"] = float(tower_work(shape, system, group.n).total)
     return out
 
 

@@ -74,12 +74,16 @@ def _meta_shape(name: str, overrides_json: str) -> MetaShape:
         def count(k: int) -> int:
             from transformers import AutoModelForCausalLM
 
+            from harness.vlm_models import model_class
+
             small = copy.deepcopy(config)
             small.get_text_config().num_hidden_layers = k
             if isinstance(getattr(small.get_text_config(), "layer_types", None), list):
                 small.get_text_config().layer_types = small.get_text_config().layer_types[:k]
             with torch.device("meta"):
-                return sum(p.numel() for p in AutoModelForCausalLM.from_config(small).parameters())
+                cls = model_class(small)
+                built = cls(small) if cls is not None else AutoModelForCausalLM.from_config(small)
+                return sum(p.numel() for p in built.parameters())
 
         return MetaShape(
             n_params=_extrapolated(count, int(text.num_hidden_layers)),
@@ -150,7 +154,15 @@ def cell_need(cell: Cell, shape: MetaShape) -> int:
     models = len(cell.systems) * 2 * shape.n_params * itemsize
     activations = tokens * shape.n_layers * shape.hidden * itemsize * _ACTIVATIONS_PER_TOKEN_LAYER
     logits = per_mb * cell.suffix_len * shape.vocab * 4
-    return (models + activations + logits + masks_need(cell, per_mb)) // _nodes()
+    return (models + activations + logits + masks_need(cell, per_mb) + pixels_need(cell)) // _nodes()
+
+
+def pixels_need(cell: Cell) -> int:
+    """A vision cell's pixel inputs (Qwen-VL: ``3 x 2 x 14 x 14`` values per patch, 4 patches per visual token),
+    which the tower reads whole; 0 for any other cell."""
+    if cell.vision is None:
+        return 0
+    return cell.vision.visual_tokens * 4 * 3 * 2 * 14 * 14 * DTYPES[cell.dtype].itemsize
 
 
 def masks_need(cell: Cell, per_mb: int) -> int:

@@ -29,6 +29,8 @@ def make_group(cell: Cell, vocab_size: int, index: int = 0):
     from prefixflow import RolloutGroup
 
     gen = torch.Generator().manual_seed(cell.seed + 1_000_003 * index)
+    if cell.vision is not None:
+        raise ValueError("a vision cell's group needs its model: harness.run.setup.vision_group")
     prompt = torch.randint(0, vocab_size, (cell.prefix_len,), generator=gen)
     if cell.suffix_spread > 0:
         low = max(1, math.ceil(cell.suffix_len * (1 - cell.suffix_spread)))
@@ -38,6 +40,11 @@ def make_group(cell: Cell, vocab_size: int, index: int = 0):
     responses = [torch.randint(0, vocab_size, (s,), generator=gen) for s in lens]
     advantages = torch.randn(cell.n, generator=gen, dtype=torch.float64)
     return RolloutGroup(prompt=prompt, responses=responses, advantages=advantages)
+
+
+def vision_group(cell: Cell, model: torch.nn.Module):
+    """A vision cell's seeded group (``cell.vision``): the image or video prompt with its pixel inputs."""
+    return cell.vision.group(model, cell.n, DTYPES[cell.dtype])
 
 
 def build_cell_model(cell: Cell, device: torch.device) -> torch.nn.Module:
@@ -51,7 +58,14 @@ def build_cell_model(cell: Cell, device: torch.device) -> torch.nn.Module:
         "device": device,
     }
     if cell.model.name.startswith(HF_PREFIX):
+        from harness.vlm_models import build_vlm_model, freeze_tower, is_vlm_name
         from prefixflow.integrations.hf import build_hf_model
+
+        if is_vlm_name(cell.model.name.removeprefix(HF_PREFIX)):
+            model = build_vlm_model(cell.model.name.removeprefix(HF_PREFIX), **kwargs)
+            if cell.tower == "frozen":
+                freeze_tower(model)
+            return model
 
         model = build_hf_model(cell.model.name.removeprefix(HF_PREFIX), **kwargs)
         if cell.model.lora is not None:  # PEFT's base model, LoRA inside the projections (harness.run.lora)

@@ -18,9 +18,10 @@ from harness.run.columns import (
     model_columns,
     model_shape,
     offload_columns,
+    vision_columns,
 )
 from harness.run.loop import SystemRun, cell_records, run_systems
-from harness.run.setup import build_for, make_group, resolve_device, vocab_size_of, with_routing
+from harness.run.setup import build_for, make_group, resolve_device, vision_group, vocab_size_of, with_routing
 from harness.spec.cell import Cell
 
 __all__ = ["run_single_group_cell"]
@@ -45,6 +46,8 @@ class GroupBench:
 
     def inputs(self, runs: list[SystemRun]) -> list:
         first = runs[0]
+        if self.cell.vision is not None:
+            return [vision_group(self.cell, first.model)]
         vocab = self.columns[first.name].get("vocab_size") or vocab_size_of(first.model)
         return [with_routing(make_group(self.cell, vocab), first.model)]
 
@@ -94,6 +97,16 @@ def _record(
         shape = bench.shapes[run.name]
         rec.update(cost_columns(shape, cell, run.contender, group.response_lens, device, stats))
     rec.update(counted_columns(run.counted))
+    if cell.vision is not None:
+        rec.update(
+            vision_columns(
+                cell,
+                group,
+                stats,
+                shape=bench.shapes.get(run.name),
+                system=getattr(run.contender, "cost_model", run.name),
+            )
+        )
     if cell.memory_budget is not None:
         rec["memory_budget_bytes"] = bench.budget
         plan = getattr(stats, "plan", None)

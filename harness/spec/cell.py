@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from harness.vision_workloads import VisionShape
 from harness.workloads import TreeShape
 
 SYSTEM_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -225,6 +226,10 @@ class Cell(StrictModel):
     # set: the step trains this seeded tree workload (harness.workloads; prefix_len/suffix_len/n are its
     # nominal trunk, longest path minus the trunk, and paths) instead of a synthetic flat group
     tree: TreeShape | None = None
+    # set: the group's prompt holds this seeded image or video (harness.vision_workloads; prefix_len/suffix_len
+    # are its prompt length and longest answer) on an hf: vision-language model; ``tower``: trained or frozen
+    vision: VisionShape | None = None
+    tower: Literal["trained", "frozen"] = "trained"
 
     @field_validator("systems")
     @classmethod
@@ -251,6 +256,7 @@ class Cell(StrictModel):
                 f"model.lora: LoRA cells run on one process; this cell's layout is {self.parallel.label}: "
                 "use the single layout"
             )
+        self._check_vision()
         if self.microbatch == "auto" and (self.world_size > 1 or self.groups_per_step > 1):
             raise ValueError(
                 f"microbatch 'auto' runs on one process with one group per step; this cell's layout is "
@@ -258,12 +264,36 @@ class Cell(StrictModel):
             )
         return self
 
+    def _check_vision(self) -> None:
+        from harness.vlm_models import VLM_MODELS
+
+        name = self.model.name.removeprefix("hf:")
+        if self.vision is None:
+            if self.tower != "trained":
+                raise ValueError("tower: 'frozen' needs a vision workload (axes.vision); drop it")
+            return
+        if not self.model.name.startswith("hf:") or name not in VLM_MODELS:
+            raise ValueError(
+                f"vision: workload {self.vision.kind!r} needs an hf: vision-language model ({sorted(VLM_MODELS)}), "
+                f"not {self.model.name!r}"
+            )
+        if (
+            self.tree is not None
+            or self.world_size > 1
+            or self.groups_per_step > 1
+            or self.model.lora is not None
+        ):
+            raise ValueError(
+                "vision: a vision cell is one group in one process: drop trees, parallel, groups, lora"
+            )
+
     @property
     def cell_id(self) -> str:
         skip = set(NOT_IDENTITY) | ({"frontier"} if self.frontier is None else set())
         skip |= {"alignment"} if self.alignment is None else set()
         skip |= {"memory_budget"} if self.memory_budget is None else set()
         skip |= {"tree"} if self.tree is None else set()  # ids of earlier cells unchanged
+        skip |= {"vision", "tower"} if self.vision is None else set()
         ident = self.model_dump(mode="json", exclude=skip)
         if self.model.lora is None:  # ids of cells without LoRA unchanged
             ident["model"].pop("lora")

@@ -108,6 +108,10 @@ def hf_model_config(name: str, overrides: dict[str, Any] | None = None):
         from prefixflow.integrations.hf_configs import TYPE_ADVICE
     except ImportError as e:
         raise ValueError(f"hf: models need the hf extra (pip install -e '.[hf]'): {e}") from None
+    from harness.vlm_models import is_vlm_name, vlm_config
+
+    if is_vlm_name(name):
+        hf_config = vlm_config  # noqa: F811 - pf-bench's built-in vision-language configs (harness.vlm_models)
     try:
         config = hf_config(name, overrides)
     except RecursionError:

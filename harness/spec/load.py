@@ -120,6 +120,8 @@ def count_cells(spec: Spec) -> int:
             if ax.lengths is not None
             else len(ax.trees)
             if ax.trees is not None
+            else len(ax.vision)
+            if ax.vision is not None
             else len(ax.total_len or []) * len(ax.prefix_ratio or [])
         )
         total += len(ax.models) * pairs * math.prod(len(_swept_values(ax, name)) for name in SWEPT)
@@ -160,7 +162,7 @@ def _common(spec: Spec) -> dict[str, Any]:
 
 SWEPT = (
     "n", "suffix_spread", "layout", "microbatch", "memory_budget", "dtype", "compile", "ac", "offload",
-    "parallel", "groups",
+    "parallel", "groups", "tower",
 )  # fmt: skip
 
 
@@ -174,6 +176,8 @@ def _workloads(ax: Axes) -> list[tuple[tuple[int, int], Any]]:
     """((prefix_len, suffix_len), tree shape or None) of each length point of a block."""
     if ax.trees is not None:
         return [(shape.nominal()[:2], shape) for shape in ax.trees]
+    if ax.vision is not None:
+        return [(shape.nominal(), shape) for shape in ax.vision]
     return [(pair, None) for pair in ax.length_pairs()]
 
 
@@ -193,12 +197,17 @@ def _expand_block(spec: Spec, ax: Axes, where: str = "axes") -> list[Cell]:
         swept = dict(zip(SWEPT, values, strict=True))
         if swept["microbatch"] != "auto":
             swept["memory_budget"] = None  # a budget only sizes "auto" microbatches (duplicates are dropped)
-        if shape is not None:
-            swept["n"] = shape.nominal()[2]
+        vision = shape if ax.vision is not None else None
+        tree = shape if ax.trees is not None else None
+        if tree is not None:
+            swept["n"] = tree.nominal()[2]
         try:
-            cells.append(Cell(**fixed, model=model, prefix_len=p, suffix_len=s, tree=shape, **swept))
+            cells.append(
+                Cell(**fixed, model=model, prefix_len=p, suffix_len=s, tree=tree, vision=vision, **swept)
+            )
         except ValidationError as e:
-            at = f"{where}.trees.{ax.trees.index(shape)}" if shape is not None else where
+            at = f"{where}.trees.{ax.trees.index(tree)}" if tree is not None else where
+            at = f"{where}.vision.{ax.vision.index(vision)}" if vision is not None else at
             raise SpecError(describe_validation_error(e, f"spec '{spec.name}': {at}")) from None
     return cells
 

@@ -24,6 +24,7 @@ from harness.spec.cell import (
     check_budget,
     check_systems,
 )
+from harness.vision_workloads import VisionShape
 from harness.workloads import TreeShape
 
 
@@ -42,6 +43,12 @@ class Axes(StrictModel):
     n: list[Count] | None = Field(None, min_length=1, description="responses per group (not with 'trees')")
     trees: list[TreeShape] | None = Field(
         None, min_length=1, description="tree workloads (harness.workloads), instead of lengths and n"
+    )
+    vision: list[VisionShape] | None = Field(
+        None, min_length=1, description="image/video prompts (harness.vision_workloads), instead of lengths"
+    )
+    tower: list[Literal["trained", "frozen"]] = Field(
+        default_factory=lambda: ["trained"], min_length=1, description="vision cells: the tower trains or not"
     )
     suffix_spread: list[float] = Field(default_factory=lambda: [0.0], min_length=1)
     layout: list[Literal["padded", "packed"]] = Field(default_factory=lambda: ["padded"], min_length=1)
@@ -154,8 +161,16 @@ class Axes(StrictModel):
             if given:
                 raise ValueError(f"'trees' sets the lengths and paths of its cells; drop {given}")
             return self
+        if self.vision is not None:
+            given = [k for k in ("lengths", "prefix_ratio", "total_len") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"'vision' sets the prompt and answer lengths of its cells; drop {given}")
+        elif "tower" in self.model_fields_set:
+            raise ValueError("'tower' applies to vision cells only; give 'vision' shapes or drop 'tower'")
         if self.n is None:
             raise ValueError("give 'n' (responses per group), or 'trees' (tree workloads)")
+        if self.vision is not None:
+            return self
         ratio_form = self.prefix_ratio is not None or self.total_len is not None
         if self.lengths is not None and ratio_form:
             raise ValueError("give either 'lengths' or 'prefix_ratio' x 'total_len', not both")
@@ -168,6 +183,8 @@ class Axes(StrictModel):
     def length_pairs(self) -> list[tuple[int, int]]:
         if self.trees is not None:
             return [shape.nominal()[:2] for shape in self.trees]
+        if self.vision is not None:
+            return [shape.nominal() for shape in self.vision]
         if self.lengths is not None:
             return [(p.prefix, p.suffix) for p in self.lengths]
         pairs = []
