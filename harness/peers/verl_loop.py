@@ -10,20 +10,15 @@ reference log-probs through ``engine.infer_batch`` (the engines' forward-only pa
 ``engine.train_batch`` with ``ppo_loss``, as ``TrainingWorker.train_batch`` calls it; timing by verl's
 ``marked_timer`` under ``ray_trainer``'s keys (``gen``, ``reward``, ``old_log_prob``, ``ref``, ``adv``,
 ``update_actor``, ``step``). Each engine writes ``<out>/<engine>.jsonl`` (one line per step); the weight
-divergence between the runs goes to ``<out>/divergence.jsonl``; ``harness.peers.verl_driver_records`` turns the
-logs into pf-bench records.
-
-    python -m harness.peers.verl_driver --steps 20 --out results/verl_driver
+divergence between the runs goes to ``<out>/divergence.jsonl``; ``harness.rl.verl_driver`` turns the
+logs into pf-bench records and is the command that runs both.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
-import time
 import uuid
 from functools import partial
 from pathlib import Path
@@ -46,8 +41,8 @@ class DriverConfig(SimpleNamespace):
 
     def __init__(self, **kw):
         base = dict(
-            steps=20, prompts_per_step=2, n=8, facts=48, response_length=16, hidden=64, layers=2,
-            micro_batch=4, mini_batches=1, lr=1e-3, kl_coef=0.001, temperature=1.0, seed=0, threads=1,
+            steps=20, prompts_per_step=2, n=16, facts=48, response_length=16, hidden=64, layers=2,
+            micro_batch=8, mini_batches=1, lr=1e-3, kl_coef=0.001, temperature=1.0, seed=0, threads=1,
         )  # fmt: skip
         unknown = set(kw) - set(base)
         if unknown:
@@ -341,13 +336,15 @@ def run_driver(cfg: DriverConfig, out: Path, log=print) -> Path:
     init_one_rank()
     out.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer()
-    data = write_dataset(out / "data" / "train.parquet", prompts=cfg.steps * cfg.prompts_per_step, facts=cfg.facts, seed=cfg.seed)
     width = 8 + 4 * cfg.facts + 6  # template, facts, question
-    prompts = load_prompts(data, tok, width)
     (out / "config.json").write_text(json.dumps({**vars(cfg), "max_prompt_length": width}, indent=1))
     with tempfile.TemporaryDirectory(prefix="pf-verl-driver-") as tmp:
-        save_model(Path(tmp), tok, cfg)
-        runs = [Run(name, Path(tmp), tok, cfg, out / f"{name}.jsonl") for name in ENGINES]
+        # the dataset is rebuilt from the seed; outside ``out``, where pf-bench would read it as a record
+        data = Path(tmp) / "data" / "train.parquet"
+        write_dataset(data, prompts=cfg.steps * cfg.prompts_per_step, facts=cfg.facts, seed=cfg.seed)
+        prompts = load_prompts(data, tok, width)
+        save_model(Path(tmp) / "model", tok, cfg)
+        runs = [Run(name, Path(tmp) / "model", tok, cfg, out / f"{name}.jsonl") for name in ENGINES]
         init = runs[0].weights()
         with (out / "divergence.jsonl").open("w") as div:
             for step in range(1, cfg.steps + 1):
@@ -364,33 +361,3 @@ def run_driver(cfg: DriverConfig, out: Path, log=print) -> Path:
         for r in runs:
             r.log.close()
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.peers.verl_driver", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--no-records", action="store_true", help="write the JSONL logs only")
-    for key, default in vars(DriverConfig()).items():
-        if key not in ("steps",):
-            parser.add_argument(f"--{key.replace('_', '-')}", type=type(default), default=default)
-    args = vars(parser.parse_args(argv))
-    out, records = args.pop("out"), not args.pop("no_records")
-    try:
-        cfg = DriverConfig(**args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
-    run_driver(cfg, out)
-    if records:
-        from harness.peers.verl_driver_records import write_driver_records
-
-        path = write_driver_records(out)
-        print(f"records -> {path}")
-    print(f"done in {time.perf_counter() - t0:.0f} s")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
