@@ -329,7 +329,15 @@ def divergence(a: dict, b: dict, init: dict) -> dict:
 
 def run_driver(cfg: DriverConfig, out: Path, log=print) -> Path:
     """Both runs in lockstep (per step: verl's engine, then PrefixFlow's); returns ``out``."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(int(cfg.threads))
+    try:
+        return _run_driver(cfg, out, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_driver(cfg: DriverConfig, out: Path, log) -> Path:
     select_cpu_platform()
     import prefixflow.integrations.verl  # noqa: F401  (registers PrefixFlow's engine with verl)
 
