@@ -99,7 +99,9 @@ def figure8a_verl(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     return figure8a(rows, out_dir, name="fig8a_verl_training_quality", what="verl's engine vs PrefixFlow's")
 
 
-def figure8a(df, out_dir, name: str = "fig8a_training_quality", what: str = "baseline vs PrefixFlow") -> list[Path]:
+def figure8a(
+    df, out_dir, name: str = "fig8a_training_quality", what: str = "baseline vs PrefixFlow"
+) -> list[Path]:
     steps = step_table(df, roles=("compare", "reference"))
     if steps.empty or not {"baseline", "prefixflow"} <= set(steps["system"]):
         raise SkipFigure("no Claim-2 closed-loop records with both trainers")
@@ -146,8 +148,7 @@ def figure8a(df, out_dir, name: str = "fig8a_training_quality", what: str = "bas
     ax.set_ylabel("weight RMSE between runs / own drift\n(mean over the pair's two runs)")
     ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)  # inside, it covered curves
     fig.suptitle(
-        f"Figure 8a: closed-loop GRPO, {what} ({steps['model'].iloc[0]}, "
-        f"{steps['dtype'].iloc[0]})",
+        f"Figure 8a: closed-loop GRPO, {what} ({steps['model'].iloc[0]}, {steps['dtype'].iloc[0]})",
         fontsize=9,
     )
     return [save(fig, out_dir, name)]

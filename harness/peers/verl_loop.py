@@ -96,8 +96,12 @@ def build_engine(model_dir: Path, vendor: str | None, cfg: DriverConfig):
                 use_remove_padding=True,
             ),
             engine_config=FSDPEngineConfig(
-                strategy="fsdp2", model_dtype="fp32", use_torch_compile=False, use_remove_padding=True,
-                use_dynamic_bsz=False, mixed_precision=fp32,
+                strategy="fsdp2",
+                model_dtype="fp32",
+                use_torch_compile=False,
+                use_remove_padding=True,
+                use_dynamic_bsz=False,
+                mixed_precision=fp32,
             ),  # fmt: skip
             optimizer_config=FSDPOptimizerConfig(lr=cfg.lr, clip_grad=1.0),
             checkpoint_config=CheckpointConfig(),
@@ -171,9 +175,9 @@ class Run:
             out[name] = full.detach().double().clone()
         return out
 
-    def _infer(self, batch) -> torch.Tensor:
+    def _infer(self, batch):
         from verl.utils import tensordict_utils as tu
-        from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+        from verl.workers.utils.padding import left_right_2_no_padding
 
         td = left_right_2_no_padding(batch.to_tensordict())
         tu.assign_non_tensor(
@@ -278,7 +282,9 @@ class Run:
             "actor/pg_loss_sum": upd["loss"],
             "actor/grad_norm": upd["grad_norm"],
             "response_length/mean": float(mask.sum(-1).float().mean()),
-            "prompt_length/mean": float(batch.batch["attention_mask"][:, : -cfg.response_length].sum(-1).float().mean()),
+            "prompt_length/mean": float(
+                batch.batch["attention_mask"][:, : -cfg.response_length].sum(-1).float().mean()
+            ),
             "responses_sha": _digest(batch.batch["responses"]),
             "rows": len(batch),
         }
@@ -327,17 +333,18 @@ def divergence(a: dict, b: dict, init: dict) -> dict:
     return {"max_abs": top, "max_rel": top / wmax, "rmse": rmse, "drift_a": da, "drift_b": db}
 
 
-def run_driver(cfg: DriverConfig, out: Path, log=print) -> Path:
-    """Both runs in lockstep (per step: verl's engine, then PrefixFlow's); returns ``out``."""
+def run_driver(cfg: DriverConfig, out: Path, log=print, meta: dict | None = None) -> Path:
+    """Both runs in lockstep (per step: verl's engine, then PrefixFlow's); returns ``out``. ``meta`` (e.g. the
+    git revision) goes into ``<out>/config.json`` beside the settings."""
     threads = torch.get_num_threads()
     torch.set_num_threads(int(cfg.threads))
     try:
-        return _run_driver(cfg, out, log)
+        return _run_driver(cfg, out, log, meta or {})
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_driver(cfg: DriverConfig, out: Path, log) -> Path:
+def _run_driver(cfg: DriverConfig, out: Path, log, meta: dict) -> Path:
     select_cpu_platform()
     import prefixflow.integrations.verl  # noqa: F401  (registers PrefixFlow's engine with verl)
 
@@ -345,7 +352,7 @@ def _run_driver(cfg: DriverConfig, out: Path, log) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer()
     width = 8 + 4 * cfg.facts + 6  # template, facts, question
-    (out / "config.json").write_text(json.dumps({**vars(cfg), "max_prompt_length": width}, indent=1))
+    (out / "config.json").write_text(json.dumps({**vars(cfg), "max_prompt_length": width, **meta}, indent=1))
     with tempfile.TemporaryDirectory(prefix="pf-verl-driver-") as tmp:
         # the dataset is rebuilt from the seed; outside ``out``, where pf-bench would read it as a record
         data = Path(tmp) / "data" / "train.parquet"

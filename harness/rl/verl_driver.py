@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import socket
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -53,13 +54,14 @@ def driver_records(out: str | Path) -> list[dict[str, Any]]:
     out = Path(out)
     cfg = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else None
     if cfg is None:
-        raise ValueError(f"{out}/config.json: missing; run `python -m harness.rl.verl_driver --out {out}` first")
+        raise ValueError(
+            f"{out}/config.json: missing; run `python -m harness.rl.verl_driver --out {out}` first"
+        )
     identity = f"{PRESET}-" + hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
-    prompt_len = cfg["max_prompt_length"]
     base = {
         "cell_id": CELL,
         "spec": "verl_driver",
-        "git_rev": git_rev(),
+        "git_rev": cfg.get("git_rev") or git_rev(),  # the revision that ran, where the run noted it
         "host": socket.gethostname(),
         "device": "cpu",
         "model": MODEL,
@@ -85,7 +87,7 @@ def driver_records(out: str | Path) -> list[dict[str, Any]]:
         "config": json.dumps(cfg, sort_keys=True),
     }
     rows: list[dict[str, Any]] = []
-    now = datetime.now(timezone.utc).isoformat()
+    now = datetime.now(UTC).isoformat()
     for engine, system in SYSTEMS.items():
         for r in _read_jsonl(out / f"{engine}.jsonl", engine):
             t = {k: float(v) for k, v in r.items() if k.startswith("timing_s/")}
@@ -149,7 +151,9 @@ def write_driver_records(out: str | Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     from harness.peers.verl_loop import DriverConfig
 
-    parser = argparse.ArgumentParser(prog="python -m harness.rl.verl_driver", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m harness.rl.verl_driver", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder for the logs and records/")
     parser.add_argument(
         "--records-only", action="store_true", help="only turn the logs already in --out into records"
@@ -163,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         if not records_only:
             from harness.peers.verl_loop import run_driver
 
-            run_driver(DriverConfig(**args), out)
+            run_driver(
+                DriverConfig(**args),
+                out,
+                meta={"git_rev": git_rev(), "threads_env": os.environ.get("OMP_NUM_THREADS")},
+            )
         path = write_driver_records(out)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -21,7 +21,10 @@ SMALL = dict(steps=2, prompts_per_step=2, n=4, facts=10, response_length=6, hidd
 def driven(tmp_path_factory):
     out = tmp_path_factory.mktemp("verl-driver")
     run_driver(DriverConfig(**SMALL), out, log=lambda msg: None)
-    logs = {e: [json.loads(x) for x in (out / f"{e}.jsonl").read_text().splitlines()] for e in ("verl", "prefixflow")}
+    logs = {
+        e: [json.loads(x) for x in (out / f"{e}.jsonl").read_text().splitlines()]
+        for e in ("verl", "prefixflow")
+    }
     return out, logs
 
 
@@ -61,7 +64,9 @@ def test_logs_become_records_that_the_figures_draw(driven, tmp_path):
     assert row["update_s"] == raw["timing_s/update_actor"] and row["step_s"] == raw["timing_s/step"]
     assert row["reward_mean"] == raw["critic/score/mean"]
     sp = speedups(verl_rows(df))
-    assert sp["update_speedup"] == pytest.approx(raw["timing_s/update_actor"] / logs["prefixflow"][1]["timing_s/update_actor"])
+    assert sp["update_speedup"] == pytest.approx(
+        raw["timing_s/update_actor"] / logs["prefixflow"][1]["timing_s/update_actor"]
+    )
     made = figure7_verl(df, tmp_path) + figure8a_verl(df, tmp_path)
     assert [p.name for p in made] == ["fig7_verl_step_breakdown.png", "fig8a_verl_training_quality.png"]
 
