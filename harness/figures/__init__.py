@@ -15,8 +15,8 @@ import pandas as pd
 
 from .common import SkipFigure
 from .fig6 import figure6a, figure6b, simulator_validation
-from .fig7 import figure7
-from .fig8 import claim2_table, figure8a, figure8b
+from .fig7 import figure7, figure7_verl
+from .fig8 import claim2_table, figure8a, figure8a_verl, figure8b
 from .fig9 import figure9a, figure9a_concat, figure9a_split, figure9b
 from .fig10 import figure10a, figure10b, frontier_table
 from .fig11 import figure11
@@ -37,6 +37,8 @@ FIGURES: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {
     "fig7": figure7,
     "fig8a": figure8a,
     "fig8b": figure8b,
+    "fig7_verl": figure7_verl,
+    "fig8a_verl": figure8a_verl,
     "claim2_summary": claim2_table,
     "fig9a": figure9a,
     "fig9a_concat": figure9a_concat,

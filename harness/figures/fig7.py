@@ -21,6 +21,7 @@ from .common import SkipFigure, save, theme
 
 PHASES = ("generation", "reward", "evaluation", "update", "sync")
 PRESET_ORDER = ("paper", "cpu", "smoke", "default")
+VERL_PRESET = "verl_driver"  # harness.rl.verl_driver's records: verl's engine (baseline) vs PrefixFlow's
 WARMUP_STEPS = 1  # the first step of a run pays one-time allocation costs; left out of the time means
 
 
@@ -31,6 +32,10 @@ def _choice(df: pd.DataFrame) -> tuple[str, str] | None:
         return None
     c2 = df[df["record_kind"].astype(str).str.startswith("rl_") & (df["status"] == "ok")]
     c2 = c2[c2["preset"].notna() & c2["identity"].notna()]
+    if c2.empty:
+        return None
+    drawing_verl = df.attrs.get(VERL_PRESET, False)  # the verl driver's runs are drawn apart (figure7_verl)
+    c2 = c2[(c2["preset"] == VERL_PRESET) == drawing_verl]
     if c2.empty:
         return None
     present = set(c2["preset"])
@@ -132,7 +137,25 @@ def speedups(df: pd.DataFrame, system: str = "prefixflow") -> dict[str, float]:
     return out
 
 
-def figure7(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+def verl_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The verl driver's records alone (``harness.rl.verl_driver``)."""
+    rows = df.iloc[0:0] if "preset" not in df.columns else df[df["preset"] == VERL_PRESET].copy()
+    rows.attrs[VERL_PRESET] = True  # read by _choice
+    return rows
+
+
+def figure7_verl(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    """Figure 7 of the verl driver's runs: verl's timing keys as the loop's phases (gen; reward + adv;
+    old_log_prob + ref; update_actor), verl's ``FSDPEngineWithLMHead`` against ``PrefixFlowFSDPEngine``."""
+    rows = verl_rows(df)
+    if rows.empty:
+        raise SkipFigure("no verl driver records (python -m harness.rl.verl_driver)")
+    return figure7(rows, out_dir, name="fig7_verl_step_breakdown", ticks=("verl engine", "PrefixFlow engine"))
+
+
+def figure7(
+    df: pd.DataFrame, out_dir: str | Path, name: str = "fig7_step_breakdown", ticks=("baseline", "PrefixFlow")
+) -> list[Path]:
     steps = step_table(df)
     if steps.empty or not {"baseline", "prefixflow"} <= set(steps["system"]):
         raise SkipFigure("no Claim-2 closed-loop records with both trainers")
@@ -159,7 +182,7 @@ def figure7(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         ax.text(
             base_step / value, ypos, f" {label}: {value:.2f}x", fontsize=7, va="bottom" if ypos > 0 else "top"
         )
-    ax.set_yticks(y, ["baseline", "PrefixFlow"])
+    ax.set_yticks(y, list(ticks))
     ax.invert_yaxis()
     ax.set_xlabel("median time per GRPO step and phase (s)")
     n_steps = int(steps["step"].max())
@@ -175,4 +198,4 @@ def figure7(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
         fontsize=8,
     )
     ax.legend(fontsize=7, ncol=len(PHASES), loc="upper center", bbox_to_anchor=(0.5, -0.28), frameon=False)
-    return [save(fig, out_dir, "fig7_step_breakdown")]
+    return [save(fig, out_dir, name)]

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from .common import SkipFigure, save, theme
-from .fig7 import claim2_rows, speedups, step_table, update_ratio
+from .fig7 import claim2_rows, speedups, step_table, update_ratio, verl_rows
 
 TARGET_RISE = 0.2
 TARGET_RATIO = (1.2, 1.6)  # the paper's band around sqrt 2, the seed change of independent runs
@@ -91,7 +91,17 @@ def divergence_ratios(df: pd.DataFrame) -> dict[str, tuple[int, list[float]]]:
     return out
 
 
-def figure8a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+def figure8a_verl(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    """Figure 8a of the verl driver's runs (reward, loss, weight divergence between the two engines)."""
+    rows = verl_rows(df)
+    if rows.empty:
+        raise SkipFigure("no verl driver records (python -m harness.rl.verl_driver)")
+    return figure8a(rows, out_dir, name="fig8a_verl_training_quality", what="verl's engine vs PrefixFlow's")
+
+
+def figure8a(
+    df, out_dir, name: str = "fig8a_training_quality", what: str = "baseline vs PrefixFlow"
+) -> list[Path]:
     steps = step_table(df, roles=("compare", "reference"))
     if steps.empty or not {"baseline", "prefixflow"} <= set(steps["system"]):
         raise SkipFigure("no Claim-2 closed-loop records with both trainers")
@@ -138,11 +148,10 @@ def figure8a(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     ax.set_ylabel("weight RMSE between runs / own drift\n(mean over the pair's two runs)")
     ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)  # inside, it covered curves
     fig.suptitle(
-        f"Figure 8a: closed-loop GRPO, baseline vs PrefixFlow ({steps['model'].iloc[0]}, "
-        f"{steps['dtype'].iloc[0]})",
+        f"Figure 8a: closed-loop GRPO, {what} ({steps['model'].iloc[0]}, {steps['dtype'].iloc[0]})",
         fontsize=9,
     )
-    return [save(fig, out_dir, "fig8a_training_quality")]
+    return [save(fig, out_dir, name)]
 
 
 def replay_rows(rep: pd.DataFrame) -> pd.DataFrame:

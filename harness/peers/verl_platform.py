@@ -44,7 +44,7 @@ _registered = False
 class _CPUDeviceModule(ModuleType):
     """``torch.cpu`` with the RNG-state calls verl's checkpoint manager makes of a device module (the CPU
     generator's: ``torch.get_rng_state`` / ``torch.set_rng_state``) and zeros for the memory counters verl logs
-    (it skips them only for ``torch.cpu`` itself); everything else is ``torch.cpu``'s."""
+    (it skips them only for ``torch.cpu`` itself), a no-op ``empty_cache``; everything else is ``torch.cpu``'s."""
 
     def __getattr__(self, name):
         return getattr(torch.cpu, name)
@@ -66,6 +66,10 @@ class _CPUDeviceModule(ModuleType):
     @staticmethod
     def mem_get_info(device=None) -> tuple[int, int]:
         return 0, 0
+
+    @staticmethod
+    def empty_cache() -> None:  # HFRollout frees the cache after generating; a CPU has none
+        return None
 
 
 def _cpu_device_module() -> ModuleType:
