@@ -33,8 +33,24 @@ FAMILIES: dict[str, Family] = {
     t: family for family in (QwenVL(), Gemma3(), LlavaOnevision()) for t in family.model_types
 }
 VLM_MODEL_TYPES = tuple(FAMILIES)
+# The oldest transformers these families were checked exact on: on 5.17 (the lent GPU machine's) the losses
+# differ from the full-sequence model's by 10-20% (docs/gpu.md), so older versions are refused.
+VLM_MIN_TRANSFORMERS = "5.24.0"
 
-__all__ = ["VLM_MODEL_TYPES", "VisionLanguageMixin"]
+__all__ = ["VLM_MODEL_TYPES", "VLM_MIN_TRANSFORMERS", "VisionLanguageMixin"]
+
+
+def check_vlm_transformers() -> None:
+    """Refuse vision-language models on a transformers older than :data:`VLM_MIN_TRANSFORMERS`, in one line."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(VLM_MIN_TRANSFORMERS):
+        raise ValueError(
+            f"vision-language models need transformers >= {VLM_MIN_TRANSFORMERS}, found "
+            f"{transformers.__version__}: their merged embeddings and positions are not verified there "
+            "(pip install 'prefixflow[hf]')"
+        )
 
 
 class VisionLanguageMixin:
@@ -54,6 +70,7 @@ class VisionLanguageMixin:
         return list(model.model.language_model.layers)
 
     def family(self, model):
+        check_vlm_transformers()
         return FAMILIES[model.config.model_type]
 
     def hidden(self, model, tokens, positions, *, final_norm=True):

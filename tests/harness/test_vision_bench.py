@@ -20,6 +20,8 @@ import torch
 
 pytest.importorskip("transformers")
 
+from support.vlm import VERIFIED_TRANSFORMERS  # noqa: E402
+
 import prefixflow as pf  # noqa: E402
 from harness.costmodel.counting import count_flops  # noqa: E402
 from harness.costmodel.flops import as_shape, executed_flops, ideal_speedup  # noqa: E402
@@ -27,6 +29,8 @@ from harness.costmodel.vision import tower_flops, vision_shape  # noqa: E402
 from harness.spec.cell import Cell  # noqa: E402
 from harness.vision_workloads import ChartQAShape, VideoShape  # noqa: E402
 from harness.vlm_models import build_vlm_model, freeze_tower, vlm_config  # noqa: E402
+
+pytestmark = VERIFIED_TRANSFORMERS
 
 CHART = ChartQAShape(image_tokens=(6, 10), system_len=3, question_len=4, answer_min=2, answer_max=9, seed=1)
 VIDEO = VideoShape(frames=4, frame_tokens=(5, 6), question_len=3, answer_min=3, answer_max=7, seed=2)

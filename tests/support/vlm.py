@@ -7,7 +7,19 @@ No processor or hub: the prompt's token ids and ``prompt_inputs`` are what a Qwe
 
 from __future__ import annotations
 
+import importlib.metadata
+
+import pytest
 import torch
+from packaging.version import Version
+
+from prefixflow.integrations.hf_vision import VLM_MIN_TRANSFORMERS
+
+# The VLM tests' mark: PrefixFlow refuses vision-language models on older transformers (docs/gpu.md).
+VERIFIED_TRANSFORMERS = pytest.mark.skipif(
+    Version(importlib.metadata.version("transformers")) < Version(VLM_MIN_TRANSFORMERS),
+    reason=f"vision-language models need transformers >= {VLM_MIN_TRANSFORMERS}",
+)
 
 VOCAB = 256
 IMAGE, VIDEO, START, END = 250, 251, 252, 253  # placeholder ids inside the tiny vocabulary

@@ -17,6 +17,8 @@ from support import vlm  # noqa: E402
 
 import prefixflow as pf  # noqa: E402  (only `import prefixflow`: the HF adapters load through its entry point)
 
+pytestmark = vlm.VERIFIED_TRANSFORMERS
+
 KINDS = ("qwen2_5_vl", "qwen3_vl")
 
 

@@ -14,6 +14,8 @@ from support import vlm  # noqa: E402
 
 import prefixflow as pf  # noqa: E402
 
+pytestmark = vlm.VERIFIED_TRANSFORMERS
+
 
 @pytest.fixture
 def setup(monkeypatch):

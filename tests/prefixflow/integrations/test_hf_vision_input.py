@@ -12,6 +12,8 @@ from support import vlm  # noqa: E402
 import prefixflow as pf  # noqa: E402
 from prefixflow.schedule.driver import check_group  # noqa: E402
 
+pytestmark = vlm.VERIFIED_TRANSFORMERS
+
 WIDTH = 3 * vlm.TPATCH * vlm.PATCH**2
 
 
@@ -102,3 +104,17 @@ def test_prompt_inputs_type():
     prompt, _ = vlm.qwen_prompt()
     with pytest.raises(TypeError, match="prompt_inputs"):
         _group(prompt, {"pixel_values": [1.0, 2.0]})
+
+
+def test_an_older_transformers_is_refused_in_one_line(model, monkeypatch):
+    """transformers 5.17 (the lent GPU machine's) trains these models 10-20% off: refused, gradients untouched."""
+    import transformers
+
+    before = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(
+        ValueError, match=r"^vision-language models need transformers >= 5\.24\.0, found 5\.17\.0"
+    ):
+        check_group(model, _group(*_image()))
+    for p, g in zip(model.parameters(), before, strict=True):
+        assert (p.grad is None and g is None) or torch.equal(p.grad, g)

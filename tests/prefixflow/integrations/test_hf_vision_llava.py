@@ -13,6 +13,8 @@ from support import vlm  # noqa: E402
 
 import prefixflow as pf  # noqa: E402
 
+pytestmark = vlm.VERIFIED_TRANSFORMERS
+
 
 @pytest.mark.parametrize("sizes", [((28, 50),), ((28, 50), (40, 28))], ids=["tiled", "two-images"])
 def test_exact_and_counted(sizes, monkeypatch):

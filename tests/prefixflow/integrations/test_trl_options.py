@@ -75,6 +75,7 @@ def _one_token_branch_batch() -> dict:
     }
 
 
+@H.VERIFIED_TRANSFORMERS
 def test_trees_on_a_hybrid_keep_two_token_nodes_and_equal_flat_groups(tmp_path, monkeypatch):
     """Qwen3.5 (gated DeltaNet), fp64: the trainer's trees use min_shared_tokens=2 (a one-token shared node was
     refused inside train()), and train what flat groups do."""

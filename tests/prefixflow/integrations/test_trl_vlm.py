@@ -17,10 +17,12 @@ pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 
 import support.trl_vlm as V  # noqa: E402
-from support.vlm import compare_grads  # noqa: E402
+from support.vlm import VERIFIED_TRANSFORMERS, compare_grads  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 from prefixflow.integrations import hf_vlm_families  # noqa: E402
+
+pytestmark = VERIFIED_TRANSFORMERS
 
 TOWER = {"qwen2_5_vl": "visual", "qwen3_vl": "visual", "gemma3": "vision_tower"}
 

@@ -11,6 +11,8 @@ pytest.importorskip("trl")
 import support.trl_vlm as V  # noqa: E402
 from support import vlm  # noqa: E402
 
+pytestmark = vlm.VERIFIED_TRANSFORMERS
+
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
