@@ -139,7 +139,8 @@ def _where(exc: BaseException) -> str:
     """The innermost frame of this repository's code in ``exc``'s traceback, as ``path:line``."""
     frames = [
         f for f in traceback.extract_tb(exc.__traceback__)
-        if f.filename.startswith(_ROOT) and f.name != "__torch_dispatch__"  # not the meters' and guard's modes
+        if f.filename.startswith(_ROOT) and "site-packages" not in f.filename  # not a venv inside the repository
+        and f.name != "__torch_dispatch__"  # not the meters' and guard's modes
     ]  # fmt: skip
     return f" (at {os.path.relpath(frames[-1].filename, _ROOT)}:{frames[-1].lineno})" if frames else ""
 

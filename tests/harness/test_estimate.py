@@ -141,5 +141,8 @@ def test_fake_equals_real_auto_microbatch():
     cell = _cell(n=6, microbatch="auto", memory_budget=15_500_000, systems=("prefixflow",))
     est, real = estimate_cell(cell)[0], run_single_group_cell(cell)[0]
     assert est["microbatch_sizes"] == real["microbatch_sizes"] == "1,1,2,2"
-    assert est["auto_per_token_bytes"] == real["auto_per_token_bytes"]
+    # exact on torch 2.13; 32 B of 42,899 apart on 2.11 (docs/gpu.md): the peaks' rule, 1%
+    assert (
+        abs(est["auto_per_token_bytes"] - real["auto_per_token_bytes"]) <= 0.01 * real["auto_per_token_bytes"]
+    )
     assert abs(est["peak_mem_bytes"] - real["peak_mem_bytes"]) <= tolerance(real["peak_mem_bytes"])
