@@ -19,6 +19,7 @@ __all__ = [
     "hf_config",
     "list_hf_models",
     "TYPE_ADVICE",
+    "require_transformers",
 ]
 
 VERIFIED_MODEL_TYPES = (
@@ -37,6 +38,19 @@ DROPOUT_CONFIG_FIELDS = (
 )  # fmt: skip
 # Said after a type refusal of an override (transformers' messages don't say what to give instead).
 TYPE_ADVICE = "give a value of the field's type, e.g. 1.0 for a float, 1 for an int, true/false for a bool"
+
+
+def require_transformers(minimum: str, what: str, why: str) -> None:
+    """Refuse ``what`` in one line when the installed transformers is older than ``minimum`` (the oldest on
+    which it was verified; ``why``: what is not verified below it)."""
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(minimum):
+        raise ValueError(
+            f"{what} need transformers >= {minimum}, found {transformers.__version__}: {why} "
+            "(pip install 'prefixflow[hf]')"
+        )
+
 
 _TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 # The TorchTitan debug models' shapes (llama3:debugmodel, qwen3:debugmodel), for side-by-side speed rows.

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..attention.modes import AttentionState
 from ..state.layers import StatefulLayer, StateRule, register_state_rule, state_rule_for
+from .hf_configs import require_transformers
 
 __all__ = [
     "BoundaryCache",
@@ -181,15 +182,11 @@ def boundary_layers(
 
 
 def _check_hybrid_transformers() -> None:
-    import transformers
-    from packaging.version import Version
-
-    if Version(transformers.__version__) < Version(HYBRID_MIN_TRANSFORMERS):
-        raise ValueError(
-            f"hybrid (recurrent-state) models need transformers >= {HYBRID_MIN_TRANSFORMERS}, found "
-            f"{transformers.__version__}: its recurrent mixers' state path is not verified there "
-            "(pip install 'prefixflow[hf]')"
-        )
+    require_transformers(
+        HYBRID_MIN_TRANSFORMERS,
+        "hybrid (recurrent-state) models",
+        "its recurrent mixers' state path is not verified there",
+    )
 
 
 def install_boundaries(

@@ -25,6 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import PreTrainedModel
 
 from ..tree.masks import MaskRules
+from .hf_configs import require_transformers
 from .hf_vlm_families import Family, Prepared, QwenVL
 from .hf_vlm_gemma import Gemma3
 from .hf_vlm_llava import LlavaOnevision
@@ -42,15 +43,11 @@ __all__ = ["VLM_MODEL_TYPES", "VLM_MIN_TRANSFORMERS", "VisionLanguageMixin"]
 
 def check_vlm_transformers() -> None:
     """Refuse vision-language models on a transformers older than :data:`VLM_MIN_TRANSFORMERS`, in one line."""
-    import transformers
-    from packaging.version import Version
-
-    if Version(transformers.__version__) < Version(VLM_MIN_TRANSFORMERS):
-        raise ValueError(
-            f"vision-language models need transformers >= {VLM_MIN_TRANSFORMERS}, found "
-            f"{transformers.__version__}: their merged embeddings and positions are not verified there "
-            "(pip install 'prefixflow[hf]')"
-        )
+    require_transformers(
+        VLM_MIN_TRANSFORMERS,
+        "vision-language models",
+        "their merged embeddings and positions are not verified there",
+    )
 
 
 class VisionLanguageMixin:

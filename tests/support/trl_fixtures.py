@@ -112,9 +112,10 @@ def trainer(tmp_path, cls=None, model=None, dataset=None, **options):
     )
 
 
-def micro_batch(tr, seed: int = 0, drift: float = 0.3) -> dict:
+def micro_batch(tr, seed: int = 0, drift: float = 0.3, model_keys: tuple[str, ...] = ()) -> dict:
     """One micro-batch exactly as TRL's training_step sees it, with off-policy old log-probs and reference
-    log-probs (current ones + ``drift`` noise) injected so clipping, the KL and the masks are active."""
+    log-probs (current ones + ``drift`` noise) injected so clipping, the KL and the masks are active.
+    ``model_keys``: the batch's extra model inputs TRL's log-prob forward also takes (a VLM's images)."""
     tr.model.train()
     tr.current_gradient_accumulation_steps = tr.args.gradient_accumulation_steps  # set by train() otherwise
     torch.manual_seed(seed)
@@ -127,6 +128,7 @@ def micro_batch(tr, seed: int = 0, drift: float = 0.3) -> dict:
             torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
             shape[1],
+            **{k: inputs[k] for k in model_keys if k in inputs},
         )
     noise = lambda: drift * torch.randn(shape, generator=gen, dtype=logps.dtype)  # noqa: E731
     inputs["old_per_token_logps"] = logps + noise()

@@ -9,6 +9,7 @@ import torch
 
 from support import vlm
 from support.trl_fixtures import config, reward_even_words
+from support.trl_fixtures import micro_batch as _text_micro_batch
 
 # family -> {token: id} of the model's placeholder / marker tokens (the ids of support.vlm's tiny configs)
 SPECIAL = {
@@ -199,26 +200,9 @@ MM_KEYS = ("pixel_values", "image_grid_thw", "num_images", "token_type_ids", "mm
 
 
 def micro_batch(tr, seed: int = 0, drift: float = 0.3) -> dict:
-    """One micro-batch as TRL's training_step sees it, with off-policy old and reference log-probs (TRL's own
-    log-probs, images included, + ``drift`` noise) so clipping, the KL and the masks are active."""
-    tr.model.train()
-    tr.current_gradient_accumulation_steps = tr.args.gradient_accumulation_steps  # set by train() otherwise
-    torch.manual_seed(seed)
-    inputs = tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
-    gen = torch.Generator().manual_seed(seed)
-    shape = inputs["completion_ids"].shape
-    with torch.no_grad():
-        logps, _, _ = tr._get_per_token_logps_and_entropies(
-            tr.model,
-            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
-            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
-            shape[1],
-            **{k: inputs[k] for k in MM_KEYS if k in inputs},
-        )
-    noise = lambda: drift * torch.randn(shape, generator=gen, dtype=logps.dtype)  # noqa: E731
-    inputs["old_per_token_logps"] = logps + noise()
-    inputs["ref_per_token_logps"] = logps + noise()
-    return inputs
+    """:func:`support.trl_fixtures.micro_batch` with the images TRL's log-prob forward takes (TRL's own
+    log-probs, images included, + ``drift`` noise)."""
+    return _text_micro_batch(tr, seed, drift, model_keys=MM_KEYS)
 
 
 def fp64(model, monkeypatch) -> None:
