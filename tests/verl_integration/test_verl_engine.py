@@ -163,7 +163,6 @@ def test_token_masks_inside_responses_refused(model_dir):
     [
         ({"strategy": "fsdp"}, "strategy='fsdp'"),
         ({"use_fused_kernels": True}, "use_fused_kernels"),
-        ({"ulysses_sequence_parallel_size": 2}, "ulysses_sequence_parallel_size"),
     ],
 )
 def test_unsupported_engine_options_refused(model_dir, engine_kw, match):

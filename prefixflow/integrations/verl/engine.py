@@ -26,10 +26,12 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 from verl.workers.utils.losses import ppo_loss
 
-from ... import apply_prefixflow, train_group
+from ... import apply_prefixflow, score_group, train_group
 from ...hooks import ScheduleHooks, add_hooks, remove_hooks
 from ...loss import token_logprobs
 from ...parallel import fsdp as pf_fsdp
+from ...parallel import fsdp_compat
+from ...parallel.cp import apply_cp
 from ...schedule.driver import check_group
 from .. import hf  # noqa: F401  (registers the HF adapter and attention)
 from .plan import (
@@ -39,6 +41,7 @@ from .plan import (
     loss_callable_config,
     phase_b_budget,
     plan_micro_batch,
+    score_plans,
 )
 
 __all__ = ["VENDOR", "PrefixFlowFSDPEngine"]
@@ -62,10 +65,6 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
         if engine_config.strategy != "fsdp2":
             bad.append(
                 f"actor.strategy={engine_config.strategy!r} (FSDP1; set actor_rollout_ref.actor.strategy=fsdp2)"
-            )
-        if engine_config.ulysses_sequence_parallel_size > 1:
-            bad.append(
-                f"ulysses_sequence_parallel_size={engine_config.ulysses_sequence_parallel_size} (set it to 1)"
             )
         if model_config.use_fused_kernels or getattr(engine_config, "use_fused_kernels", False):
             bad.append("use_fused_kernels=True (set actor_rollout_ref.model.use_fused_kernels=False)")
@@ -96,6 +95,8 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         if forward_only:
+            if self.ulysses_sequence_parallel_size > 1:
+                return self._score_batch(data, loss_function)
             return super().forward_backward_batch(data, loss_function, forward_only=True)
         actor = loss_callable_config(loss_function)
         base = actor_loss_config(actor)
@@ -108,10 +109,8 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
                 "PrefixFlow's verl engine does not support rollout_is_weights (rollout correction)"
             )
         check_batch(data, kl=base["kl_coef"] > 0)
-        model = self.module
-        if not self._prefixflow_applied:
-            apply_prefixflow(model)
-            self._prefixflow_applied = True
+        model = self._applied()
+        sp_size = self.ulysses_sequence_parallel_size
 
         # what verl's forward_backward_batch computes before splitting (global loss normalisation)
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
@@ -129,11 +128,11 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
             if tu.get_non_tensor_data(data=data, key="use_remove_padding", default=False)
             else "padded"
         )
-        budget = phase_b_budget(data, self.ulysses_sequence_parallel_size)
+        budget = phase_b_budget(data, sp_size)
 
         def plan(td):
             return plan_micro_batch(
-                td, dict(base), dp_size=dp_size, batch_tokens=td["batch_num_tokens"],
+                td, dict(base), dp_size=dp_size, sp_size=sp_size, batch_tokens=td["batch_num_tokens"],
                 global_batch_size=td["global_batch_size"], loss_scale_factor=actor.loss_scale_factor,
                 token_budget=budget,
             )  # fmt: skip
@@ -152,12 +151,7 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
             )
 
         tap = _LogprobTap(model)
-        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)  # verl's forward_step autocasts the same way
-        autocast = (
-            contextlib.nullcontext()
-            if dtype == torch.float32
-            else torch.autocast(device_type=get_device_name(), dtype=dtype)
-        )
+        autocast = self._autocast()
         # the log-probs in the model's precision (fp64 weights: fp64), read back for verl's metrics
         precision = torch.promote_types(torch.float32, next(model.parameters()).dtype)
         logp = torch.zeros(data["responses"].shape, dtype=precision, device=data["responses"].device)
@@ -172,6 +166,8 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
                     microbatch=p.microbatch,
                     **options,
                 )
+        if sp_size > 1:  # each SP rank read the log-probs of its own tokens (zeros elsewhere)
+            torch.distributed.all_reduce(logp, group=self.ulysses_parallel_group)
         output_lst = [
             _verl_outputs(actor, mb, logp[rows]) for mb, rows in zip(micro_batches, micro_rows, strict=True)
         ]
@@ -179,6 +175,86 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
+
+    def _applied(self):
+        """The module, PrefixFlow applied once (and, under Ulysses, its context parallelism over verl's SP group:
+        each SP rank trains its head-tail share of every group's tokens)."""
+        if not self._prefixflow_applied:
+            apply_prefixflow(self.module)
+            if self.ulysses_sequence_parallel_size > 1:
+                apply_cp(self.module, self.ulysses_parallel_group, reduce_grads=False)
+            self._prefixflow_applied = True
+        return self.module
+
+    def _score_batch(self, data, loss_function):
+        """Forward-only under Ulysses. verl's own forward slices each packed micro-batch over the SP ranks and
+        needs its flash-attention forward for the all-to-all; this engine runs sdpa, so the log-probs come from
+        PrefixFlow's phases (:func:`prefixflow.score_group`, each prompt once): every SP rank scores its DP
+        rank's rows whole. Prompt positions of the returned ``log_probs`` hold 0 (verl reads the responses)."""
+        if tu.get_non_tensor_data(data=data, key="use_fused_kernels", default=False):
+            raise ValueError("PrefixFlow's verl engine does not support use_fused_kernels=True in the batch")
+        model = self._applied()
+        entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
+        group = self.get_data_parallel_group()
+        batch_tokens = data["loss_mask"].sum().to(torch.float64)
+        torch.distributed.all_reduce(batch_tokens, op=torch.distributed.ReduceOp.SUM, group=group)
+        tu.assign_non_tensor(
+            data, batch_num_tokens=batch_tokens.item(), dp_size=self.get_data_parallel_size()
+        )
+        micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
+        layout = (
+            "packed"
+            if tu.get_non_tensor_data(data=data, key="use_remove_padding", default=False)
+            else "padded"
+        )
+        precision = torch.promote_types(torch.float32, next(model.parameters()).dtype)
+        tap = _LogprobTap(model)
+        output_lst = []
+        with _gathered(model, reduce=False), tap.reading(), torch.no_grad(), self._autocast():
+            for mb in micro_batches:
+                mb = mb.to(get_device_id())
+                shape = mb["responses"].shape
+                tap.out = torch.zeros(shape, dtype=precision, device=mb["responses"].device)
+                tap.entropy = torch.zeros_like(tap.out) if entropy else None
+                for plan in score_plans(mb):
+                    tap.plan = plan
+                    score_group(
+                        model,
+                        plan.group,
+                        layout=layout,
+                        temperature=plan.loss_config.temperature,
+                        hooks=[tap],
+                    )
+                model_output = {"log_probs": _response_nested(mb, tap.out)}
+                if entropy:
+                    model_output["entropy"] = _response_nested(mb, tap.entropy)
+                loss, metrics = 1.0, {}
+                if loss_function is not None:
+                    value, metrics = loss_function(model_output=model_output, data=mb, dp_group=group)
+                    loss = float(value)
+                output_lst.append({"model_output": model_output, "loss": loss, "metrics": metrics})
+        return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
+
+    def _autocast(self):
+        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)  # verl's forward_step autocasts the same way
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=get_device_name(), dtype=dtype)
+
+
+def _response_nested(micro_batch, values: torch.Tensor) -> torch.Tensor:
+    """verl's no-padding model output for a micro-batch: one row of prompt + response length per sample, the
+    response values one position to the left (where verl's shifted log-probs sit), 0 at the prompt."""
+    p = micro_batch["prompts"].shape[1]
+    attention = micro_batch["attention_mask"]
+    flat = []
+    for r in range(attention.shape[0]):
+        plen, n = int(attention[r, :p].sum()), int(attention[r, p:].sum())
+        row = torch.zeros(plen + n, dtype=values.dtype, device=values.device)
+        row[plen - 1 : plen - 1 + n] = values[r, :n]
+        flat.append(row)
+    return torch.nested.as_nested_tensor(flat, layout=torch.jagged)
 
 
 def _micro_batch_rows(micro_batches, indices) -> list[torch.Tensor]:
@@ -195,40 +271,41 @@ def _micro_batch_rows(micro_batches, indices) -> list[torch.Tensor]:
 
 def _verl_outputs(actor, micro_batch, logp: torch.Tensor) -> dict:
     """verl's ``forward_step`` output for a micro-batch: ``ppo_loss`` on PrefixFlow's log-probs, no gradient."""
-    p = micro_batch["prompts"].shape[1]
-    attention = micro_batch["attention_mask"]
-    flat = []
-    for r in range(attention.shape[0]):
-        plen, n = int(attention[r, :p].sum()), int(attention[r, p:].sum())
-        row = torch.zeros(plen + n, dtype=logp.dtype, device=logp.device)
-        row[plen - 1 : plen - 1 + n] = logp[r, :n]  # verl reads response log-probs one position to the left
-        flat.append(row)
-    nested = torch.nested.as_nested_tensor(flat, layout=torch.jagged)
+    nested = _response_nested(micro_batch, logp)
     with torch.no_grad():
         loss, metrics = ppo_loss(actor, model_output={"log_probs": nested}, data=micro_batch)
     return {"loss": float(loss), "metrics": metrics}
 
 
 class _LogprobTap(ScheduleHooks):
-    """Reads the log-probs PrefixFlow's LM head computes for each suffix microbatch (detached) into the verl
-    micro-batch's ``[rows, response]`` tensor, for verl's metrics. Changes no number."""
+    """Reads the log-probs (and, with ``entropy`` set, the entropies) PrefixFlow's LM head computes for each
+    suffix microbatch (detached) into the verl micro-batch's ``[rows, response]`` tensors, for verl's metrics or
+    forward-only output. Changes no number."""
 
     def __init__(self, model) -> None:
         self.model = model
         self.plan: GroupPlan | None = None
         self.out: torch.Tensor | None = None
+        self.entropy: torch.Tensor | None = None
         self._mb = None
 
     @contextlib.contextmanager
-    def installed(self):
-        head = self.model.get_output_embeddings()
-        handle = head.register_forward_hook(self._read)
-        add_hooks(self.model, self)
+    def reading(self):
+        """The LM-head hook only (a forward-only call passes the tap as its schedule hook)."""
+        handle = self.model.get_output_embeddings().register_forward_hook(self._read)
         try:
             yield
         finally:
-            remove_hooks(self.model, self)
             handle.remove()
+
+    @contextlib.contextmanager
+    def installed(self):
+        add_hooks(self.model, self)
+        try:
+            with self.reading():
+                yield
+        finally:
+            remove_hooks(self.model, self)
 
     @contextlib.contextmanager
     def microbatch(self, mb):
@@ -242,9 +319,15 @@ class _LogprobTap(ScheduleHooks):
         mb, plan = self._mb, self.plan
         if mb is None or plan is None:
             return
-        logp = token_logprobs(output.detach(), mb.targets, plan.loss_config.temperature)
+        temperature = plan.loss_config.temperature
+        logp = token_logprobs(output.detach(), mb.targets, temperature)
         rows = torch.tensor(plan.rows, device=logp.device)[mb.response_ids]
         self.out[rows, mb.token_ids] = logp.to(self.out.dtype)
+        if self.entropy is not None:
+            logits = output.detach().to(torch.promote_types(output.dtype, torch.float32)) / temperature
+            self.entropy[rows, mb.token_ids] = (
+                torch.distributions.Categorical(logits=logits).entropy().to(self.entropy.dtype)
+            )
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -254,9 +337,10 @@ class _LogprobTap(ScheduleHooks):
 
 
 @contextlib.contextmanager
-def _gathered(model):
+def _gathered(model, reduce: bool = True):
     """Every FSDP2 unit gathered for the mini-batch, gradient sync off, one reduce-scatter per unit at the end
-    (verl's reduction settings). On an error, FSDP is reset and the unreduced gradients are dropped."""
+    (verl's reduction settings; ``reduce=False``: none, a forward-only call). On an error, FSDP is reset and the
+    unreduced gradients are dropped."""
     pf_fsdp._root_state(model)._lazy_init()
     groups = list(pf_fsdp._groups(model))
     saved = [
@@ -271,7 +355,8 @@ def _gathered(model):
     pf_fsdp._set_sync(model, False)
     try:
         yield
-        pf_fsdp.reduce_gradients(model)
+        if reduce:
+            pf_fsdp.reduce_gradients(model)
     except BaseException:
         pf_fsdp.discard(model)
         raise
@@ -282,3 +367,5 @@ def _gathered(model):
             g.reduce_grads, g.all_reduce_grads = reduce_grads, all_reduce
             g._training_state = TrainingState.IDLE
             g.reshard()
+        if not reduce:  # no backward follows: clear the forwards' bookkeeping as FSDP's own reset does
+            fsdp_compat.reset_iter_state(model, pf_fsdp._root_state(model))

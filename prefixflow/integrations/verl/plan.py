@@ -33,6 +33,7 @@ __all__ = [
     "AGG_MODES",
     "actor_loss_config",
     "plan_micro_batch",
+    "score_plans",
     "loss_callable_config",
     "check_batch",
     "phase_b_budget",
@@ -137,6 +138,7 @@ def plan_micro_batch(
     base: dict,
     *,
     dp_size: int,
+    sp_size: int = 1,
     batch_tokens,
     global_batch_size,
     loss_scale_factor=None,
@@ -173,7 +175,9 @@ def plan_micro_batch(
     lens = response_mask.sum(-1).tolist()
     norm = dict(base)
     norm["temperature"] = _temperature(micro_batch)
-    norm["group_weight"] = float(dp_size)
+    # verl scales its loss by dp_size; under Ulysses each SP rank's gradient is its token shard's and FSDP
+    # averages over dp_size * sp_size ranks (verl's all-gather backward multiplies by sp_size the same way)
+    norm["group_weight"] = float(dp_size * sp_size)
     if base["aggregation"] == "token-mean":
         norm["batch_tokens"] = float(batch_tokens)
     elif base["aggregation"] != "token-sum":
@@ -240,6 +244,38 @@ def plan_micro_batch(
             stacklevel=3,
         )
         plans += [GroupPlan([r], row_group([r]), config, system="baseline") for r in rows]
+    return plans
+
+
+def score_plans(micro_batch) -> list[GroupPlan]:
+    """Forward-only groups of a verl micro-batch (log-probs, no loss): the rows of one uid whose prompts agree
+    score as one group, every other row alone; rows without response tokens score nothing."""
+    prompts, responses, attention = (
+        micro_batch["prompts"],
+        micro_batch["responses"],
+        micro_batch["attention_mask"],
+    )
+    if any(t.is_nested for t in (prompts, responses, attention)):
+        raise ValueError("PrefixFlow's verl engine needs padded prompts/responses/attention_mask")
+    p, b = prompts.shape[1], prompts.shape[0]
+    lens = attention[:, p:].sum(-1).tolist()
+    uids = list(micro_batch["uid"]) if "uid" in micro_batch.keys() else [("__row__", r) for r in range(b)]
+    config = LossConfig(temperature=_temperature(micro_batch))
+    by_key: dict = {}
+    for r in range(b):
+        if int(lens[r]) == 0:
+            continue
+        if not bool(attention[r, p : p + int(lens[r])].all()):
+            raise ValueError(f"micro-batch row {r}: responses must be right-padded")
+        by_key.setdefault((uids[r], tuple(_prompt(prompts, attention, p, r).tolist())), []).append(r)
+    plans = []
+    for rows in by_key.values():
+        group = RolloutGroup(
+            prompt=_prompt(prompts, attention, p, rows[0]),
+            responses=[responses[r, : int(lens[r])] for r in rows],
+            advantages=torch.zeros(len(rows)),
+        )
+        plans.append(GroupPlan(rows, group, config))
     return plans
 
 
