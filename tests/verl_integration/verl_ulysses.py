@@ -82,9 +82,6 @@ def ulysses_worker(
             got, out_got = vc.train_once(
                 model_dir, VENDOR, actor, dp2, ulysses_sequence_parallel_size=sp, **kw
             )
-            same, out_same = vc.train_once(
-                model_dir, None, actor, dp2, ulysses_sequence_parallel_size=sp, **kw
-            )
             results.append(
                 {
                     "want": want,
@@ -95,9 +92,6 @@ def ulysses_worker(
                         _gathered(vc.metric_values(out_got), rank % sp == 0),
                     ),
                     "sp_ranks_agree": _gathered(out_got["loss"], True),
-                    "verl_sp": same,
-                    "verl_sp_loss": _gathered(out_same["loss"], rank % sp == 0),
-                    "verl_sp_metrics": _gathered(vc.metric_values(out_same), rank % sp == 0),
                 }
             )
         results.append(_infer(rank, world, model_dir, proto, sp))
