@@ -38,6 +38,11 @@ class FakePool:
         return storage._cdata  # the storage itself: fake storages share data_ptr 0
 
     @staticmethod
+    def resident(t: torch.Tensor) -> torch.Tensor:
+        whole = t.untyped_storage().nbytes() // t.element_size()
+        return t.detach().as_strided((whole,), (1,), 0).view(torch.uint8)
+
+    @staticmethod
     def rebuild(data: torch.Tensor, dtype, offset: int, size, stride) -> torch.Tensor:
         return data.view(dtype).as_strided(size, stride, offset)
 

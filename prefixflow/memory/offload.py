@@ -35,9 +35,10 @@ saved for backward is dormant until Phase C. ``PrefixOffload`` moves those tenso
 * **Release.** ``release()`` (after Phase C, or from the schedule's ``finally`` on an exception) stops the
   worker, closes the file or frees the pinned chunks; nothing survives a group.
 
-With activation checkpointing the checkpoint's own hooks are innermost inside each block, so offload only
-sees what AC leaves saved outside them: the block inputs (non-reentrant ``checkpoint`` saves them with
-``save_for_backward``). The tensors selective AC keeps are held by its own cache and stay resident.
+With activation checkpointing the checkpoint's own hooks are innermost inside each block, so these hooks see
+what AC leaves saved outside them: the block inputs (non-reentrant ``checkpoint`` saves them with
+``save_for_backward``). The outputs selective AC keeps live in SAC's own cache; ``sac_cache.sac_offloading``
+routes that cache through the same pack and unpack, so they leave too.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from torch import nn
 
 from ..model.adapters import adapter_for
 from .fake_tier import TIER_FAKE, FakePool
+from .sac_cache import sac_offloading
 from .storage import (
     TIER_CPU,
     TIER_CUDA,
@@ -153,14 +155,33 @@ class PrefixOffload:
             for i, b in enumerate(self._blocks)
         ]
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with (
+                torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
+                sac_offloading(self.model, self._pack, self._unpack),
+            ):
                 yield
             with self._lock:
                 self.pool.finish_stores()
+                self._keep_late_kv()
         finally:
             for h in hooks:
                 h.remove()
             self._layer = -1
+
+    def _keep_late_kv(self) -> None:
+        """SAC caches an op's output when the op runs, before ``CapturePrefix`` records it as K/V (V is the
+        value projection's output, viewed): such a slot's storage stays live for Phase B anyway, so it is
+        kept resident after all, its handles reading the live bytes (the copy out is never read)."""
+        key = self.pool.key
+        kv = {key(t.untyped_storage()): t for e in self.cache.layers.values() for t in (e.live_k, e.live_v)}
+        for storage, slot in list(self._by_storage.items()):
+            live = kv.get(key(storage))
+            if slot.loaded or slot.handles == 0 or live is None:
+                continue
+            slot.data, slot.loaded = self.pool.resident(live), True
+            self.stats.offloaded_tensors -= 1
+            self.stats.offloaded_bytes -= slot.nbytes
+            self.stats.kept["kv"] = self.stats.kept.get("kv", 0) + slot.handles
 
     def _enter_block(self, index: int, module, args) -> None:
         self._layer = index

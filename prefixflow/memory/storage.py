@@ -98,6 +98,11 @@ class RealTier:
         return storage.data_ptr()
 
     @staticmethod
+    def resident(t: torch.Tensor) -> torch.Tensor:
+        """A slot's bytes read from the storage of ``t``, which stayed live (uint8 over all of it, no copy)."""
+        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+    @staticmethod
     def rebuild(data: torch.Tensor, dtype, offset: int, size, stride) -> torch.Tensor:
         """The saved tensor over the loaded bytes ``data`` (uint8), with its exact view geometry."""
         return torch.empty(0, dtype=dtype, device=data.device).set_(data.untyped_storage(), offset, size, stride)

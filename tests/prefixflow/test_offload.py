@@ -183,7 +183,7 @@ def measure(model, group, mode: str):
     return stats, probe
 
 
-@pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
 def test_phase_b_live_bytes_drop_by_the_offloaded_bytes(ac):
     model = tiny_model("llama3", dtype=torch.float32, ac=ac)
     group = synthetic_group(97, 121, [24] * 4, seed=5)  # prefix ratio 5/6
@@ -197,6 +197,25 @@ def test_phase_b_live_bytes_drop_by_the_offloaded_bytes(ac):
     assert off.peak["B"] <= base.peak["B"] - resident_saved
     assert off.peak["B"] < base.peak["B"]
     assert off.residual == base.residual  # offload leaves nothing behind
+
+
+def test_selective_ac_cache_leaves_like_everything_else():
+    """Op-level SAC keeps its saved op outputs in a cache of its own, outside autograd's saved-tensor hooks:
+    offload routes it through the same slots, so Phase B under SAC starts from what full AC leaves (the K/V
+    and the parameters), and the Phase-B peak drops by more than the block inputs."""
+    group = synthetic_group(97, 121, [24] * 4, seed=5)  # prefix ratio 5/6
+    starts, peaks, moved = {}, {}, {}
+    for ac in ("full", "selective"):
+        model = tiny_model("llama3", dtype=torch.float32, ac=ac)
+        _, base = measure(model, group, "off")
+        stats, off = measure(model, group, "prefetch")
+        starts[ac], peaks[ac], moved[ac] = off.start["B"], (base.peak["B"], off.peak["B"]), stats.offload
+    assert starts["selective"] == starts["full"]
+    assert (
+        moved["selective"].offloaded_bytes > 4 * moved["full"].offloaded_bytes
+    )  # more than the block inputs
+    sac_base, sac_off = peaks["selective"]
+    assert sac_base - sac_off >= moved["selective"].offloaded_bytes - moved["selective"].dropped_bytes
 
 
 def test_config_rejects_non_bool_offload_flags():
