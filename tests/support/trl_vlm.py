@@ -157,6 +157,16 @@ def prefixflow_grads(tr, inputs) -> tuple[float, dict]:
     return float(loss), {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
 
+def fp64_truth(tr, inputs, monkeypatch) -> tuple[float, dict]:
+    """The exact reference of an fp32 micro-batch: TRL's ``compute_loss -> backward`` with the model's fp32 weights
+    and buffers cast to fp64 (exactly), :func:`fp64` applied and the batch's float tensors cast to fp64. Call it
+    after the fp32 measurements: the model stays in fp64."""
+    tr.model.to(torch.float64)
+    fp64(tr.model, monkeypatch)
+    wide = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    return trl_grads(tr, wide)
+
+
 def worst_ratio(got: dict, want: dict) -> float:
     """max over tensors of max|got - want| / max|want|, skipping attention key biases (their gradient is 0 in
     exact arithmetic: rounding noise on both sides, see support.vlm.compare_grads)."""
@@ -243,5 +253,5 @@ def _rope64(m, x, position_ids, layer_type):
 
 __all__ = [
     "tokenizer", "processor", "dataset", "model", "conditioned", "trainer", "micro_batch", "trl_grads",
-    "prefixflow_grads", "worst_ratio", "fp64", "SPECIAL",
+    "prefixflow_grads", "fp64_truth", "worst_ratio", "fp64", "SPECIAL",
 ]  # fmt: skip

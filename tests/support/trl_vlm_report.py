@@ -6,11 +6,15 @@
 Columns: loss |Δ|/|ref|; the worst gradient max|Δ|/max|ref| over every tensor (tower included; attention key
 biases, zero in exact arithmetic, skipped); fp32 also TRL's own move, loss and gradient, when its prompts get one
 more pad column (the same math in another layout: fp32's floor); the patches the tower encoded, TRL /
-PrefixFlow.
+PrefixFlow. A second table puts each fp32 case against its fp64 truth (the same weights and micro-batch cast to
+fp64, HF's fp32 casts neutralised, TRL's loss): PrefixFlow's error, TRL's own, TRL's with one more pad column,
+and PrefixFlow's over TRL's. ``... trl_vlm_report seeds N`` repeats that ratio over N seeds (weights, images,
+generations and injected log-probs all drawn again).
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 
 import pytest
@@ -56,29 +60,37 @@ def _one_more_pad(inputs):
     return out
 
 
-def row(family, options, dtype, column):
+def row(family, options, dtype, column, seed=0):
+    """One case: (name, dtype, loss, worst gradient, pad floor, TRL's patches, PrefixFlow's, fp32: ``truth``,
+    {side: (loss, worst gradient)} against the fp64 truth for PrefixFlow, TRL and TRL with one more pad)."""
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
-        model = V.conditioned(V.model(family, dtype=dtype))
+        model = V.conditioned(V.model(family, dtype=dtype), seed=seed)
         if dtype == torch.float64:
             V.fp64(model, mp)
-        data = V.dataset(same_text=True) if column == "same text" else V.dataset(column=column)
+        data = V.dataset(same_text=True) if column == "same text" else V.dataset(column=column, seed=seed)
         tr = V.trainer(tmp, family, model=model, dataset=data, **options)
-        inputs = V.micro_batch(tr)
+        inputs = V.micro_batch(tr, seed=seed)
         tr.beta = 0.04
         (want_loss, want), trl_patches = _patches(model, family, lambda: V.trl_grads(tr, inputs))
         (got_loss, got), pf_patches = _patches(model, family, lambda: V.prefixflow_grads(tr, inputs))
-        floor = None
+        units = tr._plan(inputs)
+        shape = "tree" if options.get("prefixflow_tree", "auto") is not False and len(units) == 1 else "flat"
+        floor = truth = None
         if dtype == torch.float32:
             pad_loss, pad_grads = V.trl_grads(tr, _one_more_pad(inputs))
             floor = (abs(pad_loss - want_loss) / abs(want_loss), V.worst_ratio(pad_grads, want))
-        units = tr._plan(inputs)
-        shape = "tree" if options.get("prefixflow_tree", "auto") is not False and len(units) == 1 else "flat"
+            true_loss, true = V.fp64_truth(tr, inputs, mp)  # last: the model is fp64 from here
+            sides = {"pf": (got_loss, got), "trl": (want_loss, want), "pad": (pad_loss, pad_grads)}
+            truth = {
+                k: (abs(loss - true_loss) / abs(true_loss), V.worst_ratio(g, true))
+                for k, (loss, g) in sides.items()
+            }
     layout = options.get("prefixflow_layout", "padded") + (
         f", microbatch {options['prefixflow_microbatch']}" if "prefixflow_microbatch" in options else ""
     )
     name = f"{family}, {options['loss_type']}, {shape} ({layout}), '{column}'"
     return (name, "fp64" if dtype == torch.float64 else "fp32", abs(got_loss - want_loss) / abs(want_loss),
-            V.worst_ratio(got, want), floor, trl_patches, pf_patches)  # fmt: skip
+            V.worst_ratio(got, want), floor, trl_patches, pf_patches, truth)  # fmt: skip
 
 
 def lora_row() -> float:
@@ -117,15 +129,37 @@ def step_row() -> float:
                if float(w.abs().max()) > 1e-8 * top)  # fmt: skip
 
 
+def seeds(n: int) -> None:
+    """PrefixFlow's fp32 error over TRL's (worst gradient against the fp64 truth), each fp32 case, seeds 0..n-1."""
+    print("| case | PrefixFlow / TRL, per seed | min / median / max |\n| --- | --- | --- |")
+    for case in [c for c in CASES if c[2] == torch.float32]:
+        rows = [row(*case, seed=s) for s in range(n)]
+        q = [r[-1]["pf"][1] / r[-1]["trl"][1] for r in rows]
+        mid = statistics.median(q)
+        print(f"| {rows[0][0]} | {' '.join(f'{r:.2f}' for r in q)} | {min(q):.2f} / {mid:.2f} / {max(q):.2f} |",
+              flush=True)  # fmt: skip
+
+
 def main() -> None:
     print(
         "| case | dtype | loss | worst gradient | TRL's own, one more pad column (loss / gradient) | tower patches, TRL / PrefixFlow |"
     )
     print("| --- | --- | --- | --- | --- | --- |")
+    truths = []
     for case in CASES:
-        name, dt, loss, grad, floor, trl, pf = row(*case)
+        name, dt, loss, grad, floor, trl, pf, truth = row(*case)
         floor = "-" if floor is None else f"{floor[0]:.1e} / {floor[1]:.1e}"
         print(f"| {name} | {dt} | {loss:.1e} | {grad:.1e} | {floor} | {trl} / {pf} |", flush=True)
+        if truth is not None:
+            truths.append((name, grad, truth))
+    print(
+        "\nfp32 against the fp64 truth (loss / worst gradient):\n\n| case | PrefixFlow vs TRL (gradient) | "
+        "PrefixFlow vs truth | TRL vs truth | TRL, one more pad column, vs truth | PrefixFlow / TRL (gradient) |"
+        "\n| --- | --- | --- | --- | --- | --- |"
+    )
+    for name, grad, t in truths:
+        cells = " | ".join(f"{t[k][0]:.1e} / {t[k][1]:.1e}" for k in ("pf", "trl", "pad"))
+        print(f"| {name} | {grad:.1e} | {cells} | {t['pf'][1] / t['trl'][1]:.2f} |")
     print(f"\nLoRA on the language model, Qwen2.5-VL fp64, adapter gradients: {lora_row():.1e}")
     print(
         f"One SGD step, GRPOTrainer vs PrefixFlowGRPOTrainer, Gemma-3 dapo fp64, the update: {step_row():.1e}"
@@ -133,4 +167,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:2] == ["seeds"]:
+        seeds(int(sys.argv[2]) if len(sys.argv) > 2 else 6)
+    else:
+        main()
