@@ -35,9 +35,10 @@ tower to the language model's work, once per group under PrefixFlow and once per
 :class:`~harness.costmodel.hybrid.HybridShape`, and every function here hands it to
 :mod:`harness.costmodel.hybrid` (baseline and PrefixFlow; PrefixGrouper does not run them).
 
-**Counting** (:func:`count_flops`, :mod:`harness.costmodel.counting`): ``torch.utils.flop_counter.FlopCounterMode``
-for the GEMMs (``mm/addmm``) and the recurrent kernels' batched matmuls (``bmm/baddbmm``), and own counters for
-attention (FlopCounterMode ignores causality), grouped convolutions and triangular solves.
+**Counting** (:func:`count_flops`, :mod:`harness.costmodel.counting`): dispatch counters, torch's
+``flop_registry`` formulas for the GEMMs (``mm/addmm``) and the recurrent kernels' batched matmuls
+(``bmm/baddbmm``), own formulas for attention (FlopCounterMode ignores causality), grouped convolutions and
+triangular solves. None of them keeps a tensor alive or changes a kernel (FlopCounterMode does both).
 """
 
 from __future__ import annotations
