@@ -224,7 +224,7 @@ def _parquet(path: Path, max_rows: int) -> Rollouts:
     except (pa.ArrowException, OSError) as e:
         raise RolloutError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
     if rows > max_rows:
-        raise RolloutError(f"{path}: {rows} rows, more than {max_rows} (raise --max-rows)")
+        raise RolloutError(f"{path}: more than {max_rows} rows ({rows}; raise --max-rows)")
     if rows == 0:
         raise RolloutError(f"{path}: no rows")
     builder = _Builder(sniff(names, str(path)), names)
