@@ -144,6 +144,12 @@ def workload(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object")] = False,
     max_bytes: Annotated[int, typer.Option(min=1, help="refuse a larger file")] = MAX_BYTES,
     max_rows: Annotated[int, typer.Option(min=1, help="refuse more rows (samples)")] = MAX_ROWS,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="for logged text (TRL's completions, verl's generations): a Hugging Face tokenizer"
+        ),
+    ] = None,
     model: Annotated[
         str | None, typer.Option(help="with --estimate: the model ('family:flavor' or hf:<config>)")
     ] = None,
@@ -165,7 +171,9 @@ def workload(
     if estimate != (model is not None):
         _fail("--estimate needs --model, and --model is used only with --estimate")
     try:
-        stats = workload_stats(read_rollouts(rollouts, max_bytes=max_bytes, max_rows=max_rows))
+        stats = workload_stats(
+            read_rollouts(rollouts, max_bytes=max_bytes, max_rows=max_rows, tokenizer=tokenizer)
+        )
     except RolloutError as e:
         _fail(f"ROLLOUTS: {e}")
     est = None

@@ -6,7 +6,11 @@ The layout is sniffed from the column names (JSONL: the first row's keys), in th
   1 on real tokens), grouped by ``uid`` (verl's ``DataProto`` batch keys, one row per sample);
 * ``prompt-response``: ``prompt_ids`` and ``completion_ids`` (TRL's names) or ``response_ids``, grouped by
   ``group_id`` or ``uid`` when present, else by identical ``prompt_ids``;
-* ``sequences``: ``input_ids`` or ``token_ids`` (prompt and response in one) with ``group_id`` or ``uid``.
+* ``sequences``: ``input_ids`` or ``token_ids`` (prompt and response in one) with ``group_id`` or ``uid``;
+* ``trl-completions``: ``prompt`` and ``completion`` text (TRL's ``log_completions`` table,
+  ``completions/completions_NNNNN.parquet``), and ``verl-generations``: ``input`` and ``output`` text (verl's
+  ``trainer.rollout_data_dir`` JSONL); both need a tokenizer (:mod:`harness.rollout_stats.text`) and are
+  grouped by identical prompt text.
 
 A ``step`` column, when present, joins the group key (the same prompt at two steps is two groups). A folder
 holding ``manifest.json`` is a frozen trace of ``pf-bench rl`` (``harness.rl.trace``): every group of every step.
@@ -23,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from harness.rollout_stats.text import TextTokenizer, message_key
+
 __all__ = ["Group", "Rollouts", "RolloutError", "read_rollouts", "LAYOUTS", "MAX_BYTES", "MAX_ROWS"]
 
 MAX_BYTES = 256 * 2**20
@@ -33,7 +39,10 @@ LAYOUTS = {  # the layout -> its column names, as docs/workload.md lists them
     "verl": "prompts + responses + attention_mask [+ uid]",
     "prompt-response": "prompt_ids + completion_ids|response_ids [+ group_id|uid]",
     "sequences": "input_ids|token_ids + group_id|uid",
+    "trl-completions": "prompt + completion (text; --tokenizer)",
+    "verl-generations": "input + output (text; --tokenizer)",
 }
+TEXT = {"trl-completions": ("prompt", "completion"), "verl-generations": ("input", "output")}
 
 
 class RolloutError(ValueError):
@@ -68,6 +77,9 @@ def sniff(columns: set[str], where: str) -> str:
         return "prompt-response"
     if columns & {"input_ids", "token_ids"} and columns & set(GROUP_COLUMNS):
         return "sequences"
+    for layout, fields in TEXT.items():
+        if set(fields) <= columns:
+            return layout
     shown = ", ".join(sorted(columns)[:12]) or "none"
     accepted = "; ".join(f"{k}: {v}" for k, v in LAYOUTS.items())
     raise RolloutError(f"{where}: no known rollout layout in its columns ({shown}); accepted: {accepted}")
@@ -96,9 +108,18 @@ def _key(value: Any, row: int, field: str) -> str:
 class _Builder:
     """Rows of one layout -> groups (in first-seen order)."""
 
-    def __init__(self, layout: str, columns: set[str]) -> None:
+    def __init__(self, layout: str, columns: set[str], tokenizer: str | None, where: str) -> None:
         self.layout = layout
-        self.group_col = _first(columns, GROUP_COLUMNS) if layout != "verl" else _first(columns, ("uid",))
+        self.text = None
+        if layout in TEXT:
+            if tokenizer is None:
+                raise RolloutError(
+                    f"{where}: holds text ({layout}: {LAYOUTS[layout].split(' (')[0]}); pass --tokenizer "
+                    "(the model's tokenizer: a Hugging Face name or folder) to count its tokens"
+                )
+            self.text = TextTokenizer(tokenizer, RolloutError)
+        group_cols = {"verl": ("uid",), "prompt-response": GROUP_COLUMNS, "sequences": GROUP_COLUMNS}
+        self.group_col = _first(columns, group_cols.get(layout, ()))
         self.step = "step" in columns
         self.response = _first(columns, ("completion_ids", "response_ids"))
         self.seq = _first(columns, ("input_ids", "token_ids"))
@@ -109,8 +130,13 @@ class _Builder:
             "verl": ["prompts", "responses", "attention_mask"],
             "prompt-response": ["prompt_ids", self.response],
             "sequences": [self.seq],
+            **{k: list(v) for k, v in TEXT.items()},
         }[self.layout]
         return cols + [c for c in (self.group_col, "step" if self.step else None) if c]
+
+    def token_fields(self) -> set[str]:
+        """The fields that hold token ids (checked as such); text and keys are read as they are."""
+        return set() if self.text is not None else set(self.needed()) - {self.group_col, "step"}
 
     def add(self, row: int, get) -> None:
         """Add row ``row``; ``get(field)`` returns a field's value (token fields as int64 arrays)."""
@@ -119,12 +145,19 @@ class _Builder:
         elif self.layout == "prompt-response":
             prompt = get("prompt_ids")
             seq = np.concatenate([prompt, get(self.response)])
+        elif self.text is not None:
+            p_field, c_field = TEXT[self.layout]
+            raw = get(p_field)
+            prompt = self.text.prompt(raw, row, p_field)
+            seq = np.concatenate([prompt, self.text.completion(get(c_field), row, c_field)])
         else:
             prompt, seq = None, get(self.seq)
         if len(seq) == 0:
             raise RolloutError(f"row {row}: the sample has no tokens")
         if self.group_col is not None:
             key = _key(get(self.group_col), row, self.group_col)
+        elif self.text is not None:  # the logged prompt itself (its text, not its ids)
+            key = message_key(raw)
         else:  # prompt-response or verl without a group column: identical prompts form a group
             key = prompt.astype(">u4").tobytes().hex()
         if self.step:
@@ -153,7 +186,7 @@ def _verl_row(row: int, prompts, responses, mask) -> tuple[np.ndarray, np.ndarra
     return prompt, np.concatenate([prompt, responses[on[p:]]])
 
 
-def _jsonl(path: Path, max_rows: int) -> Rollouts:
+def _jsonl(path: Path, max_rows: int, tokenizer: str | None) -> Rollouts:
     builder = None
     n = 0
     with path.open("rb") as fh:
@@ -171,8 +204,8 @@ def _jsonl(path: Path, max_rows: int) -> Rollouts:
             if not isinstance(obj, dict):
                 raise RolloutError(f"{path}: line {line_no} is not a JSON object")
             if builder is None:
-                builder = _Builder(sniff(set(obj), str(path)), set(obj))
-                token_fields = set(builder.needed()) - {builder.group_col, "step"}
+                builder = _Builder(sniff(set(obj), str(path)), set(obj), tokenizer, str(path))
+                token_fields = builder.token_fields()
             missing = [c for c in builder.needed() if c not in obj]
             if missing:
                 raise RolloutError(f"{path}: row {n} lacks {missing[0]!r} (the {builder.layout} layout)")
@@ -213,7 +246,7 @@ def _parquet_ids(table, field: str, path: Path) -> list[np.ndarray]:
     return np.split(flat, offsets[1:-1])
 
 
-def _parquet(path: Path, max_rows: int) -> Rollouts:
+def _parquet(path: Path, max_rows: int, tokenizer: str | None) -> Rollouts:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -227,12 +260,12 @@ def _parquet(path: Path, max_rows: int) -> Rollouts:
         raise RolloutError(f"{path}: more than {max_rows} rows ({rows}; raise --max-rows)")
     if rows == 0:
         raise RolloutError(f"{path}: no rows")
-    builder = _Builder(sniff(names, str(path)), names)
+    builder = _Builder(sniff(names, str(path)), names, tokenizer, str(path))
     try:
         table = pf.read(columns=builder.needed())
     except (pa.ArrowException, OSError) as e:
         raise RolloutError(f"{path}: cannot read its columns ({str(e).splitlines()[0]})") from None
-    token_fields = set(builder.needed()) - {builder.group_col, "step"}
+    token_fields = builder.token_fields()
     data = {
         f: _parquet_ids(table, f, path) if f in token_fields else table.column(f).to_pylist()
         for f in builder.needed()
@@ -265,8 +298,11 @@ def _trace(folder: Path, max_bytes: int, max_rows: int) -> Rollouts:
     return Rollouts("pf-bench-trace", groups)
 
 
-def read_rollouts(path: str | Path, max_bytes: int = MAX_BYTES, max_rows: int = MAX_ROWS) -> Rollouts:
-    """The groups of a rollouts file (``.jsonl``, ``.parquet``) or trace folder; raises :class:`RolloutError`."""
+def read_rollouts(
+    path: str | Path, max_bytes: int = MAX_BYTES, max_rows: int = MAX_ROWS, tokenizer: str | None = None
+) -> Rollouts:
+    """The groups of a rollouts file (``.jsonl``, ``.parquet``) or trace folder; raises :class:`RolloutError`.
+    ``tokenizer``: for the text layouts, a Hugging Face tokenizer name or folder."""
     path = Path(path)
     if path.is_dir():
         if not (path / "manifest.json").is_file():
@@ -280,4 +316,4 @@ def read_rollouts(path: str | Path, max_bytes: int = MAX_BYTES, max_rows: int = 
     size = path.stat().st_size
     if size > max_bytes:
         raise RolloutError(f"{path}: {size} bytes, over the limit of {max_bytes} (raise --max-bytes)")
-    return _jsonl(path, max_rows) if suffix == ".jsonl" else _parquet(path, max_rows)
+    return (_jsonl if suffix == ".jsonl" else _parquet)(path, max_rows, tokenizer)
