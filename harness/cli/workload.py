@@ -121,11 +121,21 @@ def _stats_tables(stats: WorkloadStats, source: str) -> list[Table]:
 def _estimate_table(est: dict[str, Any], model: str) -> Table:
     title = f"{model} at P={est['prefix_len']}, S={est['suffix_len']}, N={est['n']} (cell {est['cell_id']})"
     table = Table(title=Text(title))
-    cols = ("model_flops", "counted_flops", "peak_mem_phase_b_bytes", "peak_mem_bytes")
-    for c in ("system", *cols):
-        table.add_column(Text(c), justify="right" if c != "system" else "left")
-    for name, row in est["systems"].items():
-        table.add_row(Text(name), *(Text(_fmt(row[c])) for c in cols))
+    cols = {
+        "model_flops": ("cost model FLOPs", 1),
+        "counted_flops": ("counted FLOPs", 1),
+        "peak_mem_phase_b_bytes": ("Phase-B peak MiB", 2**20),
+        "peak_mem_bytes": ("peak MiB", 2**20),
+    }
+    table.add_column(Text("system"))
+    for name, _ in cols.values():
+        table.add_column(Text(name), justify="right")
+    for system, row in est["systems"].items():
+        cells = [
+            "-" if row[c] is None else (f"{row[c] / d:,.1f}" if d > 1 else _fmt(row[c]))
+            for c, (_, d) in cols.items()
+        ]
+        table.add_row(Text(system), *(Text(c) for c in cells))
 
     def pct(v) -> str:
         return "-" if v is None else f"{v:.2%}"

@@ -411,3 +411,14 @@ def test_limits_and_option_errors_are_one_line(tmp_path, args, words):
         res = runner.invoke(app, ["workload", str(path), *args])
         lines = res.stderr.strip().splitlines()
         assert res.exit_code == 2 and len(lines) == 1 and words in lines[0], res.output
+
+
+def test_the_documented_example():
+    """docs/workload.md's numbers for experiments/workloads/example-rollouts.jsonl."""
+    stats = workload_stats(read_rollouts(REPO / "experiments" / "workloads" / "example-rollouts.jsonl"))
+    assert (stats.samples, stats.groups, stats.tree_groups) == (16, 4, 1)
+    assert (stats.baseline_tokens, stats.shared_tokens, stats.tree_tokens) == (5678, 2798, 2678)
+    assert round(stats.prefix_ratio["p50"], 4) == 0.7508 and round(stats.prefix_ratio["p10"], 4) == 0.155
+    assert representative(stats) == (200, 56, 4)
+    doc = (REPO / "docs" / "workload.md").read_text()
+    assert "0.7508" in doc and "2798" in doc and "P=200, S=56, N=4" in doc
