@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from harness.cli.common import AC, DType, Layout, _fail, _fmt, _int_or_text, console, err_console
+from harness.cli.common import AC, DType, Layout, _fail, _fmt, console, err_console
 from harness.cli.run import checked_cell
 from harness.rollout_stats import (
     MAX_BYTES,
@@ -172,7 +172,9 @@ def workload(
         ),
     ] = False,
     layout: Layout = Layout.padded,
-    microbatch: Annotated[str | None, typer.Option(help="responses per microbatch (default: all)")] = None,
+    microbatch: Annotated[
+        int | None, typer.Option(min=1, help="responses per microbatch (default: all)")
+    ] = None,
     dtype: DType = DType.fp32,
     ac: AC = AC.none,
     offload: Annotated[bool, typer.Option("--offload", help="offload dormant prefix activations")] = False,
@@ -193,7 +195,7 @@ def workload(
             model,
             override,
             layout=layout.value,
-            microbatch=_int_or_text(microbatch),
+            microbatch=microbatch,
             dtype=dtype.value,
             ac=ac.value,
             offload=offload,
