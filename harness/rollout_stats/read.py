@@ -123,7 +123,7 @@ class _Builder:
         self.step = "step" in columns
         self.response = _first(columns, ("completion_ids", "response_ids"))
         self.seq = _first(columns, ("input_ids", "token_ids"))
-        self.groups: dict[str, Group] = {}
+        self.groups: dict[tuple, Group] = {}  # (step, group id / prompt) -> its group
 
     def needed(self) -> list[str]:
         cols = {
@@ -155,16 +155,17 @@ class _Builder:
         if len(seq) == 0:
             raise RolloutError(f"row {row}: the sample has no tokens")
         if self.group_col is not None:
-            key = _key(get(self.group_col), row, self.group_col)
+            ident: str | bytes = _key(get(self.group_col), row, self.group_col)
         elif self.text is not None:  # the logged prompt itself (its text, not its ids)
-            key = message_key(raw)
+            ident = message_key(raw)
         else:  # prompt-response or verl without a group column: identical prompts form a group
-            key = prompt.astype(">u4").tobytes().hex()
-        if self.step:
-            key = f"{_key(get('step'), row, 'step')}/{key}"
-        group = self.groups.get(key)
+            ident = prompt.astype(">u4").tobytes()
+        step = _key(get("step"), row, "step") if self.step else None
+        group = self.groups.get((step, ident))
         if group is None:
-            group = self.groups[key] = Group(key, [], None if prompt is None else [])
+            label = ident if self.group_col is not None else f"prompt {len(self.groups) + 1}"
+            label = label if step is None else f"step {step}/{label}"
+            group = self.groups[(step, ident)] = Group(label, [], None if prompt is None else [])
         group.seqs.append(seq)
         if prompt is not None:
             group.prompt_lens.append(len(prompt))

@@ -112,6 +112,20 @@ def test_sequences_take_the_groups_common_prefix_as_the_prefix(tmp_path):
     assert (stats.baseline_tokens, stats.shared_tokens, stats.tree_tokens) == (71, 52, 52)
 
 
+def test_a_step_column_splits_groups(tmp_path):
+    """The same group id (or prompt) at two steps is two groups; keys are compared as (step, id), so step
+    "1/a" with id "b" and step "1" with id "a/b" stay apart."""
+    records = [
+        {"step": 1, "group_id": "g", "token_ids": [1, 2, 3]},
+        {"step": 1, "group_id": "g", "token_ids": [1, 2, 4]},
+        {"step": 2, "group_id": "g", "token_ids": [1, 2, 5]},
+        {"step": "1/a", "group_id": "b", "token_ids": [6]},
+        {"step": "1", "group_id": "a/b", "token_ids": [7]},
+    ]
+    stats = workload_stats(read_rollouts(_jsonl(tmp_path / "s.jsonl", records)))
+    assert (stats.groups, stats.singleton_groups, stats.shared_tokens) == (4, 3, (2 + 1 + 1) + 3 + 1 + 1)
+
+
 def test_a_hand_made_tree(tmp_path):
     """Three paths that share 1, 2 and then split: the flat share is the common prefix (2 tokens), the trie
     holds 1 2 | 3 | 4 5 | 6 7 | 8 9 = 9 of the 14 tokens; duplicates and a path that is a prefix of another
@@ -403,6 +417,7 @@ def test_bad_input_is_refused_in_one_line(tmp_path, case):
         (["--estimate"], "--estimate needs --model"),
         (["--model", "llama3:debugmodel"], "--estimate needs --model"),
         (["--model", "llama3:nope", "--estimate"], "--model"),
+        (["--model", "llama3:debugmodel", "--override", "max_seq_len=8", "--estimate"], "max_seq_len=8"),
     ],
 )
 def test_limits_and_option_errors_are_one_line(tmp_path, args, words):
