@@ -146,7 +146,16 @@ def test_a_hand_made_tree(tmp_path):
     assert stats.prefix_ratio["p50"] == pytest.approx(np.median([2 / 5, 2 / 5, 2 / 4, 1.0, 1.0, 2 / 3]))
 
 
-def test_a_multiturn_trace_written_by_the_projects_rl_loop(tmp_path):
+@pytest.fixture
+def one_thread():
+    """The loop on one torch thread: on 2 shared cores, conftest's 2 threads make it 5x slower under load."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_multiturn_trace_written_by_the_projects_rl_loop(tmp_path, one_thread):
     """The multi-turn loop's trace (its paths share the system prompt and earlier turns): the trie's tokens
     equal the tokens of ``prefixflow.build_tree``'s nodes for every group, and fewer than the flat share."""
     raw = load_rl_spec(REPO / "experiments" / "claim2.yaml", "multiturn-smoke").model_dump(
@@ -173,88 +182,6 @@ def test_a_multiturn_trace_written_by_the_projects_rl_loop(tmp_path):
     assert stats.prefix_len["min"] == stats.prefix_len["max"] == len(groups[0].prompt)
     assert stats.tree_tokens == node_tokens < stats.shared_tokens < stats.baseline_tokens
     assert stats.tree_groups == len(groups)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> str:
-    """A word-level Hugging Face tokenizer (one id per word or punctuation mark) with a chat template that
-    writes ``role: content`` per message and ``assistant:`` as the generation prompt."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["[UNK]", "user", "assistant", ":", "hello", "world", "yes", "no", "a", "b", "c"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-    fast.chat_template = (
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
-        "{% if add_generation_prompt %}assistant: {% endif %}"
-    )
-    folder = tmp_path_factory.mktemp("tokenizer")
-    fast.save_pretrained(folder)
-    return str(folder)
-
-
-def _chat(role: str, text: str) -> list[dict]:
-    return [{"role": role, "content": text}]
-
-
-def test_trls_completions_table_through_a_tokenizer(tmp_path, tokenizer):
-    """TRL's ``completions_NNNNN.parquet`` (conversational): "user: hello world assistant:" is 6 tokens,
-    "user: a assistant:" 5; a group is one prompt at one step."""
-    table = pd.DataFrame(
-        {
-            "step": [1, 1, 1, 2],
-            "prompt": [_chat("user", "hello world")] * 2 + [_chat("user", "a"), _chat("user", "hello world")],
-            "completion": [_chat("assistant", t) for t in ("yes", "no a b", "b c", "yes")],
-            "correctness_reward": [1.0, 0.0, 1.0, 1.0],
-            "advantage": [0.5, -0.5, 0.0, 0.0],
-        }
-    )
-    path = tmp_path / "completions_00002.parquet"
-    table.to_parquet(path)
-    stats = workload_stats(read_rollouts(path, tokenizer=tokenizer))
-    assert stats.layout == "trl-completions" and (stats.groups, stats.singleton_groups) == (3, 2)
-    assert (stats.baseline_tokens, stats.shared_tokens) == (7 + 9 + 7 + 7, (6 + 1 + 3) + 7 + 7)
-    assert stats.prefix_len["min"] == 5 and stats.prefix_ratio["max"] == pytest.approx(6 / 7)
-    assert stats.prefix_ratio["p50"] == pytest.approx((5 / 7 + 6 / 7) / 2)  # sorted 6/9, 5/7, 6/7, 6/7
-
-
-def test_verls_generations_dump_through_a_tokenizer(tmp_path, tokenizer):
-    """verl's ``rollout_data_dir`` JSONL: ``input``/``output`` text, grouped by the prompt at its step."""
-    path = _jsonl(
-        tmp_path / "3.jsonl",
-        [
-            {"input": "hello world", "output": "yes no", "score": 1.0, "step": 3},
-            {"input": "hello world", "output": "a", "score": 0.0, "step": 3},
-        ],
-    )
-    res = runner.invoke(app, ["workload", str(path), "--tokenizer", tokenizer, "--json"])
-    assert res.exit_code == 0, res.output
-    out = json.loads(res.stdout)
-    assert out["layout"] == "verl-generations" and out["groups"] == 1
-    assert (out["baseline_tokens"], out["shared_tokens"]) == (7, 5)
-    assert (out["prefix_ratio"]["min"], out["prefix_ratio"]["max"]) == (
-        pytest.approx(0.5),
-        pytest.approx(2 / 3),
-    )
-
-
-@pytest.mark.parametrize(
-    "rows, args, words",
-    [
-        ([{"prompt": "a", "completion": "b"}], [], "holds text (trl-completions: prompt + completion); pass --tokenizer"),
-        ([{"input": "a", "output": "b"}], ["--tokenizer", "/nonexistent/tok"], "--tokenizer /nonexistent/tok: cannot load"),
-        ([{"prompt": [{"role": "user", "content": [1]}], "completion": "b"}], ["--tokenizer", "TOK"],
-         "row 1: prompt must be text or a list of {role, content} messages"),
-        ([{"prompt": "a", "completion": 7}], ["--tokenizer", "TOK"], "row 1: completion must be text"),
-    ],
-)  # fmt: skip
-def test_text_refusals_are_one_line(tmp_path, tokenizer, rows, args, words):
-    path = _jsonl(tmp_path / "t.jsonl", rows)
-    res = runner.invoke(app, ["workload", str(path), *[tokenizer if a == "TOK" else a for a in args]])
-    lines = res.stderr.strip().splitlines()
-    assert res.exit_code == 2 and len(lines) == 1 and words in lines[0], res.output
 
 
 def _brute_trie(seqs: list[list[int]]) -> int:
