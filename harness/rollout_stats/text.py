@@ -3,11 +3,14 @@ user's tokenizer (``--tokenizer``).
 
 The logs hold text, not the ids the trainer saw, so the counts are the tokenizer's view of that text:
 
-* a prompt string is tokenized as it is (``add_special_tokens=False``, as TRL tokenizes its prompts);
+* a prompt string is tokenized with the tokenizer's default special tokens (TRL's
+  ``processing_class(text=prompts)``);
 * a conversational prompt (a list of ``{role, content}`` messages, TRL's conversational datasets) goes
-  through the tokenizer's chat template with the generation prompt, then is tokenized;
-* a completion string is tokenized as it is; a conversational completion is the concatenation of its
-  messages' contents, each tokenized (the template's tokens between messages are not counted).
+  through the tokenizer's chat template with the generation prompt (TRL's ``apply_chat_template(...,
+  add_generation_prompt=True, tokenize=True)``; tools, which the log does not hold, are not rendered);
+* a completion string is tokenized without special tokens (the logs decode completions without them, so a
+  completion's end-of-sequence token is not counted); a conversational completion is the concatenation of
+  its messages' contents, each tokenized so (the template's tokens between messages are not counted).
 
 verl decodes its dump with ``skip_special_tokens=True``, so a verl prompt counts without its chat template's
 special tokens: its prefix ratio reads slightly low.
@@ -50,15 +53,15 @@ class TextTokenizer:
             raise error(f"--tokenizer {name}: cannot load it ({str(e).splitlines()[0][:200]})") from None
         self.name = name
 
-    def _ids(self, text: str) -> np.ndarray:
-        return np.asarray(self.tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    def _ids(self, text: str, special: bool = False) -> np.ndarray:
+        return np.asarray(self.tok(text, add_special_tokens=special)["input_ids"], dtype=np.int64)
 
     def _shape_error(self, row: int, field: str):
         return self.error(f"row {row}: {field} must be text or a list of {{role, content}} messages")
 
     def prompt(self, value: Any, row: int, field: str) -> np.ndarray:
         if isinstance(value, str):
-            return self._ids(value)
+            return self._ids(value, special=True)
         messages = _messages(value)
         if messages is None:
             raise self._shape_error(row, field)
@@ -66,8 +69,10 @@ class TextTokenizer:
             raise self.error(
                 f"row {row}: {field} is a conversation and --tokenizer {self.name} has no chat template"
             )
-        text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self._ids(text)
+        ids = self.tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        return np.asarray(ids, dtype=np.int64)
 
     def completion(self, value: Any, row: int, field: str) -> np.ndarray:
         if isinstance(value, str):

@@ -23,15 +23,17 @@ def _jsonl(path: Path, records: list[dict]) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> str:
-    """A word-level Hugging Face tokenizer (one id per word or punctuation mark) with a chat template that
-    writes ``role: content`` per message and ``assistant:`` as the generation prompt."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A word-level Hugging Face tokenizer (one id per word or punctuation mark) that puts ``[BOS]`` before a
+    text it is given (its special tokens), with a chat template that writes ``role: content`` per message
+    and ``assistant:`` as the generation prompt (and no ``[BOS]``: a template's tokens are its own)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    words = ["[UNK]", "user", "assistant", ":", "hello", "world", "yes", "no", "a", "b", "c"]
+    words = ["[UNK]", "[BOS]", "user", "assistant", ":", "hello", "world", "yes", "no", "a", "b", "c"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]")
     fast.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
         "{% if add_generation_prompt %}assistant: {% endif %}"
@@ -67,7 +69,8 @@ def test_trls_completions_table_through_a_tokenizer(tmp_path, tokenizer):
 
 
 def test_verls_generations_dump_through_a_tokenizer(tmp_path, tokenizer):
-    """verl's ``rollout_data_dir`` JSONL: ``input``/``output`` text, grouped by the prompt at its step."""
+    """verl's ``rollout_data_dir`` JSONL: ``input``/``output`` text, grouped by the prompt at its step. A
+    prompt string gets the tokenizer's ``[BOS]`` (3 tokens), a completion none."""
     path = _jsonl(
         tmp_path / "3.jsonl",
         [
@@ -79,11 +82,9 @@ def test_verls_generations_dump_through_a_tokenizer(tmp_path, tokenizer):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert out["layout"] == "verl-generations" and out["groups"] == 1
-    assert (out["baseline_tokens"], out["shared_tokens"]) == (7, 5)
-    assert (out["prefix_ratio"]["min"], out["prefix_ratio"]["max"]) == (
-        pytest.approx(0.5),
-        pytest.approx(2 / 3),
-    )
+    assert (out["baseline_tokens"], out["shared_tokens"]) == (5 + 4, 3 + 2 + 1)
+    assert out["prefix_ratio"]["min"] == pytest.approx(3 / 5)
+    assert out["prefix_ratio"]["max"] == pytest.approx(3 / 4)
 
 
 @pytest.mark.parametrize(
