@@ -40,17 +40,7 @@ def estimate_workload(stats: WorkloadStats, model: str, override: list[str], **o
     from harness.run.progress import reporting
 
     p, s, n = representative(stats)
-    cell = checked_cell(
-        model,
-        override,
-        ",".join(SYSTEMS),
-        True,
-        prefix_len=p,
-        suffix_len=s,
-        n=n,
-        parallel=Parallel(),
-        **options,
-    )
+    cell = _cell(model, override, p, s, n, options)
     with reporting(lambda msg: err_console.print(Text(f"cell {cell.cell_id}: {msg}", style="dim"))):
         records = {r["system"]: r for r in estimate_cell(cell)}
     for rec in records.values():
@@ -65,6 +55,21 @@ def estimate_workload(stats: WorkloadStats, model: str, override: list[str], **o
     out["phase_b_memory_ratio"] = _ratio(pf["peak_mem_phase_b_bytes"], base["peak_mem_phase_b_bytes"])
     out["peak_memory_ratio"] = _ratio(pf["peak_mem_bytes"], base["peak_mem_bytes"])
     return out
+
+
+def _cell(model: str, override: list[str], p: int, s: int, n: int, options: dict):
+    """The estimate's cell, validated by ``pf-bench run``'s code (one line naming a bad option)."""
+    return checked_cell(
+        model,
+        override,
+        ",".join(SYSTEMS),
+        True,
+        prefix_len=p,
+        suffix_len=s,
+        n=n,
+        parallel=Parallel(),
+        **options,
+    )
 
 
 def _number(v) -> float | None:
@@ -182,6 +187,18 @@ def workload(
     """Measure a user's rollouts as the paper's Table 1 does: prefix ratios, group sizes, shared tokens."""
     if estimate != (model is not None):
         _fail("--estimate needs --model, and --model is used only with --estimate")
+    options = dict(
+        layout=layout.value,
+        microbatch=microbatch,
+        dtype=dtype.value,
+        ac=ac.value,
+        offload=offload,
+        device="cpu",
+        warmup=0,
+        repeats=1,
+    )
+    if estimate:  # the model and the options, before the file is read
+        _cell(model, override, 1, 1, 1, options)
     try:
         stats = workload_stats(
             read_rollouts(rollouts, max_bytes=max_bytes, max_rows=max_rows, tokenizer=tokenizer)
@@ -190,19 +207,7 @@ def workload(
         _fail(f"ROLLOUTS: {e}")
     est = None
     if estimate:
-        est = estimate_workload(
-            stats,
-            model,
-            override,
-            layout=layout.value,
-            microbatch=microbatch,
-            dtype=dtype.value,
-            ac=ac.value,
-            offload=offload,
-            device="cpu",
-            warmup=0,
-            repeats=1,
-        )
+        est = estimate_workload(stats, model, override, **options)
     if as_json:
         typer.echo(json.dumps({"rollouts": str(rollouts), **stats.as_dict(), "estimate": est}))
         return

@@ -364,3 +364,11 @@ def test_the_documented_example():
     assert representative(stats) == (200, 56, 4)
     doc = (REPO / "docs" / "workload.md").read_text()
     assert "0.7508" in doc and "2798" in doc and "P=200, S=56, N=4" in doc
+
+
+def test_the_model_is_checked_before_the_file_is_read(tmp_path):
+    res = runner.invoke(
+        app, ["workload", str(tmp_path / "absent.jsonl"), "--model", "llama3:nope", "--estimate"]
+    )
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and "--model" in lines[0] and "absent" not in lines[0]
