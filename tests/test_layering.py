@@ -92,7 +92,8 @@ HARNESS_LAYERS = [
     ["harness.spec"],
     ["harness.run"],
     ["harness.execute", "harness.estimate"],
-    ["harness.sweep", "harness.rl", "harness.local_ranks"],
+    # rollout_stats (pf-bench workload) reads pf-bench rl traces
+    ["harness.sweep", "harness.rl", "harness.local_ranks", "harness.rollout_stats"],
     ["harness.cli", "harness.rl_precision"],
 ]
 # --- end harness layers ---

@@ -1,6 +1,6 @@
 """``pf-bench``: the harness command line (thin: parse, call, print).
 
-The Typer app; each command lives in its module (``run``, ``sweep``, ``figures``, ``align``, ``rl``) and
+The Typer app; each command lives in its module (``run``, ``sweep``, ``figures``, ``align``, ``workload``, ``rl``) and
 is registered here in the order ``--help`` lists them.
 """
 
@@ -13,6 +13,7 @@ from harness.cli.figures import figures, simulate, tables
 from harness.cli.rl import register as register_rl
 from harness.cli.run import run
 from harness.cli.sweep import collect, status, sweep
+from harness.cli.workload import workload
 
 __all__ = ["app"]
 
@@ -22,6 +23,6 @@ app = typer.Typer(
     add_completion=False,
 )
 
-for command in (run, sweep, status, collect, figures, tables, simulate, align):
+for command in (run, sweep, status, collect, figures, tables, simulate, align, workload):
     app.command()(command)
 register_rl(app)  # Claim 2: `rl` and `replay`

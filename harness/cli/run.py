@@ -33,7 +33,7 @@ from harness.cli.common import (
 )
 from harness.spec.cell import Cell, ModelSpec, Parallel
 
-__all__ = ["RUN_COLUMNS", "run"]
+__all__ = ["RUN_COLUMNS", "ESTIMATE_COLUMNS", "checked_cell", "run"]
 
 
 RUN_COLUMNS = [
@@ -127,71 +127,35 @@ def run(
     ] = False,
 ) -> None:
     """Run one cell and print its records (a layout with several ranks runs on local ranks, loopback only)."""
-    from harness.contenders import available_contenders
     from harness.execute.local import run_cell
     from harness.records import write_records
-    from harness.run.memory import preflight_cell
     from harness.run.progress import reporting
     from harness.safe_fs import UnsafePathError, check_writable
-    from harness.spec.checks import check_model_spec
-    from harness.spec.schema import CellLimits
     from harness.sweep import spec_folder
 
-    try:
-        model_spec = ModelSpec(name=model, overrides=parse_overrides(override))
-    except ValidationError as e:
-        _fail(_option_errors(e, {"name": "--model", "overrides": "--override"}))
-    try:
-        cell = Cell(
-            spec="adhoc",
-            model=model_spec,
-            prefix_len=prefix_len,
-            suffix_len=suffix_len,
-            n=n,
-            layout=layout.value,
-            microbatch=_int_or_text(microbatch),
-            memory_budget=_int_or_text(memory_budget),
-            dtype=dtype.value,
-            compile=compile,
-            ac=ac.value,
-            offload=offload,
-            parallel=Parallel(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep),
-            groups=groups,
-            split_threshold=split_threshold,
-            systems=tuple(s.strip() for s in systems.split(",") if s.strip()),
-            seed=seed,
-            device=device,
-            warmup=warmup,
-            repeats=repeats,
-        )
-    except ValidationError as e:
-        _fail(_option_errors(e))
-    unknown = [s for s in cell.systems if s not in available_contenders()]
-    if unknown:
-        _fail(f"--systems: unknown system {unknown[0]!r}; registered: {', '.join(available_contenders())}")
-    try:  # a spec's default limits on one cell's work (a spec's limits: block raises them)
-        CellLimits().check("--n x (--prefix-len + --suffix-len)", n, prefix_len + suffix_len)
-    except ValueError as e:
-        _fail(f"{e} (in a spec's limits: block)")
-    try:
-        check_model_spec(cell.model)
-    except (ValueError, TypeError) as e:
-        _fail(f"--model/--override: {e}")
-    if estimate:
-        from harness.estimate import unsupported
-        from harness.run.memory import check_cell_sequences
-
-        if (why := unsupported(cell)) is not None:
-            _fail(why)
-        try:  # the sequences against the model's positions; the memory floor is what the estimate finds
-            check_cell_sequences([cell])
-        except ValueError as e:
-            _fail(str(e))
-    else:
-        try:  # on the meta device: the sequences fit the model and its memory floor fits this machine
-            preflight_cell(cell)
-        except ValueError as e:
-            _fail(str(e))
+    cell = checked_cell(
+        model,
+        override,
+        systems,
+        estimate,
+        prefix_len=prefix_len,
+        suffix_len=suffix_len,
+        n=n,
+        layout=layout.value,
+        microbatch=_int_or_text(microbatch),
+        memory_budget=_int_or_text(memory_budget),
+        dtype=dtype.value,
+        compile=compile,
+        ac=ac.value,
+        offload=offload,
+        parallel=Parallel(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep),
+        groups=groups,
+        split_threshold=split_threshold,
+        seed=seed,
+        device=device,
+        warmup=warmup,
+        repeats=repeats,
+    )
     folder = None if out is None else spec_folder(out, cell.spec)
     if folder is not None:  # before the cell runs, not after
         try:
@@ -228,3 +192,55 @@ def run(
             )
     if any(rec["status"] != "ok" for rec in records):
         raise typer.Exit(1)
+
+
+def checked_cell(model: str, override: list[str], systems: str, estimate: bool, **fields) -> Cell:
+    """The ad-hoc cell of ``run``'s options (``fields``: the other :class:`Cell` fields), validated as ``run``
+    validates it before it runs (``pf-bench workload --estimate`` builds its cell here too): every bad option
+    exits with one line naming it. ``estimate``: checked for the fake path, else preflighted on the meta
+    device against this machine."""
+    from harness.contenders import available_contenders
+    from harness.run.memory import preflight_cell
+    from harness.spec.checks import check_model_spec
+    from harness.spec.schema import CellLimits
+
+    try:
+        model_spec = ModelSpec(name=model, overrides=parse_overrides(override))
+    except ValidationError as e:
+        _fail(_option_errors(e, {"name": "--model", "overrides": "--override"}))
+    try:
+        cell = Cell(
+            spec="adhoc",
+            model=model_spec,
+            systems=tuple(s.strip() for s in systems.split(",") if s.strip()),
+            **fields,
+        )
+    except ValidationError as e:
+        _fail(_option_errors(e))
+    unknown = [s for s in cell.systems if s not in available_contenders()]
+    if unknown:
+        _fail(f"--systems: unknown system {unknown[0]!r}; registered: {', '.join(available_contenders())}")
+    try:  # a spec's default limits on one cell's work (a spec's limits: block raises them)
+        CellLimits().check("--n x (--prefix-len + --suffix-len)", cell.n, cell.prefix_len + cell.suffix_len)
+    except ValueError as e:
+        _fail(f"{e} (in a spec's limits: block)")
+    try:
+        check_model_spec(cell.model)
+    except (ValueError, TypeError) as e:
+        _fail(f"--model/--override: {e}")
+    if estimate:
+        from harness.estimate import unsupported
+        from harness.run.memory import check_cell_sequences
+
+        if (why := unsupported(cell)) is not None:
+            _fail(why)
+        try:  # the sequences against the model's positions; the memory floor is what the estimate finds
+            check_cell_sequences([cell])
+        except ValueError as e:
+            _fail(str(e))
+    else:
+        try:  # on the meta device: the sequences fit the model and its memory floor fits this machine
+            preflight_cell(cell)
+        except ValueError as e:
+            _fail(str(e))
+    return cell
