@@ -172,10 +172,9 @@ class PrefixOffload:
         """SAC caches an op's output when the op runs, before ``CapturePrefix`` records it as K/V (V is the
         value projection's output, viewed): such a slot's storage stays live for Phase B anyway, so it is
         kept resident after all, its handles reading the live bytes (the copy out is never read)."""
-        key = self.pool.key
-        kv = {key(t.untyped_storage()): t for e in self.cache.layers.values() for t in (e.live_k, e.live_v)}
+        kv = self._kv_storages()
         for storage, slot in list(self._by_storage.items()):
-            live = kv.get(key(storage))
+            live = kv.get(self.pool.key(storage))
             if slot.loaded or slot.handles == 0 or live is None:
                 continue
             slot.data, slot.loaded = self.pool.resident(live), True
@@ -200,10 +199,14 @@ class PrefixOffload:
         ptr = key(storage)
         if ptr in self._protected:
             return "param"
-        for e in self.cache.layers.values():
-            if ptr in (key(e.live_k.untyped_storage()), key(e.live_v.untyped_storage())):
-                return "kv"
+        if ptr in self._kv_storages():
+            return "kv"
         return None
+
+    def _kv_storages(self) -> dict:
+        """The storages of the cache's live K/V (what Phase B reads): storage key -> the K or V tensor."""
+        key = self.pool.key
+        return {key(t.untyped_storage()): t for e in self.cache.layers.values() for t in (e.live_k, e.live_v)}
 
     def _pack(self, t: torch.Tensor):
         with self._lock:

@@ -64,12 +64,6 @@ class _Entries:
         entry = self._items.get(index, default)
         return entry if entry is default else self._unpacked(entry)
 
-    def __getitem__(self, index):
-        return self._unpacked(self._items[index])
-
-    def __contains__(self, index) -> bool:
-        return index in self._items
-
     # earlier torch: a list consumed from the front
     def append(self, entry) -> None:
         self._items[self._next] = self._packed(entry)

@@ -112,22 +112,12 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
         model = self._applied()
         sp_size = self.ulysses_sequence_parallel_size
 
-        # what verl's forward_backward_batch computes before splitting (global loss normalisation)
-        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
-        batch_tokens = data["loss_mask"].sum().to(torch.float64)
-        group = self.get_data_parallel_group()
-        torch.distributed.all_reduce(batch_tokens, op=torch.distributed.ReduceOp.SUM, group=group)
         dp_size = self.get_data_parallel_size()
-        tu.assign_non_tensor(data, batch_num_tokens=batch_tokens.item(), dp_size=dp_size)
-        micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
+        micro_batches, indices = self._micro_batches(data)
         micro_rows = _micro_batch_rows(micro_batches, indices)
         data = data.to(get_device_id())
         micro_batches = [mb.to(get_device_id()) for mb in micro_batches]
-        layout = (
-            "packed"
-            if tu.get_non_tensor_data(data=data, key="use_remove_padding", default=False)
-            else "padded"
-        )
+        layout = _layout(data)
         budget = phase_b_budget(data, sp_size)
 
         def plan(td):
@@ -153,8 +143,7 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
         tap = _LogprobTap(model)
         autocast = self._autocast()
         # the log-probs in the model's precision (fp64 weights: fp64), read back for verl's metrics
-        precision = torch.promote_types(torch.float32, next(model.parameters()).dtype)
-        logp = torch.zeros(data["responses"].shape, dtype=precision, device=data["responses"].device)
+        logp = torch.zeros(data["responses"].shape, dtype=_precision(model), device=data["responses"].device)
         with _gathered(model), tap.installed(), autocast:
             for p in plans:
                 tap.plan, tap.out = p, logp
@@ -195,20 +184,9 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
             raise ValueError("PrefixFlow's verl engine does not support use_fused_kernels=True in the batch")
         model = self._applied()
         entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
-        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
         group = self.get_data_parallel_group()
-        batch_tokens = data["loss_mask"].sum().to(torch.float64)
-        torch.distributed.all_reduce(batch_tokens, op=torch.distributed.ReduceOp.SUM, group=group)
-        tu.assign_non_tensor(
-            data, batch_num_tokens=batch_tokens.item(), dp_size=self.get_data_parallel_size()
-        )
-        micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
-        layout = (
-            "packed"
-            if tu.get_non_tensor_data(data=data, key="use_remove_padding", default=False)
-            else "padded"
-        )
-        precision = torch.promote_types(torch.float32, next(model.parameters()).dtype)
+        micro_batches, indices = self._micro_batches(data)
+        layout, precision = _layout(data), _precision(model)
         tap = _LogprobTap(model)
         output_lst = []
         with _gathered(model, reduce=False), tap.reading(), torch.no_grad(), self._autocast():
@@ -236,11 +214,35 @@ class PrefixFlowFSDPEngine(FSDPEngineWithLMHead):
                 output_lst.append({"model_output": model_output, "loss": loss, "metrics": metrics})
         return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
 
+    def _micro_batches(self, data):
+        """What verl's ``forward_backward_batch`` computes before splitting (the global loss normalisation, put
+        on ``data``), and its split into micro-batches: ``(micro_batches, indices)``."""
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
+        batch_tokens = data["loss_mask"].sum().to(torch.float64)
+        group = self.get_data_parallel_group()
+        torch.distributed.all_reduce(batch_tokens, op=torch.distributed.ReduceOp.SUM, group=group)
+        tu.assign_non_tensor(
+            data, batch_num_tokens=batch_tokens.item(), dp_size=self.get_data_parallel_size()
+        )
+        return prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
+
     def _autocast(self):
         dtype = getattr(self, "_autocast_dtype", torch.bfloat16)  # verl's forward_step autocasts the same way
         if dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=get_device_name(), dtype=dtype)
+
+
+def _layout(data) -> str:
+    """PrefixFlow's layout for verl's batch: remove-padding inputs train packed."""
+    return (
+        "packed" if tu.get_non_tensor_data(data=data, key="use_remove_padding", default=False) else "padded"
+    )
+
+
+def _precision(model) -> torch.dtype:
+    """The dtype log-probs are read back in: the model's, at least fp32."""
+    return torch.promote_types(torch.float32, next(model.parameters()).dtype)
 
 
 def _response_nested(micro_batch, values: torch.Tensor) -> torch.Tensor:
