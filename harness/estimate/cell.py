@@ -26,11 +26,8 @@ def unsupported(cell: Cell) -> str | None:
         why = "an alignment cell (its losses need values)"
     elif cell.compile:
         why = "compile: torch.compile cannot run under the fake tensors' dispatch mode; drop compile"
-    elif cell.world_size != 1 or cell.groups_per_step != 1:
-        why = (
-            f"a layout of {cell.world_size} ranks and {cell.groups_per_step} groups per step; estimates run one "
-            "group on one rank so far"
-        )
+    elif cell.tree is not None and cell.world_size != 1:
+        why = f"a tree on a layout of {cell.world_size} ranks; estimates run trees on one rank"
     return None if why is None else f"cell {cell.cell_id}: cannot be estimated: {why}"
 
 
@@ -64,6 +61,10 @@ def estimate_cell(cell: Cell) -> list[dict[str, Any]]:
         from harness.run.tree_cell import run_tree_cell
 
         records = run_tree_cell(cell, runner=runner)
+    elif cell.world_size != 1 or cell.groups_per_step != 1:
+        from harness.estimate.world import estimate_layout
+
+        records = estimate_layout(cell)
     else:
         from harness.run.single_group import run_single_group_cell
 

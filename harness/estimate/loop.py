@@ -35,14 +35,17 @@ class FakeBuild:
         self.count_flops = bench.count_flops
 
     def build(self, name: str):
+        staged = hasattr(self.bench, "parallelized")  # a layout's bench: made fake before it is parallelized
         device, self.bench.device = self.bench.device, META
         try:
             with on_host(), torch.device("meta"):  # meta tensors, outside the fake mode; then made fake
-                contender, model = self.bench.build(name)
+                contender, model = self.bench.fresh(name) if staged else self.bench.build(name)
         finally:
             self.bench.device = device
         materialise(model, self.mode)
         use_fake_tier(model)
+        if staged:  # under the mode: DTensor shards, FSDP's padded shards and hooks are fake too
+            contender, model = self.bench.parallelized(name, contender, model)
         return contender, model
 
     def inputs(self, runs: list[SystemRun]) -> list:

@@ -31,27 +31,31 @@ from harness.run.loop import SystemRun, cell_records, median_step, merge_ranks, 
 from harness.run.setup import build_cell_model, make_group, resolve_device
 from harness.spec.cell import Cell
 
-__all__ = ["run_parallel_step_cell", "merge_rank_samples", "median_step"]
+__all__ = ["run_parallel_step_cell", "measure_rank", "merge_rank_samples", "median_step"]
 
 
-def _build(name: str, cell: Cell, device: torch.device, dims, mesh):
-    from prefixflow.parallel import parallelize
-
+def _fresh(name: str, cell: Cell, device: torch.device):
+    """The contender ``name`` and its fresh model (the cell's seed), prepared by it, not parallelized."""
     contender = get_contender(name)
     model = build_cell_model(cell, device)
-    model = contender.prepare(model, cell)
+    return contender, contender.prepare(model, cell)
+
+
+def _parallelized(model, contender, cell: Cell, dims, mesh):
+    """``model`` parallelized in TorchTitan's order (one rank: AC and compile only)."""
+    from prefixflow.parallel import parallelize
+
     if dims.world_size > 1:  # a contender may turn a knob of the parallel schedule (e.g. CP prefetch off)
         options = getattr(contender, "parallel_options", {})
-        model = parallelize(model, dims, ac=cell.ac, compile=cell.compile, mesh=mesh, **options)
-    else:
-        from prefixflow import apply_ac
+        return parallelize(model, dims, ac=cell.ac, compile=cell.compile, mesh=mesh, **options)
+    from prefixflow import apply_ac
 
-        apply_ac(model, cell.ac)
-        if cell.compile:
-            from prefixflow.model.compile import apply_compile
+    apply_ac(model, cell.ac)
+    if cell.compile:
+        from prefixflow.model.compile import apply_compile
 
-            apply_compile(model)
-    return model, contender
+        apply_compile(model)
+    return model
 
 
 def _step_columns(stats) -> dict[str, Any]:
@@ -145,7 +149,15 @@ class ParallelBench:
         self.shapes: dict[str, Any] = {}
 
     def build(self, name: str):
-        model, contender = _build(name, self.cell, self.device, self.dims, self.mesh)
+        return self.parallelized(name, *self.fresh(name))
+
+    def fresh(self, name: str):
+        """The contender and its model before parallelization (an estimate makes it fake in between)."""
+        return _fresh(name, self.cell, self.device)
+
+    def parallelized(self, name: str, contender, model):
+        """``model`` parallelized on this rank, with its record columns."""
+        model = _parallelized(model, contender, self.cell, self.dims, self.mesh)
         self.columns[name] = model_columns(model, self.cell, name)
         self.shapes[name] = model_shape(model, self.cell)
         return contender, model
@@ -164,10 +176,11 @@ class ParallelBench:
         return out
 
 
-def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
-    """This rank's record per system, with its raw per-step samples (merged on rank 0)."""
+def measure_rank(cell: Cell, device: torch.device, runner=run_systems) -> list[dict[str, Any]]:
+    """This rank's record per system, with its raw per-step samples (merged on rank 0). ``runner``: the loop
+    (:func:`~harness.run.loop.run_systems`, or an estimate's with its signature)."""
     bench = ParallelBench(cell, device)
-    runs, groups = run_systems(cell, device, bench)
+    runs, groups = runner(cell, device, bench)
     records = []
     for run in runs:
         rec = {**base_record(cell, str(device)), "system": run.name, **bench.columns.get(run.name, {})}
@@ -179,9 +192,11 @@ def _measure(cell: Cell, device: torch.device) -> list[dict[str, Any]]:
             # the hooks' counters and timelines of one step, the median one: communication times vary from
             # step to step like the step time, and one step's columns stay consistent with each other
             median = median_step(run.samples)
-            st, timelines = run.stats[median], run.inspected[median]["timelines"]
-            grads = {k: run.inspected[-1][k] for k in ("grad_norm", "grad_sha256")}
-            rec.update(status="ok", error=None, loss=float(st.loss), **_step_columns(st), **grads)
+            inspected = run.inspected or [{}]  # an estimate inspects nothing: no values
+            st, timelines = run.stats[median], inspected[min(median, len(inspected) - 1)].get("timelines")
+            grads = {k: inspected[-1].get(k) for k in ("grad_norm", "grad_sha256")}
+            loss = float(st.loss) if st.loss is not None else None
+            rec.update(status="ok", error=None, loss=loss, **_step_columns(st), **grads)
             rec.update(_hook_columns(st, timelines))
             if timelines is not None:  # every timed step's, for the simulator's calibration
                 rec["pp_timelines_steps"] = json.dumps([i["timelines"] for i in run.inspected])
@@ -222,7 +237,7 @@ def run_parallel_step_cell(cell: Cell, memory_only: bool = False) -> list[dict[s
                 )
     except Exception:
         return failed_records(cell, "error", traceback.format_exc())
-    records = _measure(cell, device)
+    records = measure_rank(cell, device)
     if cell.world_size == 1:
         return cell_records(cell, [records], per_rank_columns=True)
     gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

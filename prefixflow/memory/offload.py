@@ -74,6 +74,11 @@ TIERS = ("auto", TIER_FAKE)  # as PrefixFlowConfig.offload_tier: by device, or a
 _FOOTPRINT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> last group's offloaded bytes
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``t``'s bytes on this rank: a DTensor's (TP, FSDP2) local shard."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
 @dataclass
 class OffloadStats:
     """What the offload of one group did (bytes are whole storages)."""
@@ -137,7 +142,7 @@ class PrefixOffload:
         else:
             self.pool = PinnedPool(self.device, hint) if self.device.type == "cuda" else FilePool()
         key = self.pool.key
-        self._protected = {key(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
+        self._protected = {key(_local(t).untyped_storage()) for t in (*model.parameters(), *model.buffers())}
         self.stats = OffloadStats(tier=self.pool.tier, prefetch=prefetch)
         self._lock = threading.RLock()
         self._slots: list[Slot] = []
@@ -206,7 +211,9 @@ class PrefixOffload:
     def _kv_storages(self) -> dict:
         """The storages of the cache's live K/V (what Phase B reads): storage key -> the K or V tensor."""
         key = self.pool.key
-        return {key(t.untyped_storage()): t for e in self.cache.layers.values() for t in (e.live_k, e.live_v)}
+        return {
+            key(_local(t).untyped_storage()): t for e in self.cache.layers.values() for t in (e.live_k, e.live_v)
+        }
 
     def _pack(self, t: torch.Tensor):
         with self._lock:

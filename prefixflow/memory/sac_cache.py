@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 
 import torch
@@ -30,12 +29,15 @@ __all__ = ["sac_offloading"]
 class _Entries:
     """One op's SAC entries, each cached tensor held as the offload's packed record until it is read."""
 
-    def __init__(self, pack: Callable, unpack: Callable) -> None:
-        self._pack, self._unpack = pack, unpack
+    def __init__(self, pack: Callable, unpack: Callable, resident: bool = False) -> None:
+        self._pack, self._unpack, self.resident = pack, unpack, resident
         self._items: dict = {}
         self._next = 0
 
     def _packed(self, entry):
+        if self.resident:
+            return entry
+
         def leaf(x):
             if isinstance(x, _VersionWrapper) and isinstance(x.val, torch.Tensor):
                 x.val = self._pack(x.val)
@@ -77,6 +79,22 @@ class _Entries:
         return len(self._items)
 
 
+class _Cache(dict):
+    """SAC's ``{op: entries}``, each op's entries made on first use. A functional collective's output
+    (``_c10d_functional``, e.g. TP's reduce-scatter, which TorchTitan's policy saves) stays resident: SAC stores
+    it before its ``wait_tensor``, and a copy out then could read bytes the collective has not written yet."""
+
+    def __init__(self, pack: Callable, unpack: Callable) -> None:
+        super().__init__()
+        self._pack, self._unpack = pack, unpack
+
+    def __missing__(self, op) -> _Entries:
+        entries = self[op] = _Entries(
+            self._pack, self._unpack, getattr(op, "namespace", "") == "_c10d_functional"
+        )
+        return entries
+
+
 def _checkpointed(model: nn.Module) -> list[nn.Module]:
     """Modules whose checkpoint function carries a SAC ``context_fn`` (TorchTitan's ``CheckpointWrapper``)."""
     found = []
@@ -97,7 +115,7 @@ def sac_offloading(model: nn.Module, pack: Callable, unpack: Callable) -> Iterat
         def offloaded_context():
             forward, recompute = context_fn()
             if hasattr(forward, "storage") and hasattr(recompute, "storage"):
-                cache = defaultdict(functools.partial(_Entries, pack, unpack))
+                cache = _Cache(pack, unpack)
                 forward.storage = recompute.storage = cache
             return forward, recompute
 

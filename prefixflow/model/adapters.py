@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..attention.modes import AttentionState, PrefixAwareAttention
-from ..runtime import HANDLE, unwrapped
+from ..runtime import HANDLE, runtime_of, unwrapped
 from ..state.layers import StateRule, state_rule_for
 from .models import rope_buffer
 
@@ -144,6 +144,10 @@ class TorchTitanAdapter(ModelAdapter):
         # previous stage's hidden states) and the final norm after its last.
         h = model.tok_embeddings(tokens) if model.tok_embeddings is not None else tokens
         rope = rope_buffer(model)
+        if positions is None and runtime_of(model, create=True).tp:
+            # Under TP the blocks see padded sequence shards; explicit positions tell them the real length, and
+            # as a block input they reach an activation-checkpoint recompute whatever offload did to ``h``.
+            positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
         for block in model.layers.values():
             h = block(h, rope, None, positions)
         return model.norm(h) if final_norm and model.norm is not None else h

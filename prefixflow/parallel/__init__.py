@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..model.apply import AC_MODES, apply_ac, runtime_of
 from ..moe import is_moe
+from ..schedule.host import on_host
 from .mesh import MESH_DIMS, ParallelDims, backend_for, build_mesh, init_distributed
 
 __all__ = [
@@ -64,7 +65,8 @@ class ParallelState:
 
     def peers(self, name: str) -> list[int]:
         """Global ranks of the mesh dimension ``name`` that this rank belongs to, in coordinate order."""
-        return [int(r) for r in self.mesh[name].mesh.flatten().tolist()]
+        with on_host():  # the mesh's rank table is real even under an estimate's fake tensors
+            return [int(r) for r in self.mesh[name].mesh.flatten().tolist()]
 
 
 def parallel_state(model: nn.Module) -> ParallelState | None:

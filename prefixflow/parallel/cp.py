@@ -25,6 +25,7 @@ from torch import nn
 
 from ..hooks import ScheduleHooks, add_hooks
 from ..model.compile import is_compiled
+from ..schedule.host import on_host
 from ..state.kv_cache import PrefixKVCache, PrefixView
 from ..tree.layouts import Microbatch
 from .sequence import Blocked, Collectives, CommStats, SequenceLayout, _wide, _wire, shard_microbatch
@@ -84,6 +85,17 @@ class _PrefixViewFn(torch.autograd.Function):
         return gk, gv, None, None
 
 
+def _in_op_sac() -> bool:
+    """Whether an op-level SAC region (``create_selective_checkpoint_contexts``) is recording. It replays a
+    block's ops by their order in the block; a gather issued for the next layer inside this block would be an
+    op its recompute never runs (and the recompute's own demand gather one its forward never ran), so under
+    SAC every layer gathers its own view on demand."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from torch.utils.checkpoint import _CachingTorchDispatchMode
+
+    return any(isinstance(m, _CachingTorchDispatchMode) for m in _get_current_dispatch_mode_stack())
+
+
 class CPPrefixView(PrefixView):
     """The full prefix K/V view of each layer, all-gathered from the CP group's shards (paper §4.5).
 
@@ -91,7 +103,7 @@ class CPPrefixView(PrefixView):
     demand gather (issue and wait). With it, reading layer ``l`` issues layer ``l+1``'s gather asynchronously,
     which then overlaps layer ``l``'s compute. gK/gV go back by a reduce-scatter in the view's backward.
     With activation checkpointing a recomputed block gathers its view again (on demand): AC trades the
-    gathered view's memory for one more gather.
+    gathered view's memory for one more gather. Under op-level SAC nothing is prefetched (:func:`_in_op_sac`).
     """
 
     lazy = True
@@ -136,6 +148,7 @@ class CPPrefixView(PrefixView):
         if (
             self.prefetch
             and ahead
+            and not _in_op_sac()
             and nxt in cache.layers
             and nxt not in self.pending
             and nxt not in self.seen
@@ -257,9 +270,10 @@ class ContextParallel(ScheduleHooks):
         )
 
     def reduce_loss(self, value: float) -> float:
-        total = torch.tensor([value], dtype=torch.float64, device=self._device())
-        dist.all_reduce(total, group=self.process_group)
-        return float(total.item())
+        with on_host():  # a host number (an estimate's too)
+            total = torch.tensor([value], dtype=torch.float64, device=self._device())
+            dist.all_reduce(total, group=self.process_group)
+            return float(total.item())
 
     def stats(self) -> dict[str, float]:
         out = self.comm.as_dict()
@@ -276,10 +290,11 @@ class ContextParallel(ScheduleHooks):
 
     def _gather_phase_b(self) -> None:
         """Every CP rank's Phase-B (baseline: whole-step) time, for the balance columns."""
-        mine = torch.tensor([self._phase_b_s], dtype=torch.float64, device=self._device())
-        every = mine.new_empty(self.size)
-        dist.all_gather_into_tensor(every, mine, group=self.process_group)
-        self.phase_b_ranks = every.tolist()
+        with on_host():  # host numbers (an estimate's fake group repeats this rank's)
+            mine = torch.tensor([self._phase_b_s], dtype=torch.float64, device=self._device())
+            every = mine.new_empty(self.size)
+            dist.all_gather_into_tensor(every, mine, group=self.process_group)
+            self.phase_b_ranks = every.tolist()
 
     def _all_reduce_grads(self, params: list[nn.Parameter]) -> None:
         """Sum this group's gradient contributions over the CP ranks (one flat all-reduce per dtype)."""
@@ -315,9 +330,11 @@ def apply_cp(
     The model's parameters must be identical on every CP rank. With ``dedicated_prefix_group`` the prefix K/V
     traffic gets a process group of its own; creating it is collective over the whole world, so every rank
     must call ``apply_cp`` (``parallelize`` does)."""
+    groups = None
     if hasattr(process_group, "get_group"):
+        groups = _mesh_groups(process_group)
         process_group = process_group.get_group()
-    twin = _twin_group(process_group) if dedicated_prefix_group else None
+    twin = _twin_group(process_group, groups) if dedicated_prefix_group else None
     hook = ContextParallel(
         process_group,
         prefetch=prefetch,
@@ -329,14 +346,33 @@ def apply_cp(
     return hook
 
 
-def _twin_group(process_group):
+def _mesh_groups(mesh) -> list[tuple[int, ...]]:
+    """The ranks of every group along a 1-D mesh (``mesh["cp"]``), read from its root mesh's layout: the
+    sibling groups of ``mesh``'s dimension, with no collective (a fake process group gathers nothing)."""
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    name = mesh.mesh_dim_names[0]
+    with on_host():
+        if root is mesh or name not in (root.mesh_dim_names or ()):
+            table = mesh.mesh.reshape(1, -1)
+        else:
+            dim = root.mesh_dim_names.index(name)
+            table = root.mesh.movedim(dim, -1).reshape(-1, root.mesh.shape[dim])
+        return [tuple(int(r) for r in row) for row in table.tolist()]
+
+
+def _twin_group(process_group, groups: list[tuple[int, ...]] | None = None):
     """A new process group with the ranks of ``process_group``. ``new_group`` must be called by every rank of
-    the world for every process group in the same order, so the ranks of every CP group are gathered first."""
+    the world for every process group in the same order: ``groups`` are the ranks of every CP group (from the
+    mesh); without them (a plain process group) they are gathered from the ranks."""
     mine = tuple(dist.get_process_group_ranks(process_group))
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    if groups is None:
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        groups = every
+    if mine not in groups:
+        raise ValueError(f"CP group {list(mine)} is not one of the mesh's groups {sorted(set(groups))}")
     twin = None
-    for ranks in sorted(set(every)):
+    for ranks in sorted(set(groups)):
         created = dist.new_group(list(ranks), backend=dist.get_backend(process_group))
         if ranks == mine:
             twin = created

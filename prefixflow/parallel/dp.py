@@ -29,6 +29,7 @@ from torch import nn
 from ..group import RolloutGroup
 from ..schedule.driver import GroupStats, train_group
 from ..schedule.grad_guard import keep_grads_on_failure
+from ..schedule.host import on_host
 from ..tree.rollout_tree import RolloutTree
 from . import fsdp as fsdp_mod
 from . import parallel_state
@@ -142,7 +143,8 @@ def train_step(
     n_ranks = state.dims.batch if state is not None else 1
     me = state.coordinate("batch") if state is not None and n_ranks > 1 else 0
     trees = {g for g, group in enumerate(groups) if isinstance(group, RolloutTree)}
-    costs = [group_costs(model, g, system) for g in groups]
+    with on_host():  # the placement reads the caller's tensors (real under an estimate too: .schedule.host)
+        costs = [group_costs(model, g, system) for g in groups]
     ep = state is not None and state.dims.ep > 1
     # Under EP groups stay whole: a split group's owner alone runs Phase A and C, out of the EP lockstep.
     # Prefix trees stay whole too (each node's cache lives on the rank that trains the tree).
@@ -186,16 +188,20 @@ def train_step(
             all_reduces = all_reduce_gradients(model, state.mesh["dp_replicate"].get_group())
     stats.time_s = time.perf_counter() - start
     device = state.device if state is not None else torch.device("cpu")  # NCCL reduces device tensors
-    local = torch.tensor([sum(g.loss for g in stats.groups)], dtype=torch.float64, device=device)
-    if n_ranks > 1:
-        dist.all_reduce(local, group=state.mesh["batch"].get_group())
-    stats.loss = float(local)
-    keys = ("kv_bytes", "grad_kv_bytes", "expected_kv_bytes", "expected_grad_kv_bytes")
-    tokens = [sum(g.suffix_tokens for g in stats.groups), sum(g.trunk_tokens for g in stats.groups)]
-    counts = torch.tensor([getattr(exchange, k) for k in keys] + tokens, dtype=torch.int64, device=device)
-    if n_ranks > 1:  # each transfer is counted once, by the rank that sends (or receives) it
-        dist.all_reduce(counts, group=state.mesh["batch"].get_group())
-    *exchanged, stats.suffix_tokens, stats.trunk_tokens = counts.tolist()
+    with on_host():  # host numbers (the loss, byte counts): real tensors under an estimate too
+        losses = [g.loss for g in stats.groups]
+        local = (
+            torch.tensor([sum(losses)], dtype=torch.float64, device=device) if None not in losses else None
+        )
+        if n_ranks > 1 and local is not None:
+            dist.all_reduce(local, group=state.mesh["batch"].get_group())
+        stats.loss = float(local) if local is not None else None  # None: an estimate's loss has no value
+        keys = ("kv_bytes", "grad_kv_bytes", "expected_kv_bytes", "expected_grad_kv_bytes")
+        tokens = [sum(g.suffix_tokens for g in stats.groups), sum(g.trunk_tokens for g in stats.groups)]
+        counts = torch.tensor([getattr(exchange, k) for k in keys] + tokens, dtype=torch.int64, device=device)
+        if n_ranks > 1:  # each transfer is counted once, by the rank that sends (or receives) it
+            dist.all_reduce(counts, group=state.mesh["batch"].get_group())
+        *exchanged, stats.suffix_tokens, stats.trunk_tokens = counts.tolist()
     stats.exchange = dict(zip(keys, exchanged, strict=True))
     stats.grad_sync = {"mode": mode, "all_reduces": all_reduces}
     if fsdp_on:

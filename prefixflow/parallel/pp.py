@@ -34,6 +34,7 @@ import contextlib
 from torch import nn
 
 from ..model.adapters import adapter_for
+from ..model.models import model_args
 from ..runtime import runtime_of
 from .pp_program import SWITCHING, stage_program
 from .pp_stage import Pipeline
@@ -85,6 +86,7 @@ def apply_pp(
         n_stages=stages[0].num_stages,
         process_group=pp_mesh.get_group(),
         switching=switching,
+        hidden=model_args(model).dim,
     )
     runtime = runtime_of(stage, create=True)  # the split copies the model, and its runtime with it
     if runtime.config is not None:

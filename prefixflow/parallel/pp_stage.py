@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..model.dtypes import DTYPES
 from ..runtime import runtime_of
+from ..schedule.host import has_values, on_host
 from ..schedule.stage import Stage, attention_mode, forward_hidden, microbatch_objective
 from .pp_program import stage_program
 
@@ -49,12 +50,24 @@ class _P2P:
         for x in (header, t):
             self.pending.append((dist.isend(x, dst, group=self.pipe.process_group, tag=tag), x))
 
-    def recv(self, offset: int, tag: int) -> torch.Tensor:
+    def recv(self, offset: int, tag: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor the stage ``offset`` away sends, of the ``shape`` and ``dtype`` this stage expects: checked
+        against the header, or taken as is where the header has no values (an estimate's fake process group
+        moves nothing, and no shape may come from another rank there)."""
         src = self.pipe.peer(offset)
         header = torch.empty(8, dtype=torch.long, device=self.device)
         dist.recv(header, src, group=self.pipe.process_group, tag=tag)
-        ndim, dtype = int(header[0]), _WIRE_DTYPES[int(header[1])]
-        t = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=self.device)
+        shape = tuple(int(n) for n in shape)
+        if has_values(header):
+            with on_host():
+                ndim, sent = int(header[0]), _WIRE_DTYPES[int(header[1])]
+                got = tuple(header[2 : 2 + ndim].tolist())
+            if got != shape or sent != dtype:
+                raise RuntimeError(
+                    f"pipeline stage {self.pipe.stage}: rank {src} sent a {list(got)} {sent} tensor where this "
+                    f"stage expects {list(shape)} {dtype}"
+                )
+        t = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(t, src, group=self.pipe.process_group, tag=tag)
         return t
 
@@ -62,6 +75,14 @@ class _P2P:
         for work, _ in self.pending:
             work.wait()
         self.pending.clear()
+
+
+def _compute_dtype(model) -> torch.dtype:
+    """What the stage's blocks compute in: FSDP2's ``param_dtype`` where set, else the parameters' dtype."""
+    state = runtime_of(model, create=True).parallel
+    if state is not None and state.compute_dtype is not None:
+        return state.compute_dtype
+    return next(model.parameters()).dtype
 
 
 @dataclass
@@ -73,6 +94,11 @@ class Pipeline(Stage):
     n_stages: int
     process_group: dist.ProcessGroup
     switching: str = "stage_local"
+    hidden: int = (
+        0  # the model's hidden size: what a stage expects from the previous one is (*tokens, hidden)
+    )
+    dtype: torch.dtype | None = None  # what the blocks compute in (set when a group runs)
+    shards: int = 1  # how many sequence shards a block's input is split into (TP's degree; set then too)
     timeline: list[dict] = field(default_factory=list)  # this stage's events of the last group
     timelines: list[list[dict]] = field(default_factory=list)  # every stage's, on one clock (after the group)
 
@@ -104,6 +130,8 @@ class Pipeline(Stage):
     @contextlib.contextmanager
     def running(self, run):
         self.device = run.device
+        self.dtype = _compute_dtype(run.model)
+        self.shards = runtime_of(run.model, create=True).tp or 1  # TP: blocks pass sequence shards
         self.p2p, self.events, self.nodes = _P2P(self, run.device), [], {}
         dist.barrier(group=self.process_group)
         self.t0, self.wall_t0 = time.perf_counter(), time.time()
@@ -148,7 +176,8 @@ class Pipeline(Stage):
 
     def node_seeds(self, run, j: int):
         waited = time.perf_counter()
-        roots, grads = ([], []) if self.last else ([self.nodes[j][1]], [self.p2p.recv(+1, _BWD)])
+        out = self.nodes[j][1]
+        roots, grads = ([], []) if self.last else ([out], [self.p2p.recv(+1, _BWD, out.shape, out.dtype)])
         self.nodes[j][2] = (waited, time.perf_counter())
         return roots, grads
 
@@ -160,9 +189,10 @@ class Pipeline(Stage):
 
     def report_loss(self, value: float) -> float:
         """The loss lives on the last stage; every stage reports it."""
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.broadcast(t, src=self.peer(self.n_stages - 1 - self.stage), group=self.process_group)
-        return float(t.item())
+        with on_host():  # a host number (an estimate's too)
+            t = torch.tensor([value], dtype=torch.float64, device=self.device)
+            dist.broadcast(t, src=self.peer(self.n_stages - 1 - self.stage), group=self.process_group)
+            return float(t.item())
 
     def stats(self) -> dict[str, float]:
         self.timeline = self.events
@@ -186,7 +216,9 @@ class Pipeline(Stage):
     def _input(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.first:
             return tokens
-        return self.p2p.recv(-1, _FWD).requires_grad_(True)
+        b, length = tokens.shape  # under TP each rank holds its share of the padded sequence (parallel.tp)
+        shape = (b, -(-length // self.shards), self.hidden)
+        return self.p2p.recv(-1, _FWD, shape, self.dtype).requires_grad_(True)
 
     def _forward(self, run, m: int, mb, mode, saved: dict) -> float:
         waited = time.perf_counter()
@@ -212,7 +244,7 @@ class Pipeline(Stage):
         inp, roots, grads, mode = saved.pop(m)
         waited = time.perf_counter()
         if not self.last:
-            grads[0] = self.p2p.recv(+1, _BWD)
+            grads[0] = self.p2p.recv(+1, _BWD, roots[0].shape, roots[0].dtype)
         started = time.perf_counter()
         # The microbatch's attention mode is active again: checkpointed blocks recompute under it.
         with attention_mode(run, mode), run.hooks.microbatch(mb):
@@ -231,7 +263,8 @@ class Pipeline(Stage):
         from the wall clock (NTP-synchronised hosts)."""
         every: list = [None] * self.n_stages
         me = (self.events, socket.gethostname(), self.t0, self.wall_t0)
-        dist.all_gather_object(every, me, group=self.process_group)
+        with on_host():  # pickled objects cross as real byte tensors (an estimate's fake group repeats ours)
+            dist.all_gather_object(every, me, group=self.process_group)
         one_host = len({host for _, host, _, _ in every}) == 1
         origin = 2 if one_host else 3
         shifts = [stage[origin] - every[0][origin] for stage in every]

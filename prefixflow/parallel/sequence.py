@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 import torch.distributed as dist
 
+from ..schedule.host import on_host
 from ..tree.layouts import Microbatch
 
 __all__ = ["SequenceLayout", "CommStats", "Blocked", "Collectives", "SequenceExchange", "shard_microbatch"]
@@ -233,34 +234,33 @@ def shard_microbatch(
     attend to every key (so no row is fully masked) and carry no loss; their gradient is exactly zero.
     """
     b, length = mb.tokens.shape
-    layout = SequenceLayout(length, size)
     device = mb.tokens.device
-    indices, _ = layout.on(device)
-    idx = indices[rank]
-    real = idx < length
-    take = idx.clamp(max=length - 1)
-    tokens = mb.tokens[:, take].masked_fill(~real, 0)
-    positions = mb.positions if mb.positions is not None else torch.arange(length, device=device).unsqueeze(0)
-    positions = positions[:, take]
+    with on_host():  # index work over the caller's tokens and positions: real under an estimate too
+        layout = SequenceLayout(length, size)
+        indices, _ = layout.on(device)
+        idx = indices[rank]
+        real = idx < length
+        take = idx.clamp(max=length - 1)
+        tokens = mb.tokens[:, take].masked_fill(~real, 0)
+        positions = mb.positions if mb.positions is not None else torch.arange(length, device=device)[None]
+        positions = positions[:, take]
+        local_col = torch.full((length,), -1, dtype=torch.long, device=device)
+        local_col[idx[real]] = torch.arange(layout.local_len, device=device)[real]
+        cols = local_col[mb.loss_cols]
+        keep = cols >= 0
+        loss = dict(loss_rows=mb.loss_rows[keep], loss_cols=cols[keep], targets=mb.targets[keep],
+                    response_ids=mb.response_ids[keep], token_ids=mb.token_ids[keep])  # fmt: skip
     if mb.mask is not None:
         mask = mb.mask[:, :, take, :]
     else:  # plain causal over the whole sequence
         keys = torch.arange(length, device=device)
         mask = (keys.unsqueeze(0) <= take.unsqueeze(1)).view(1, 1, layout.local_len, length)
     mask = mask.masked_fill(~real.view(1, 1, -1, 1), True)
-    local_col = torch.full((length,), -1, dtype=torch.long, device=device)
-    local_col[idx[real]] = torch.arange(layout.local_len, device=device)[real]
-    cols = local_col[mb.loss_cols]
-    keep = cols >= 0
     return replace(
         mb,
         tokens=tokens,
         positions=positions,
         mask=mask,
-        loss_rows=mb.loss_rows[keep],
-        loss_cols=cols[keep],
-        targets=mb.targets[keep],
-        response_ids=mb.response_ids[keep],
-        token_ids=mb.token_ids[keep],
+        **loss,
         sequence=SequenceExchange(process_group, layout, stats, collectives or Collectives()),
     )

@@ -20,6 +20,7 @@ from harness.estimate import estimate_cell
 from harness.estimate.fake import RealTensorError, RealTensorGuard, fake_mode
 from harness.records import collect
 from harness.spec.cell import Cell, ModelSpec, Parallel
+from harness.workloads import AgenticShape
 from prefixflow import PrefixFlowConfig
 from prefixflow.schedule.host import on_host
 
@@ -92,11 +93,17 @@ def test_refused_in_one_line_naming_the_op_and_the_cell(monkeypatch):
     assert "prefixflow/attention/split.py" in pf["error"]
 
 
+_TREE = AgenticShape(system_len=32, turns=2, assistant_len=8, reply_len=8)
+
+
 @pytest.mark.parametrize(
     ("kw", "why"),
     [
         ({"compile": True}, "compile: torch.compile cannot run"),
-        ({"parallel": Parallel(tp=2)}, "a layout of 2 ranks"),
+        (
+            {"parallel": Parallel(dp_shard=2), "tree": _TREE, "layout": "packed"},
+            "a tree on a layout of 2 ranks",
+        ),
     ],
 )
 def test_kinds_not_estimated_are_refused_in_one_line(kw, why):
