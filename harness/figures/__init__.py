@@ -19,6 +19,7 @@ from .fig7 import figure7, figure7_verl
 from .fig8 import claim2_table, figure8a, figure8a_verl, figure8b
 from .fig9 import figure9a, figure9a_concat, figure9a_split, figure9b
 from .fig10 import figure10a, figure10b, frontier_table
+from .paper_scale import figure10a_paper
 from .fig11 import figure11
 from .multimodal import figure_multimodal, multimodal_table
 from .smoke import smoke_overview
@@ -45,6 +46,7 @@ FIGURES: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {
     "fig9a_split": figure9a_split,
     "fig9b": figure9b,
     "fig10a": figure10a,
+    "fig10a_paper": figure10a_paper,
     "fig10b": figure10b,
     "fig11": figure11,
     "smoke": smoke_overview,

@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+ESTIMATE_METER = "fake-live-bytes"  # harness.records.ESTIMATE_METER (records sit above figures)
 GIB = 1024**3
 MIB = 1024**2
 
@@ -107,7 +108,16 @@ def measured(df: pd.DataFrame) -> pd.DataFrame:
         ok &= df["workload"].isna()
     if "vision_workload" in df.columns:  # vision cells: their own figure (harness.figures.multimodal)
         ok &= df["vision_workload"].isna()
+    if "mem_meter" in df.columns:  # estimates (nothing ran): their own figures (harness.figures.paper_scale)
+        ok &= df["mem_meter"] != ESTIMATE_METER
     return df[ok]
+
+
+def estimated(df: pd.DataFrame) -> pd.DataFrame:
+    """Successful estimate records (``mem_meter = fake-live-bytes``: fake tensors, nothing ran)."""
+    if df.empty or "status" not in df.columns or "mem_meter" not in df.columns:
+        return df.iloc[0:0]
+    return df[(df["status"] == "ok") & (df["mem_meter"] == ESTIMATE_METER) & ~frontier_mask(df)]
 
 
 def variant(df: pd.DataFrame) -> pd.Series:

@@ -27,9 +27,10 @@ VARIANTS = ("baseline", "prefixflow", "prefixflow+offload")
 COLORS = {"baseline": "#7f7f7f", "prefixflow": "#1f77b4", "prefixflow+offload": "#2ca02c"}
 
 
-def fixed_total_peaks(df: pd.DataFrame) -> pd.DataFrame:
-    """Median Phase-B peak per (split, variant) at the total length with the most splits (eager only)."""
-    m = measured(df)
+def fixed_total_peaks(df: pd.DataFrame, rows=measured) -> pd.DataFrame:
+    """Median Phase-B peak per (split, variant) at the total length with the most splits (eager only), of the
+    ``rows`` of ``df`` (measured records; :func:`~.common.estimated` for the paper-scale estimates)."""
+    m = rows(df)
     if m.empty or "peak_mem_phase_b_bytes" not in m.columns:
         return pd.DataFrame()
     m = m[~flag(m, "compile") & m["peak_mem_phase_b_bytes"].notna()]

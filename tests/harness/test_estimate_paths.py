@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from harness.cli import app
 from harness.estimate import estimate_cell
+from harness.figures.common import SkipFigure
 from harness.estimate.fake import RealTensorError, RealTensorGuard, fake_mode
 from harness.records import collect
 from harness.spec.cell import Cell, ModelSpec, Parallel
@@ -158,10 +159,13 @@ def test_sweep_estimate(tmp_path, how):
     assert len(df) == 4 and set(df["status"]) == {"ok"} and set(df["mem_meter"]) == {"fake-live-bytes"}
     tiers = df[(df["system"] == "prefixflow") & df["offload"]]["offload_tier"]
     assert list(tiers) == ["fake"]
-    if how == "flag":  # figures read estimate records like any others
+    if how == "flag":  # estimate records have their own figure; the measured ones never read them
         from harness.figures.fig10 import figure10a
+        from harness.figures.paper_scale import figure10a_paper
 
-        assert [p.name for p in figure10a(df, tmp_path / "figs")] == ["fig10a_phase_b_peak.png"]
+        assert [p.name for p in figure10a_paper(df, tmp_path / "figs")] == ["fig10a_paper_scale.png"]
+        with pytest.raises(SkipFigure):
+            figure10a(df, tmp_path / "figs")
         # a cell id does not say it was estimated: a measured sweep refuses the folder, an estimate resumes it
         measured = runner.invoke(
             app, ["sweep", str(spec), "--out", str(tmp_path / "out"), "--executor", "debug"]

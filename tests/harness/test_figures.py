@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -14,6 +15,7 @@ from harness.figures.fig11 import budget_points
 from harness.figures.tables import alignment_frame, speedup_frame, to_latex, to_markdown
 
 MIB = 1024**2
+GIB = 1024**3
 BASE = {
     "spec": "synthetic", "model": "llama3:debugmodel", "dtype": "fp32", "device": "cpu", "layout": "padded",
     "tp": 1, "cp": 1, "pp": 1, "dp": 1, "ep": 1, "status": "ok", "error": None, "repeats": 3,
@@ -270,7 +272,7 @@ def test_registry_is_complete():
     assert set(FIGURES) == {
         "fig6a", "fig6b", "fig6_sim", "fig7", "fig8a", "fig8b", "claim2_summary", "fig9a", "fig9a_concat",
         "fig9a_split", "fig9b", "fig10a", "fig10b", "fig11", "smoke", "trees_speedup", "trees_time_memory",
-        "multimodal", "fig7_verl", "fig8a_verl",
+        "multimodal", "fig7_verl", "fig8a_verl", "fig10a_paper",
     }  # fmt: skip
 
 
@@ -397,3 +399,28 @@ def test_prefix_grouper_table_compares_in_the_same_cell(tmp_path):
     assert [p.name for p in render_tables(pd.DataFrame(rows), tmp_path)][-2:] == [
         "vs_prefix_grouper.md", "vs_prefix_grouper.tex",
     ]  # fmt: skip
+
+
+def test_paper_scale_table_reads_estimates_only_beside_the_papers_values(tmp_path):
+    from harness.figures.paper_scale import figure10a_paper, paper_scale_table
+    from harness.records import ESTIMATE_METER
+
+    rows = []
+    for P in (2048, 4096, 6144, 8192, 10240):
+        S = 12288 - P
+        common = dict(spec="paper_scale", mem_meter=ESTIMATE_METER, microbatch=1)
+        rows.append(_rec("baseline", P, S, 2, peak_mem_phase_b_bytes=40 * GIB, **common))
+        rows.append(_rec("prefixflow", P, S, 2, peak_mem_phase_b_bytes=(40 - P / 1024) * GIB, **common))
+        rows.append(_rec("prefixflow", P, S, 2, offload=True, peak_mem_phase_b_bytes=(30 - P / 1024) * GIB,
+                         **common))  # fmt: skip
+    estimates = pd.DataFrame(rows)
+    table = paper_scale_table(pd.concat([estimates, pd.DataFrame(all_records())], ignore_index=True))
+    assert list(table["prefix_len"]) == [2048, 4096, 6144, 8192, 10240]
+    assert table["baseline"].tolist() == [40.0] * 5  # the measured records are not read
+    assert table["prefixflow+offload/baseline"].iloc[-1] == pytest.approx(20 / 40)
+    assert table["paper_prefixflow+offload"].tolist()[0] == 51.6 and np.isnan(
+        table["paper_prefixflow+offload"][1]
+    )
+    assert table["prefixflow+offload/paper"].iloc[-1] == pytest.approx(20 / 26.5)
+    assert fixed_total_peaks(estimates).empty  # Figure 10a reads measured records, never estimates
+    assert [p.name for p in figure10a_paper(estimates, tmp_path)] == ["fig10a_paper_scale.png"]
