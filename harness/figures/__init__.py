@@ -19,9 +19,9 @@ from .fig7 import figure7, figure7_verl
 from .fig8 import claim2_table, figure8a, figure8a_verl, figure8b
 from .fig9 import figure9a, figure9a_concat, figure9a_split, figure9b
 from .fig10 import figure10a, figure10b, frontier_table
-from .paper_scale import figure10a_paper
 from .fig11 import figure11
 from .multimodal import figure_multimodal, multimodal_table
+from .paper_scale import figure10a_paper
 from .smoke import smoke_overview
 from .tables import alignment_table, peer_table, speedup_table
 from .trees import tree_speedup, tree_tables, tree_time_memory

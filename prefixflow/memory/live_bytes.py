@@ -18,15 +18,25 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["LiveBytesMeter"]
 
 
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold ``t``'s bytes: a wrapper subclass's inner tensors (a DTensor's local shard), else
+    ``t``. A wrapper's own ``untyped_storage()`` is no allocation: a DTensor's reports its global size."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        inner = (getattr(t, name) for name in names)
+        return [x for i in inner if isinstance(i, torch.Tensor) for x in _plain(i)]
+    return [t]
+
+
 def _storage_of(obj: torch.Tensor | torch.UntypedStorage) -> torch.UntypedStorage:
     if isinstance(obj, torch.Tensor):
-        return obj.untyped_storage()
+        return _plain(obj)[0].untyped_storage()
     if isinstance(obj, torch.UntypedStorage):
         return obj
     if isinstance(obj, torch.TypedStorage):
@@ -90,8 +100,10 @@ class LiveBytesMeter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         offloaded = self._offload_depth > 0
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
-                self._track(leaf.untyped_storage(), offloaded)
+            if isinstance(leaf, torch.Tensor):
+                for t in _plain(leaf):
+                    if t.device.type != "meta":
+                        self._track(t.untyped_storage(), offloaded)
         return out
 
     # -- public API ---------------------------------------------------------------------------------
@@ -109,7 +121,8 @@ class LiveBytesMeter(TorchDispatchMode):
             tensors = list(objs)
         before = self.current + self.offloaded
         for t in tensors:
-            self._track(_storage_of(t), offloaded=False)
+            for inner in _plain(t):
+                self._track(inner.untyped_storage(), offloaded=False)
         return self.current + self.offloaded - before
 
     def exclude(self, obj: torch.Tensor | torch.UntypedStorage) -> int:

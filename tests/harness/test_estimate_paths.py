@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from harness.cli import app
 from harness.estimate import estimate_cell
-from harness.figures.common import SkipFigure
 from harness.estimate.fake import RealTensorError, RealTensorGuard, fake_mode
+from harness.figures.common import SkipFigure
 from harness.records import collect
 from harness.spec.cell import Cell, ModelSpec, Parallel
 from harness.workloads import AgenticShape
