@@ -176,11 +176,11 @@ class ParallelBench:
         return out
 
 
-def measure_rank(cell: Cell, device: torch.device, runner=run_systems) -> list[dict[str, Any]]:
+def measure_rank(cell: Cell, device: torch.device, runner=None) -> list[dict[str, Any]]:
     """This rank's record per system, with its raw per-step samples (merged on rank 0). ``runner``: the loop
-    (:func:`~harness.run.loop.run_systems`, or an estimate's with its signature)."""
+    (default :func:`~harness.run.loop.run_systems`; an estimate's has its signature)."""
     bench = ParallelBench(cell, device)
-    runs, groups = runner(cell, device, bench)
+    runs, groups = run_systems(cell, device, bench) if runner is None else runner(cell, device, bench)
     records = []
     for run in runs:
         rec = {**base_record(cell, str(device)), "system": run.name, **bench.columns.get(run.name, {})}

@@ -163,7 +163,10 @@ def test_no_committed_spec_at_its_default_scale_is_refused():
     for path in sorted((REPO / "experiments").glob("*.yaml")):
         if path.name == "claim2.yaml":  # the RL spec: tests/harness/rl/test_rl_preflight.py
             continue
-        for cell in expand(load_spec(path)):
+        spec = load_spec(path)
+        if spec.executor.kind == "estimate":  # fake tensors allocate nothing (paper_scale.yaml: an 8B model)
+            continue
+        for cell in expand(spec):
             if cell.frontier is None and cell.alignment is None:
                 assert cell_need(cell, meta_shape(cell.model.name, cell.model.overrides)) < 4 * 2**30, cell
                 preflight_cell(cell, budget=4 * 2**30)
