@@ -12,12 +12,25 @@ import torch.distributed as dist
 
 from harness.run import loop
 from harness.run.parallel_step import measure_rank
+from prefixflow.memory import storage
 from prefixflow.parallel import init_distributed
 from support.estimate_layouts import LAYOUTS, layout_cell
 
 
+def _inline_copies() -> None:
+    """The real file tier with each copy out written before ``store`` returns: no bytes in flight, as
+    tests/harness/test_estimate.py's ``sync_copies`` (the fake tier frees a storage at once)."""
+
+    def store(self, slot, t):
+        slot.where, self.size = self.size, self.size + slot.nbytes
+        self._write(storage.bytes_of(t), slot.where)
+
+    storage.FilePool.store = store
+
+
 def main(argv: list[str]) -> int:
     out = argv[0]
+    _inline_copies()
     device = init_distributed("cpu")
     mine: dict[str, dict] = {}
     for name in LAYOUTS:
