@@ -57,6 +57,7 @@ class PhaseMeter:
         self._events: list[tuple[str, object, object]] = []
         self._first: object = None
         self._last: object = None
+        self._foreign_base = self.live.foreign_freed if self.live is not None else 0
 
     def register(self, objs: torch.nn.Module | torch.Tensor | Iterable[torch.Tensor]) -> int:
         """Count pre-existing tensors as live on CPU (no-op on CUDA, where the allocator sees them)."""
@@ -149,6 +150,9 @@ class PhaseMeter:
             res["phase_times_s"] = times
             res["offloaded_peak_bytes"] = float(max(self.offloaded_peaks.values(), default=math.nan))
             res["offloaded_peak_phase_b_bytes"] = float(self.offloaded_peaks.get("B", math.nan))
+            # bytes a collective's worker thread freed late: how far a real peak may exceed the schedule's own
+            late = self.live.foreign_freed - self._foreign_base if self.live is not None else 0
+            res["foreign_freed_bytes"] = float(late)
         return res
 
 

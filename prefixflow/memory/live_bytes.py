@@ -8,6 +8,10 @@ the storage dies. Pre-existing tensors (parameters, buffers, existing grads) are
 (``offloaded``), either by :meth:`LiveBytesMeter.exclude` after the fact or by allocating them inside
 :meth:`LiveBytesMeter.offload_scope`. Workspace a single kernel allocates and frees internally is invisible,
 as it is not an aten output.
+
+A storage that dies on another thread than the meter's (a gloo worker dropping a collective's buffer after
+this thread let go of it) was live past its last use here for a time the meter cannot see:
+``foreign_freed`` sums those bytes, a bound on what such late releases can add to a peak.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ class LiveBytesMeter(TorchDispatchMode):
         self.peak = 0
         self.offloaded = 0
         self.offloaded_peak = 0
+        self.foreign_freed = 0  # resident bytes whose storage died on another thread
+        self._thread = threading.get_ident()
 
     # -- accounting ---------------------------------------------------------------------------------
     def _track(self, storage: torch.UntypedStorage, offloaded: bool) -> None:
@@ -93,6 +99,8 @@ class LiveBytesMeter(TorchDispatchMode):
 
     def _on_free(self, entry: list) -> None:
         with self._lock:
+            if threading.get_ident() != self._thread and not entry[1]:
+                self.foreign_freed += entry[0]
             self._add(-entry[0], entry[1])
             entry[0] = 0
 

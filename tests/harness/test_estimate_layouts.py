@@ -71,17 +71,23 @@ def test_fake_equals_real_per_rank_and_phase(real, name):
     for rank in (0, 1):
         for system in SYSTEMS:
             measured, estimated = real[name][rank]["peaks"][system], fake[rank][system]
+            late = real[name][rank]["late"][system]
             assert set(measured) == set(estimated), (name, rank, system)
             for phase, value in measured.items():
                 gap = estimated[phase] - value
-                gaps.append((f"{name} rank {rank} {system} {phase}: {gap:+.0f} B of {value:.0f}", gap, value))
-    print("\n".join(g for g, _, _ in gaps))
+                line = f"{name} rank {rank} {system} {phase}: {gap:+.0f} B of {value:.0f} ({late:.0f} B freed late)"
+                gaps.append((line, gap, value, late))
+    print("\n".join(g[0] for g in gaps))
     in_flight = _largest_unit_grad_bytes(cell) if cell.parallel.dp_shard > 1 else 0
-    for line, gap, value in gaps:
-        # FSDP2's reduce-scatters run asynchronously on gloo: a real rank may still hold one unit's unsharded
-        # gradient when its phase peaks (seen: +145,160 and +291,080 B on rank 1's Phase C in some runs), which
-        # the fake group, whose collectives finish at once, never does. The fake peak is the real one's floor.
-        assert -in_flight - _tolerance(value) <= gap <= _tolerance(value), line
+    for line, gap, value, late in gaps:
+        # The fake group's collectives finish at once; a real rank's may hold buffers longer:
+        # - FSDP2's reduce-scatters run asynchronously on gloo, so a real rank may still hold one unit's
+        #   unsharded gradient when its phase peaks (seen: +145,160 and +291,080 B on rank 1's Phase C);
+        # - a gloo thread may drop a finished collective's buffers after this thread did (the storage then
+        #   dies on that thread: ``foreign_freed_bytes``). Seen under CPU load: TP2's Phase B +147,456 B with
+        #   49,152 + 98,304 B freed late.
+        # The fake peak is the real one's floor, less the tolerance.
+        assert -in_flight - late - _tolerance(value) <= gap <= _tolerance(value), line
 
 
 def test_layout_records_are_rank_max_with_the_ranks_named():

@@ -113,6 +113,23 @@ def test_phase_peaks_are_separate():
     assert res["mem_meter"] == "cpu-live-bytes"
 
 
+def test_storages_another_thread_frees_are_counted_as_freed_late():
+    # A gloo worker dropping a collective's buffer after the main thread let go of it: the storage dies there
+    pm = PhaseMeter("cpu")
+    pm.enter("B")
+    here, there = torch.empty(1024, 1024), [torch.empty(2048, 1024)]
+    del here  # dies on this thread: not late
+    worker = threading.Thread(target=there.clear)
+    worker.start()
+    worker.join()
+    pm.exit("B")
+    res = pm.results(extended=True)
+    assert res["foreign_freed_bytes"] == 2 * MIB4
+    assert pm.live.current == 0
+    pm.reset()  # a new step counts from here
+    assert pm.results(extended=True)["foreign_freed_bytes"] == 0
+
+
 def test_phase_meter_counts_registered_model_and_outer_context():
     model = torch.nn.Linear(1024, 1024, bias=False)
     pm = PhaseMeter("cpu", model=model)

@@ -1,6 +1,6 @@
 """Real gloo ranks for tests/harness/test_estimate_layouts.py: every layout of ``support.estimate_layouts``
-measured on two ranks (one launch); rank 0 writes each rank's per-phase peaks and gradient digest per system
-as JSON."""
+measured on two ranks (one launch); rank 0 writes each rank's per-phase peaks, the bytes gloo's threads freed
+late (``foreign_freed_bytes``) and gradient digest per system as JSON."""
 
 from __future__ import annotations
 
@@ -35,17 +35,19 @@ def main(argv: list[str]) -> int:
     mine: dict[str, dict] = {}
     for name in LAYOUTS:
         peaks: dict[str, dict] = {}
+        late: dict[str, float] = {}
 
-        def runner(*args, name=name, peaks=peaks, **kwargs):
+        def runner(*args, name=name, peaks=peaks, late=late, **kwargs):
             runs, inputs = loop.run_systems(*args, **kwargs)
             for run in runs:
                 if run.failure is not None:
                     raise RuntimeError(f"{name} {run.name}: {run.failure}")
                 peaks[run.name] = run.memory["phase_peak_bytes"]
+                late[run.name] = run.memory["foreign_freed_bytes"]
             return runs, inputs
 
         records = measure_rank(layout_cell(name), device, runner=runner)
-        mine[name] = {"peaks": peaks, "grads": {r["system"]: r["grad_sha256"] for r in records}}
+        mine[name] = {"peaks": peaks, "late": late, "grads": {r["system"]: r["grad_sha256"] for r in records}}
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if dist.get_rank() == 0:
