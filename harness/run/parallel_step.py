@@ -20,13 +20,22 @@ import hashlib
 import json
 import math
 import traceback
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from harness.contenders import get_contender
-from harness.run.columns import base_record, cost_columns, failed_records, model_columns, model_shape
+from harness.run.columns import (
+    OFFLOAD_BYTES,
+    base_record,
+    cost_columns,
+    failed_records,
+    model_columns,
+    model_shape,
+    offload_columns,
+)
 from harness.run.loop import SystemRun, cell_records, median_step, merge_ranks, run_systems
 from harness.run.setup import build_cell_model, make_group, resolve_device
 from harness.spec.cell import Cell
@@ -198,6 +207,7 @@ def measure_rank(cell: Cell, device: torch.device, runner=None) -> list[dict[str
             loss = float(st.loss) if st.loss is not None else None
             rec.update(status="ok", error=None, loss=loss, **_step_columns(st), **grads)
             rec.update(_hook_columns(st, timelines))
+            rec.update(offload_columns(cell, run.name, None, _step_offload(st.groups)))
             if timelines is not None:  # every timed step's, for the simulator's calibration
                 rec["pp_timelines_steps"] = json.dumps([i["timelines"] for i in run.inspected])
             rec.update(samples=run.samples, memory=run.memory, first_step_s=run.first_step_s)
@@ -212,6 +222,15 @@ def measure_rank(cell: Cell, device: torch.device, runner=None) -> list[dict[str
             rec.update(cost_columns(bench.shapes[run.name], cell, system, lens, device))
         records.append(rec)
     return records
+
+
+def _step_offload(groups) -> SimpleNamespace:
+    """What this rank's offloads moved over the step's groups (summed), named as one group's stats name it."""
+    stats = [g.offload for g in groups if g.offload is not None]
+    if not stats:
+        return SimpleNamespace(offload=None)
+    moved = {key: sum(getattr(s, key) for s in stats) for key in OFFLOAD_BYTES}
+    return SimpleNamespace(offload=SimpleNamespace(tier=stats[0].tier, **moved))
 
 
 def merge_rank_samples(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

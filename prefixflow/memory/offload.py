@@ -7,7 +7,8 @@ saved for backward is dormant until Phase C. ``PrefixOffload`` moves those tenso
   forward. A saved tensor stays resident (the hook keeps ``tensor.detach()`` and its version) when it is not a plain
   float/complex tensor on the model's device, when its storage is smaller than ``min_bytes`` (default 4 KiB),
   or when its storage is one Phase B reads: a parameter/buffer of the model or a live K/V of the cache
-  (``CapturePrefix`` records K/V before the attention kernel saves them). Everything else is offloaded **by
+  (``CapturePrefix`` records K/V before the attention kernel saves them). A DTensor (TP, FSDP2) is judged and
+  moved by its local shard; unpacking rebuilds the wrapper over the loaded shard with its spec. Everything else is offloaded **by
   storage**: the whole untyped storage is copied out once (several saved views of one storage share one
   slot) and the tensor is rebuilt on unpack with its exact dtype, offset, size and stride, so the backward
   sees bit-identical inputs. Each saved tensor is tagged with the block that produced it (forward pre-hooks).
@@ -52,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..model.adapters import adapter_for
 from .fake_tier import TIER_FAKE, FakePool
@@ -63,6 +65,7 @@ from .storage import (
     Kept,
     Packed,
     PinnedPool,
+    ShardPacked,
     Slot,
     check_version,
 )
@@ -218,21 +221,24 @@ class PrefixOffload:
     def _pack(self, t: torch.Tensor):
         with self._lock:
             self.stats.saved_tensors += 1
-            reason = self._keep_reason(t)
+            wrapper = t if isinstance(t, DTensor) else None  # its local shard moves; the wrapper is rebuilt
+            local = t._local_tensor if wrapper is not None else t
+            reason = self._keep_reason(local)
             if reason is not None:
                 self.stats.kept[reason] = self.stats.kept.get(reason, 0) + 1
                 return Kept(t, self._layer)
-            storage = t.untyped_storage()
+            storage = local.untyped_storage()
             slot = self._by_storage.get(storage)
-            if slot is None or slot.version != t._version or slot.handles == 0:
-                slot = Slot(len(self._slots), self._layer, t)
+            if slot is None or slot.version != local._version or slot.handles == 0:
+                slot = Slot(len(self._slots), self._layer, local)
                 self._slots.append(slot)
                 self._by_storage[storage] = slot
-                self.pool.store(slot, t.detach())
+                self.pool.store(slot, local.detach())
                 self.stats.offloaded_tensors += 1
                 self.stats.offloaded_bytes += slot.nbytes
                 self.stats.pool_capacity_bytes = self.pool.capacity()
-            return Packed(self._drop_handle, slot, t)
+            packed = Packed(self._drop_handle, slot, local)
+            return packed if wrapper is None else ShardPacked(packed, wrapper)
 
     # -- Phase C ------------------------------------------------------------------------------------
     def prefetch(self) -> None:
@@ -256,6 +262,10 @@ class PrefixOffload:
                     self.stats.prefetched_bytes += slot.nbytes
 
     def _unpack(self, packed) -> torch.Tensor:
+        if isinstance(packed, ShardPacked):
+            where = "a DTensor's shard, offloaded"
+            check_version(packed.alias, packed.version, packed.packed.slot.desc, where)
+            return packed.rebuild(self._unpack(packed.packed))
         if isinstance(packed, Kept):
             t = packed.tensor
             check_version(t, packed.version, f"{t.dtype} {tuple(t.shape)}", f"layer {packed.layer}, resident")

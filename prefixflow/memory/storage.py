@@ -10,6 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from torch.distributed.tensor import DTensor
 
 TIER_CUDA = "cuda-pinned"
 TIER_CPU = "cpu-file"
@@ -20,11 +21,15 @@ MIN_PINNED_CHUNK = 64 << 20
 def version_alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor that shares ``t``'s version counter (so an in-place change to ``t``, its base or any view of it
     shows here) but holds no storage: the offloaded bytes can leave while the counter stays watched. The
-    storage swap bumps the shared counter once; it is set back, so ``t`` reads the same version as before."""
-    version = t._version
+    storage swap bumps the shared counter once; it is set back, so ``t`` reads the same version as before.
+    A DTensor's alias is a DTensor over a storage-less shard: it watches the wrapper's counter, which an
+    in-place op through the DTensor bumps (its shard's counter stays as it was)."""
     alias = t.detach()  # shares t's version counter
-    alias.set_(torch.empty(0, dtype=torch.uint8, device=t.device).untyped_storage())  # fake under an estimate
-    torch._C._autograd._unsafe_set_version_counter((alias,), (version,))
+    inner = alias._local_tensor if isinstance(alias, DTensor) else alias
+    version = inner._version
+    empty = torch.empty(0, dtype=torch.uint8, device=inner.device)  # fake under an estimate
+    inner.set_(empty.untyped_storage())
+    torch._C._autograd._unsafe_set_version_counter((inner,), (version,))
     return alias
 
 
@@ -78,6 +83,19 @@ class Packed:
 
     def __del__(self) -> None:
         self.on_drop(self.slot)
+
+
+class ShardPacked:
+    """An offloaded DTensor (TP, FSDP2): its local shard's ``Packed``, the wrapper's spec to rebuild it, and a
+    storage-less alias watching the wrapper's version (the shard's own is the slot's)."""
+
+    __slots__ = ("packed", "spec", "alias", "version")
+
+    def __init__(self, packed: Packed, t: DTensor) -> None:
+        self.packed, self.spec, self.alias, self.version = packed, t._spec, version_alias(t), t._version
+
+    def rebuild(self, local: torch.Tensor) -> DTensor:
+        return DTensor(local, self.spec, requires_grad=False)
 
 
 def bytes_of(t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ against the bound: at least the estimate, at most the estimate plus every byte o
 from __future__ import annotations
 
 import pytest
+from support.inline_tier import inline_tier_methods
 
 from harness.estimate import estimate_cell
 from harness.run import loop
@@ -92,13 +93,10 @@ def assert_fake_equals_real(cell: Cell, run_cell) -> None:
 
 @pytest.fixture
 def sync_copies(monkeypatch):
-    """The real file tier with each copy out written before ``store`` returns (no bytes in flight)."""
-
-    def store(self, slot, t):
-        slot.where, self.size = self.size, self.size + slot.nbytes
-        self._write(storage.bytes_of(t), slot.where)
-
-    monkeypatch.setattr(storage.FilePool, "store", store)
+    """The real file tier with each copy out written before ``store`` returns and each load read before
+    ``start_load`` returns (``support.inline_tier``)."""
+    for name, method in inline_tier_methods().items():
+        monkeypatch.setattr(storage.FilePool, name, method)
 
 
 @pytest.mark.usefixtures("sync_copies")

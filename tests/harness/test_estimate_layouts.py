@@ -66,7 +66,18 @@ CASES = [
 @pytest.mark.parametrize("name", CASES)
 def test_fake_equals_real_per_rank_and_phase(real, name):
     cell = layout_cell(name)
-    fake = _peaks(estimate_ranks(cell, [0, 1]))
+    fake_records = estimate_ranks(cell, [0, 1])
+    fake = _peaks(fake_records)
+    for rank, rows in enumerate(fake_records):
+        moved, really = {r["system"]: r["offloaded_bytes"] for r in rows}, real[name][rank]["offloaded"]
+        assert moved["baseline"] is really["baseline"] is None, (name, rank)
+        if not cell.offload:
+            assert moved["prefixflow"] is really["prefixflow"] is None, (name, rank)
+            continue
+        # the fake tier moves what the file tier does, within the peaks' tolerance: under TP it moves one
+        # 24,576 B storage more (open, docs/estimate.md "Layouts")
+        assert really["prefixflow"] > 0, (name, rank, really)
+        assert abs(moved["prefixflow"] - really["prefixflow"]) <= _tolerance(really["prefixflow"]), (name, moved)
     gaps = []
     for rank in (0, 1):
         for system in SYSTEMS:

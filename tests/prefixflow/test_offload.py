@@ -263,3 +263,52 @@ def test_inplace_change_to_a_saved_tensor_raises_like_autograd(min_bytes):
             _inplace_after_save(off, modify=True)
     finally:
         off.release()
+
+
+def _dtensor_after_save(offload, modify: str | None):
+    """As ``_inplace_after_save`` on DTensors sharded over a fake 2-rank mesh (the shard's math is real)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    x = distribute_tensor(torch.randn(128, 64, dtype=torch.float64), mesh, [Shard(0)]).requires_grad_()
+    w = distribute_tensor(torch.randn(128, 64, dtype=torch.float64), mesh, [Shard(0)]).requires_grad_()
+    with offload.saving() if offload is not None else contextlib.nullcontext():
+        y = x.exp()
+        z = y * w
+        if modify == "wrapper":
+            y.add_(1.0)  # bumps the DTensor's counter, not its shard's
+        elif modify == "shard":
+            y.to_local().detach().view(-1)[:10].add_(1.0)  # bumps the shard's counter, not the DTensor's
+    z.to_local().sum().backward()
+    return x.grad.to_local(), w.grad.to_local()
+
+
+@pytest.mark.parametrize("modify", [None, "wrapper", "shard"])
+def test_a_dtensor_moves_by_its_local_shard_and_in_place_changes_still_raise(modify):
+    """TP and FSDP2 save DTensors: the offload moves their local shard (they stayed resident once, so TP's
+    offload moved almost nothing) and rebuilds the wrapper; an in-place change through either raises."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from prefixflow.memory.offload import PrefixOffload
+    from prefixflow.state.kv_cache import PrefixKVCache
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        want = _dtensor_after_save(None, None)
+        off = PrefixOffload(torch.nn.Linear(2, 2), PrefixKVCache(), min_bytes=0)
+        try:
+            if modify is not None:
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    _dtensor_after_save(off, modify)
+                return
+            got = _dtensor_after_save(off, None)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            assert "subclass" not in off.stats.kept
+            assert off.stats.offloaded_bytes >= 2 * 64 * 64 * 8  # y and w's shards (x's exp output is y)
+        finally:
+            off.release()
+    finally:
+        dist.destroy_process_group()

@@ -15,22 +15,13 @@ from harness.run.parallel_step import measure_rank
 from prefixflow.memory import storage
 from prefixflow.parallel import init_distributed
 from support.estimate_layouts import LAYOUTS, layout_cell
-
-
-def _inline_copies() -> None:
-    """The real file tier with each copy out written before ``store`` returns: no bytes in flight, as
-    tests/harness/test_estimate.py's ``sync_copies`` (the fake tier frees a storage at once)."""
-
-    def store(self, slot, t):
-        slot.where, self.size = self.size, self.size + slot.nbytes
-        self._write(storage.bytes_of(t), slot.where)
-
-    storage.FilePool.store = store
+from support.inline_tier import inline_tier_methods
 
 
 def main(argv: list[str]) -> int:
     out = argv[0]
-    _inline_copies()
+    for name, method in inline_tier_methods().items():
+        setattr(storage.FilePool, name, method)
     device = init_distributed("cpu")
     mine: dict[str, dict] = {}
     for name in LAYOUTS:
@@ -47,7 +38,12 @@ def main(argv: list[str]) -> int:
             return runs, inputs
 
         records = measure_rank(layout_cell(name), device, runner=runner)
-        mine[name] = {"peaks": peaks, "late": late, "grads": {r["system"]: r["grad_sha256"] for r in records}}
+        mine[name] = {
+            "peaks": peaks,
+            "late": late,
+            "grads": {r["system"]: r["grad_sha256"] for r in records},
+            "offloaded": {r["system"]: r["offloaded_bytes"] for r in records},
+        }
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if dist.get_rank() == 0:
