@@ -251,9 +251,9 @@ def counted_columns(counted) -> dict[str, Any]:
     }
 
 
-def offload_columns(cell: Cell, name: str, system: Any, stats: Any) -> dict[str, Any]:
-    """Whether this system offloaded (the baseline never does) and, if so, what its offload moved."""
-    off = getattr(stats, "offload", None)
+def offload_columns(cell: Cell, name: str, system: Any, off: Any) -> dict[str, Any]:
+    """Whether this system offloaded (the baseline never does) and, if so, what its offload moved (``off``:
+    the step's ``OffloadStats``, or None)."""
     if system is None:
         try:
             system = get_contender(name)

@@ -151,7 +151,7 @@ class PhaseMeter:
             res["offloaded_peak_bytes"] = float(max(self.offloaded_peaks.values(), default=math.nan))
             res["offloaded_peak_phase_b_bytes"] = float(self.offloaded_peaks.get("B", math.nan))
             # bytes a collective's worker thread freed late: how far a real peak may exceed the schedule's own
-            late = self.live.foreign_freed - self._foreign_base if self.live is not None else 0
+            late = self.live.foreign_freed - self._foreign_base if self.live is not None else math.nan
             res["foreign_freed_bytes"] = float(late)
         return res
 

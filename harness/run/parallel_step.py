@@ -20,7 +20,6 @@ import hashlib
 import json
 import math
 import traceback
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from harness.run.columns import (
 from harness.run.loop import SystemRun, cell_records, median_step, merge_ranks, run_systems
 from harness.run.setup import build_cell_model, make_group, resolve_device
 from harness.spec.cell import Cell
+from prefixflow.memory.offload import OffloadStats
 
 __all__ = ["run_parallel_step_cell", "measure_rank", "merge_rank_samples", "median_step"]
 
@@ -224,13 +224,13 @@ def measure_rank(cell: Cell, device: torch.device, runner=None) -> list[dict[str
     return records
 
 
-def _step_offload(groups) -> SimpleNamespace:
-    """What this rank's offloads moved over the step's groups (summed), named as one group's stats name it."""
+def _step_offload(groups) -> OffloadStats | None:
+    """What this rank's offloads moved over the step's groups, summed."""
     stats = [g.offload for g in groups if g.offload is not None]
     if not stats:
-        return SimpleNamespace(offload=None)
+        return None
     moved = {key: sum(getattr(s, key) for s in stats) for key in OFFLOAD_BYTES}
-    return SimpleNamespace(offload=SimpleNamespace(tier=stats[0].tier, **moved))
+    return OffloadStats(tier=stats[0].tier, prefetch=stats[0].prefetch, **moved)
 
 
 def merge_rank_samples(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -114,7 +114,7 @@ def _record(
             rec["microbatch_sizes"] = ",".join(map(str, plan["microbatch_sizes"]))
             rec["auto_resident_bytes"] = plan["resident_bytes"]
             rec["auto_per_token_bytes"] = plan["per_token_bytes"]
-    rec.update(offload_columns(cell, run.name, run.contender, stats))
+    rec.update(offload_columns(cell, run.name, run.contender, getattr(stats, "offload", None)))
     if run.failure is not None:
         rec["status"], rec["error"] = run.failure
         return rec

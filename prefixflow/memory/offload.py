@@ -8,8 +8,8 @@ saved for backward is dormant until Phase C. ``PrefixOffload`` moves those tenso
   float/complex tensor on the model's device, when its storage is smaller than ``min_bytes`` (default 4 KiB),
   or when its storage is one Phase B reads: a parameter/buffer of the model or a live K/V of the cache
   (``CapturePrefix`` records K/V before the attention kernel saves them). A DTensor (TP, FSDP2) is judged and
-  moved by its local shard; unpacking rebuilds the wrapper over the loaded shard with its spec. Everything else is offloaded **by
-  storage**: the whole untyped storage is copied out once (several saved views of one storage share one
+  moved by its local shard; unpacking rebuilds the wrapper over the loaded shard with its spec. Everything
+  else is offloaded **by storage**: the whole untyped storage is copied out once (several saved views of one storage share one
   slot) and the tensor is rebuilt on unpack with its exact dtype, offset, size and stride, so the backward
   sees bit-identical inputs. Each saved tensor is tagged with the block that produced it (forward pre-hooks).
 * **Tiers.** ``"cuda-pinned"``: copies to a pinned host pool on a side stream (``record_stream`` keeps the
