@@ -93,7 +93,7 @@ HARNESS_LAYERS = [
     ["harness.run"],
     ["harness.execute", "harness.estimate"],
     # rollout_stats (pf-bench workload) reads pf-bench rl traces
-    ["harness.sweep", "harness.rl", "harness.local_ranks", "harness.rollout_stats"],
+    ["harness.sweep", "harness.capacity", "harness.rl", "harness.local_ranks", "harness.rollout_stats"],
     ["harness.cli", "harness.rl_precision"],
 ]
 # --- end harness layers ---

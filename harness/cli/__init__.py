@@ -1,6 +1,7 @@
 """``pf-bench``: the harness command line (thin: parse, call, print).
 
-The Typer app; each command lives in its module (``run``, ``sweep``, ``figures``, ``align``, ``workload``, ``rl``) and
+The Typer app; each command lives in its module (``run``, ``sweep``, ``figures``, ``align``, ``workload``, ``frontier``,
+``rl``) and
 is registered here in the order ``--help`` lists them.
 """
 
@@ -10,6 +11,7 @@ import typer
 
 from harness.cli.align import align
 from harness.cli.figures import figures, simulate, tables
+from harness.cli.frontier import frontier
 from harness.cli.rl import register as register_rl
 from harness.cli.run import run
 from harness.cli.sweep import collect, status, sweep
@@ -23,6 +25,6 @@ app = typer.Typer(
     add_completion=False,
 )
 
-for command in (run, sweep, status, collect, figures, tables, simulate, align, workload):
+for command in (run, sweep, status, collect, figures, tables, simulate, align, workload, frontier):
     app.command()(command)
 register_rl(app)  # Claim 2: `rl` and `replay`

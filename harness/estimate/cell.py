@@ -5,11 +5,13 @@ line."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from harness.estimate.fake import FAKE_METER, RealTensorError
 from harness.estimate.loop import estimate_systems
 from harness.run.columns import failed_records
+from harness.run.frontier import run_frontier
 from harness.run.measurement import refusal
 from harness.run.memory import check_cell_sequences
 from harness.spec.cell import Cell
@@ -20,9 +22,7 @@ __all__ = ["estimate_cell", "unsupported", "RealTensorError", "FAKE_METER"]
 def unsupported(cell: Cell) -> str | None:
     """Why ``cell`` is no kind an estimate runs yet (one line naming the cell and the field), or None."""
     why = None
-    if cell.frontier is not None:
-        why = "a capacity-frontier search"
-    elif cell.alignment is not None:
+    if cell.alignment is not None:
         why = "an alignment cell (its losses need values)"
     elif cell.compile:
         why = "compile: torch.compile cannot run under the fake tensors' dispatch mode; drop compile"
@@ -36,10 +36,16 @@ def _finite_or_none(rec: dict[str, Any]) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
 
 
-def estimate_cell(cell: Cell) -> list[dict[str, Any]]:
+def estimate_cell(cell: Cell, folder: str | Path | None = None) -> list[dict[str, Any]]:
     """``cell``'s records with ``mem_meter = "fake-live-bytes"``: per system the peak live bytes of each
     phase and the counted FLOPs, from the cell's own step on fake tensors; ``estimate_s`` is the metered
-    step's wall time. Never raises for a failing system (``refused``: one line naming the op and the cell)."""
+    step's wall time. Never raises for a failing system (``refused``: one line naming the op and the cell).
+    A capacity-frontier cell is searched with estimated probes (``harness.run.frontier``; each probe's rows
+    are kept under ``folder``, the spec folder)."""
+    if cell.frontier is not None:
+        if folder is None:
+            return failed_records(cell, "error", "a capacity-frontier search needs the folder its probes go to")
+        return run_frontier(cell, folder, probe=estimate_cell, estimate=True)
     why = unsupported(cell)
     if why is not None:
         return failed_records(cell, "refused", why, "cpu")

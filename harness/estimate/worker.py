@@ -15,7 +15,7 @@ def estimate_here(cell: Cell, folder: Path | None = None):
     """The records of ``cell`` estimated in this process (the job's folder is not needed)."""
     from harness.estimate.cell import estimate_cell
 
-    return estimate_cell(cell)
+    return estimate_cell(cell, folder)
 
 
 if __name__ == "__main__":

@@ -131,11 +131,12 @@ def run_cell(cell, folder: str | Path | None = None) -> list[dict[str, Any]] | N
     or the cell has one rank; else from its local ranks, after the checks that need no rank (device,
     layout) so a cell that cannot run starts none. None on a rank other than 0."""
     from harness.run.cell import run_cell as run_here
+    from harness.run.frontier import refuse_ranks
     from harness.run.measurement import refusal
 
     if cell.world_size > 1 and os.environ.get("WORLD_SIZE") != str(cell.world_size):
         measured = cell.frontier is None and cell.alignment is None
-        refused = refusal(cell) if measured else None
+        refused = refusal(cell) if measured else refuse_ranks(cell)
         return refused if refused is not None else run_cell_local_ranks(cell)
     return run_here(cell, folder)
 

@@ -89,13 +89,28 @@ def probe_split(search: FrontierSearch, length: int) -> tuple[int, int]:
     return prefix, length - prefix
 
 
-def budget_of(search: FrontierSearch, device: torch.device) -> int:
-    """The budget in bytes; on CUDA without one, the device's memory."""
+def budget_of(search: FrontierSearch, device: torch.device | None) -> int:
+    """The budget in bytes; on CUDA without one, the device's memory. ``device`` None: an estimate (fake
+    tensors), which needs a budget as the CPU does."""
     if search.budget_bytes is not None:
         return int(search.budget_bytes)
-    if device.type == "cuda":
+    if device is not None and device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    raise ValueError("a capacity-frontier search on CPU needs frontier.budget_bytes (the live-bytes budget)")
+    where = "on CPU" if device is not None else "in an estimate"
+    raise ValueError(f"a capacity-frontier search {where} needs frontier.budget_bytes (the live-bytes budget)")
+
+
+def refuse_ranks(cell: Cell) -> list[dict] | None:
+    """A measured search runs on one rank: its probes decide on one peak. On several ranks it is refused
+    (records naming the field and the fix); an estimate runs any layout (``harness.estimate``)."""
+    if cell.frontier is None or cell.world_size == 1:
+        return None
+    why = (
+        f"cell {cell.cell_id}: frontier.parallel: a measured capacity-frontier search runs on one rank, "
+        f"this one on {cell.parallel.label} ({cell.world_size} ranks); estimate it (executor kind estimate, "
+        f"or pf-bench sweep --estimate) or drop the layout"
+    )
+    return failed_records(cell, "refused", why)
 
 
 def _probe_id(search_id: str, length: int) -> str:
@@ -116,20 +131,23 @@ def _judge(rec: dict[str, Any], budget: int) -> dict[str, Any]:
 
 
 def run_frontier(
-    cell: Cell, folder: str | Path, probe: Callable[[Cell], list[dict]] | None = None
+    cell: Cell, folder: str | Path, probe: Callable[[Cell], list[dict]] | None = None, estimate: bool = False
 ) -> list[dict]:
     """Run (or resume) the search of ``cell`` and return every probe's row. ``probe`` runs one probe cell
-    (default: ``measure_cell(memory_only=True)``); tests pass a fake memory model."""
+    (default: ``measure_cell(memory_only=True)``; an estimate passes its fake-tensor cell, with ``estimate``
+    set so that no device is touched); tests pass a fake memory model."""
     search = cell.frontier
     if search is None:
         raise ValueError("run_frontier needs a cell with a frontier search")
+    if not estimate and (refused := refuse_ranks(cell)) is not None:
+        return refused
     probe = probe or (lambda c: measure_cell(c, memory_only=True))
     try:
-        device = resolve_device(cell.device)
+        device = None if estimate else resolve_device(cell.device)
         budget = budget_of(search, device)
     except (RuntimeError, ValueError) as e:
         return failed_records(cell, "error", str(e))
-    if device.type == "cuda" and search.budget_bytes is not None:
+    if device is not None and device.type == "cuda" and search.budget_bytes is not None:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
     sid = cell.cell_id

@@ -259,6 +259,7 @@ def _frontier_cells(spec: Spec, front: Frontier) -> list[Cell]:
             microbatch=front.microbatch,
             dtype=front.dtype,
             ac=front.ac,
+            parallel=front.parallel,
             offload=variant.endswith("+offload"),
             systems=(variant.removesuffix("+offload"),),
             warmup=0,

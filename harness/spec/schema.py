@@ -268,6 +268,7 @@ class Frontier(FrontierSearch):
     microbatch: Count | None = None
     dtype: Literal["fp32", "bf16", "fp64"] = "fp32"
     ac: Literal["selective", "full", "none"] = "none"
+    parallel: Parallel = Field(default_factory=Parallel, description="the layout every probe runs in")
     timeout_min: float | None = Field(
         None, gt=0, le=TIMEOUT_MAX_MIN, description="per search; default: the executor's"
     )
