@@ -96,7 +96,7 @@ def _text(nb) -> str:
 def test_notebook_runs_and_finds_the_frontier(tmp_path, monkeypatch):
     results, figs = tmp_path / "results", tmp_path / "figs"
     _write_results(results, budget=512 * MIB)
-    nb = _run(tmp_path, monkeypatch, f"RESULTS_DIR = {str(results)!r}\nOUT_DIR = {str(figs)!r}\nSPLIT = 5/6")
+    nb = _run(tmp_path, monkeypatch, f"ESTIMATE = False\nRESULTS_DIR = {str(results)!r}\nOUT_DIR = {str(figs)!r}\nSPLIT = 5/6")
     text = _text(nb)
     assert "16 records, 15 frontier probes" in text
     assert "budget: 0.500 GiB" in text
@@ -109,9 +109,34 @@ def test_notebook_runs_and_finds_the_frontier(tmp_path, monkeypatch):
 def test_notebook_rereads_probes_under_a_tighter_budget(tmp_path, monkeypatch):
     results = tmp_path / "results"
     _write_results(results, budget=512 * MIB)
-    nb = _run(tmp_path, monkeypatch, f"RESULTS_DIR = {str(results)!r}\nBUDGET_BYTES = {420 * MIB}")
+    nb = _run(tmp_path, monkeypatch, f"ESTIMATE = False\nRESULTS_DIR = {str(results)!r}\nBUDGET_BYTES = {420 * MIB}")
     text = _text(nb)
     # 420 MiB: baseline fits 1024 (409.6 MiB), offload fits 2048 (409.6 MiB) but not 2560 (512 MiB)
     assert "budget: 0.410 GiB" in text
     assert "prefixflow+offload:    2048 tokens  (2.00x baseline)" in text
     assert "prefixflow:    1024 tokens  (1.00x baseline)" in text
+
+
+def test_notebook_estimates_the_frontier_of_the_chosen_model_budget_and_layout(tmp_path, monkeypatch):
+    """Tab 1 on a tiny model: its frontier is the one its own estimated probes give (kept under
+    ESTIMATE_OUT, where ``pf-bench frontier`` would keep them), and Tab 2 still reads the CPU records."""
+    from harness.figures.fig10 import frontier_table
+    from harness.records import collect
+
+    results, est = tmp_path / "results", tmp_path / "estimates"
+    _write_results(results, budget=512 * MIB)
+    tiny = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "vocab_size": 64}
+    params = (
+        f"ESTIMATE = True\nMODEL = 'llama3:debugmodel'\nOVERRIDES = {tiny!r}\nBUDGET = '16MiB'\nLAYOUT = {{}}\n"
+        f"MIN_LEN, MAX_LEN, RESOLUTION = 256, 2048, 256\nDTYPE, AC = 'fp32', 'none'\nJOBS = 2\n"
+        f"ESTIMATE_OUT = {str(est)!r}\nRESULTS_DIR = {str(results)!r}\nOUT_DIR = {str(tmp_path / 'figs')!r}"
+    )
+    text = _text(_run(tmp_path, monkeypatch, params))
+    _, front, _ = frontier_table(collect(est / "frontier"), budget=16 * MIB)
+    best = dict(zip(front["variant"], front["max_total"], strict=True))
+    assert set(best) == {"baseline", "prefixflow+offload"} and 0 < best["baseline"] < best["prefixflow+offload"]
+    for variant, total in best.items():
+        assert f"{variant:>20}: {total:>7} tokens" in text
+    assert "llama3:debugmodel on single, 0.02 GiB per rank, estimated" in text
+    assert (tmp_path / "figs" / "capacity_frontier_estimated.png").stat().st_size > 5000
+    assert "prefixflow+offload:    2560 tokens  (2.50x baseline)" in text  # Tab 2, the CPU records
