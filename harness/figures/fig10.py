@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from .common import (
+    ESTIMATE_METER,
     SkipFigure,
     as_key,
     flag,
@@ -188,7 +189,10 @@ def frontier_table(
 
 
 def figure10b(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
-    """Left: every probe's peak vs total length against the budget; right: the frontier per variant."""
+    """Left: every probe's peak vs total length against the budget; right: the frontier per variant. Measured
+    probes only (estimated ones are Figure 10b at the paper's size, ``figure10b_paper``)."""
+    if "mem_meter" in df.columns:
+        df = df[df["mem_meter"] != ESTIMATE_METER]
     probes, front, budget = frontier_table(df)
     if front.empty:
         raise SkipFigure("no capacity-frontier probe records (budget_bytes/probe)")

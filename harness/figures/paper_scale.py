@@ -1,4 +1,5 @@
-"""Figure 10a at the paper's size: estimated Phase-B peaks (``results/paper_scale``) beside the paper's.
+"""Figures 10a and 10b at the paper's size: estimated Phase-B peaks (``results/paper_scale``) and capacity
+frontiers (``results/paper_frontier``) beside the paper's.
 
 The paper (§5.5, Figure 10a; Llama3-8B, TP2×CP4, 12,288 tokens, default SAC, PrefixFlow with offload, rank-max
 CUDA-allocated HBM) gives the baseline's Phase-B peak as one value, 64.7 GiB, and PrefixFlow's as four: 51.6,
@@ -16,13 +17,33 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .common import GIB, SkipFigure, estimated, mark_revisions, save, split_label, theme
+from .common import (
+    ESTIMATE_METER,
+    GIB,
+    SkipFigure,
+    estimated,
+    frontier_mask,
+    mark_revisions,
+    save,
+    split_label,
+    theme,
+)
 from .fig10 import COLORS, fixed_total_peaks
 
-__all__ = ["PAPER_FIG10A_GIB", "PAPER_BASELINE_GIB", "paper_scale_table", "figure10a_paper"]
+__all__ = [
+    "PAPER_FIG10A_GIB", "PAPER_BASELINE_GIB", "PAPER_FIG10B", "paper_scale_table", "figure10a_paper",
+    "paper_frontier_table", "figure10b_paper",
+]  # fmt: skip
 
 PAPER_BASELINE_GIB = 64.7
 PAPER_FIG10A_GIB = {2048: 51.6, 6144: 39.0, 8192: 32.8, 10240: 26.5}  # prefix length -> PrefixFlow + offload
+# Figure 10b (96 GiB): the total at the 5/6 split, and the suffix admitted behind an 18,944-token prefix (the
+# baseline's whole-sequence limit is below that prefix: it admits none).
+PAPER_FIG10B = {
+    ("ratio", "baseline"): 17920, ("ratio", "prefixflow+offload"): 29696,
+    ("prefix", "baseline"): 0, ("prefix", "prefixflow+offload"): 10752,
+}  # fmt: skip
+PAPER_BUDGET_GIB = 96.0
 
 
 def paper_scale_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -84,3 +105,86 @@ def figure10a_paper(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     )
     mark_revisions(fig, pd.DataFrame({"git_rev": table.attrs.get("git_rev", [])}), "Figure 10a (paper scale)")
     return [save(fig, out_dir, "fig10a_paper_scale")]
+
+
+def paper_frontier_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per estimated capacity-frontier search: its budget (GiB), mode (``ratio``: the searched length
+    is P+S at a fixed split; ``prefix``: S behind a fixed P), variant, frontier (the largest fitting length),
+    the shortest probed length that did not fit (NaN: none did, the search stopped at its ``max_len``), the
+    ratio to the baseline's search of the same budget and mode, and the paper's value at its 96 GiB."""
+    if df.empty or "mem_meter" not in df.columns:
+        return pd.DataFrame()
+    p = df[frontier_mask(df) & (df["mem_meter"] == ESTIMATE_METER) & df["status"].isin(["ok", "oom"])]
+    if p.empty:
+        return pd.DataFrame()
+    p = p.assign(variant=p["system"].astype(str) + np.where(p["offload"].astype(bool), "+offload", ""))
+    rows = []
+    for sid, g in p.groupby("search_id"):
+        first = g.iloc[0]
+        over = g.loc[~g["fits"].astype(bool), "searched_len"]
+        rows.append({
+            "budget_gib": float(first["budget_bytes"]) / GIB, "mode": first["frontier_mode"],
+            "prefix_len": first["frontier_prefix"] if first["frontier_mode"] == "prefix" else np.nan,
+            "variant": first["variant"], "frontier": int(first["frontier_len"]),
+            "first_over": float(over.min()) if not over.empty else np.nan,
+            "probes": len(g), "search_id": sid, "git_rev": first.get("git_rev"),
+        })  # fmt: skip
+    out = pd.DataFrame(rows)
+    key = ["budget_gib", "mode"]
+    base = out[out["variant"] == "baseline"].set_index(key)["frontier"]
+    out["vs_baseline"] = [
+        f / base.get(tuple(k), np.nan) if base.get(tuple(k), 0) else np.nan
+        for f, k in zip(out["frontier"], out[key].itertuples(index=False), strict=True)
+    ]
+    out["paper_96gib"] = [
+        PAPER_FIG10B.get((m, v), np.nan) for m, v in zip(out["mode"], out["variant"], strict=True)
+    ]
+    order = {"baseline": 0, "prefixflow": 1, "prefixflow+offload": 2}
+    out = out.sort_values(
+        ["mode", "budget_gib", "variant"], key=lambda c: c.map(order) if c.name == "variant" else c
+    )
+    return out.reset_index(drop=True)
+
+
+def figure10b_paper(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    """Bars: the estimated frontier of each search (left: P+S at the 5/6 split; right: S behind the fixed
+    prefix), per budget and variant; markers: the paper's values at 96 GiB."""
+    table = paper_frontier_table(df)
+    if table.empty:
+        raise SkipFigure("no estimated capacity-frontier probes (results/paper_frontier)")
+    theme()
+    modes = [m for m in ("ratio", "prefix") if m in set(table["mode"])]
+    fig, axes = plt.subplots(1, len(modes), figsize=(4.6 * len(modes), 4.0), squeeze=False)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        t = table[table["mode"] == mode]
+        budgets = sorted(set(t["budget_gib"]))
+        variants = [v for v in COLORS if v in set(t["variant"])]
+        width = 0.8 / max(1, len(variants))
+        for i, v in enumerate(variants):
+            vals = [t.loc[(t["budget_gib"] == b) & (t["variant"] == v), "frontier"].max() for b in budgets]
+            xs = np.arange(len(budgets)) + (i - (len(variants) - 1) / 2) * width
+            bars = ax.bar(xs, vals, width, color=COLORS[v], label=f"{v} (estimate)")
+            for bar, b in zip(bars, budgets, strict=True):
+                row = t[(t["budget_gib"] == b) & (t["variant"] == v)].iloc[0]
+                txt = f"{int(row['frontier'])}" + ("+" if np.isnan(row["first_over"]) else "")
+                ax.annotate(txt, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                            va="bottom", fontsize=6)  # fmt: skip
+            if PAPER_BUDGET_GIB in budgets:
+                x96 = budgets.index(PAPER_BUDGET_GIB) + (i - (len(variants) - 1) / 2) * width
+                ax.scatter([x96], [PAPER_FIG10B.get((mode, v), np.nan)], marker="D", color="black", zorder=3,
+                           label="paper (96 GiB)" if i == 0 else None)  # fmt: skip
+        ax.set_xticks(np.arange(len(budgets)), [f"{b:g} GiB" for b in budgets])
+        ax.set_xlabel("budget per rank")
+        prefix = t["prefix_len"].dropna()
+        ax.set_ylabel("largest fitting P+S (tokens)" if mode == "ratio" else "largest fitting S (tokens)")
+        ax.set_title(
+            "split 5/6" if mode == "ratio" else f"prefix {int(prefix.iloc[0]) if len(prefix) else '?'}"
+        )
+        ax.legend(fontsize=6)
+    fig.suptitle(
+        "Figure 10b at the paper's size, estimated: Llama3-8B, TP2xCP4, SAC, bf16 "
+        "(+: the search's max_len fits)",
+        fontsize=8,
+    )
+    mark_revisions(fig, table, "Figure 10b (paper scale)")
+    return [save(fig, out_dir, "fig10b_paper_scale")]

@@ -272,7 +272,7 @@ def test_registry_is_complete():
     assert set(FIGURES) == {
         "fig6a", "fig6b", "fig6_sim", "fig7", "fig8a", "fig8b", "claim2_summary", "fig9a", "fig9a_concat",
         "fig9a_split", "fig9b", "fig10a", "fig10b", "fig11", "smoke", "trees_speedup", "trees_time_memory",
-        "multimodal", "fig7_verl", "fig8a_verl", "fig10a_paper",
+        "multimodal", "fig7_verl", "fig8a_verl", "fig10a_paper", "fig10b_paper",
     }  # fmt: skip
 
 
@@ -424,3 +424,51 @@ def test_paper_scale_table_reads_estimates_only_beside_the_papers_values(tmp_pat
     assert table["prefixflow+offload/paper"].iloc[-1] == pytest.approx(20 / 26.5)
     assert fixed_total_peaks(estimates).empty  # Figure 10a reads measured records, never estimates
     assert [p.name for p in figure10a_paper(estimates, tmp_path)] == ["fig10a_paper_scale.png"]
+
+
+def test_paper_frontier_table_reads_each_estimated_search_beside_the_papers_values(tmp_path):
+    """Estimated searches (two budgets at the 5/6 split, one fixed prefix) give one row each: the frontier,
+    the shortest length over budget (none: the search's max_len fit), the ratio to the baseline's search of
+    the same budget and mode, and the paper's 96 GiB values; the CPU Figure 10b never reads them."""
+    from harness.figures.common import SkipFigure
+    from harness.figures.fig10 import figure10b
+    from harness.figures.paper_scale import figure10b_paper, paper_frontier_table
+    from harness.records import ESTIMATE_METER
+    from harness.run.columns import base_record
+    from harness.run.frontier import run_frontier
+    from harness.spec.cell import Cell, FrontierSearch, ModelSpec
+
+    def probe(per_token):
+        def run(cell):
+            rec = {**base_record(cell, "cpu"), "system": cell.systems[0], "offload": cell.offload}
+            peak = 16 * GIB + per_token * (cell.prefix_len + cell.suffix_len)
+            ok = {"status": "ok", "error": None, "peak_mem_bytes": peak, "mem_meter": ESTIMATE_METER}
+            return [{**rec, **ok}]
+
+        return run
+
+    rows = []
+    for budget, mode in ((96, "ratio"), (35, "ratio"), (35, "prefix")):
+        where = dict(ratio=5 / 6) if mode == "ratio" else dict(prefix_len=18944)
+        search = FrontierSearch(budget_bytes=budget * GIB, mode=mode, min_len=4096, max_len=131072,
+                                resolution=1024, **where)  # fmt: skip
+        for system, offload, per_token in (("baseline", False, 2**19), ("prefixflow", True, 2**18)):
+            cell = Cell(spec="paper_frontier", model=ModelSpec(name="llama3:8B"), prefix_len=1, suffix_len=1,
+                        n=2, systems=(system,), offload=offload, warmup=0, repeats=1, device="cpu",
+                        frontier=search)  # fmt: skip
+            rows += run_frontier(cell, tmp_path / f"{budget}{mode}{system}", probe=probe(per_token))
+    df = pd.DataFrame(rows)
+    t = paper_frontier_table(df).set_index(["mode", "budget_gib", "variant"])
+    # 16 GiB + L/2 MiB <= 35 GiB: L <= 38912; with offload L/4 MiB: 77824; at 96 GiB both stop at 131072
+    assert t.loc[("ratio", 35.0, "baseline"), "frontier"] == 38912
+    assert t.loc[("ratio", 35.0, "prefixflow+offload"), "frontier"] == 77824
+    assert t.loc[("ratio", 35.0, "prefixflow+offload"), "vs_baseline"] == pytest.approx(2.0)
+    assert t.loc[("ratio", 35.0, "baseline"), "first_over"] == 39936
+    assert np.isnan(t.loc[("ratio", 96.0, "prefixflow+offload"), "first_over"])  # max_len fits
+    assert t.loc[("ratio", 96.0, "prefixflow+offload"), "paper_96gib"] == 29696
+    # the suffix behind the prefix: at most 38912 - 18944 = 19968, on the grid 4096 + k * 1024
+    assert t.loc[("prefix", 35.0, "baseline"), "frontier"] == 19456
+    assert t.loc[("prefix", 35.0, "prefixflow+offload"), "paper_96gib"] == 10752
+    assert [p.name for p in figure10b_paper(df, tmp_path)] == ["fig10b_paper_scale.png"]
+    with pytest.raises(SkipFigure):
+        figure10b(df, tmp_path)  # measured probes only
