@@ -35,11 +35,19 @@ from harness.records import ESTIMATE_METER
 from harness.run.measure import PhaseMeter
 from prefixflow.memory.live_bytes import LiveBytesMeter
 
-__all__ = ["FAKE_METER", "REAL_LIMIT", "RealTensorGuard", "RealTensorError", "FakePhaseMeter", "fake_mode",
+__all__ = ["FAKE_METER", "REAL_LIMIT", "real_limit", "RealTensorGuard", "RealTensorError", "FakePhaseMeter", "fake_mode",
            "materialise", "use_fake_tier", "refusal_of", "fail"]  # fmt: skip
 
 FAKE_METER = ESTIMATE_METER
 REAL_LIMIT = 1 << 20  # positions, masks and RNG state may stay real below this
+INDEX_BYTES_PER_TOKEN = 16  # a token's id and position as int64: host index work grows with the tokens
+
+
+def real_limit(tokens: int) -> int:
+    """The guard's limit for a step of ``tokens`` tokens: 1 MiB, or the step's index tensors (16 bytes a
+    token) when more, so a 128k-token group's ids may stay real. A model's activation is thousands of bytes
+    a token (``dim`` x the dtype), so none passes."""
+    return max(REAL_LIMIT, INDEX_BYTES_PER_TOKEN * int(tokens))
 
 
 class RealTensorError(RuntimeError):
@@ -48,7 +56,7 @@ class RealTensorError(RuntimeError):
     def __init__(self, op: str, nbytes: int, limit: int) -> None:
         self.op, self.nbytes = op, nbytes
         super().__init__(
-            f"{op} made a real tensor of {nbytes / 2**20:.1f} MiB during the estimate (limit {limit / 2**20:.0f} MiB)"
+            f"{op} made a real tensor of {nbytes / 2**20:.1f} MiB during the estimate (limit {limit / 2**20:.1f} MiB)"
         )
 
 

@@ -14,6 +14,7 @@ from harness.estimate.fake import (
     fail,
     fake_mode,
     materialise,
+    real_limit,
     use_fake_tier,
 )
 from harness.run.loop import Bench, SystemRun, collector_paused
@@ -65,7 +66,8 @@ def estimate_systems(cell: Cell, device: torch.device, bench: Bench, memory_only
     FLOP-counting step, all on fake tensors. A failure stays with its system (``SystemRun.failure``)."""
     mode = fake_mode()
     fake = FakeBuild(bench, mode)
-    guard = RealTensorGuard()
+    tokens = (cell.n or 1) * (cell.prefix_len + cell.suffix_len) + cell.prefix_len  # the baseline's and P
+    guard = RealTensorGuard(real_limit(tokens))
     runs = []
     with mode, guard:
         for name in cell.systems:

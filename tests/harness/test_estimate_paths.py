@@ -79,6 +79,24 @@ def test_guard_refuses_a_real_tensor_above_1_mib_naming_the_op():
                 torch.ones(1 << 18, dtype=torch.float64)
 
 
+def test_the_limit_grows_with_the_steps_tokens_by_their_index_bytes_only(monkeypatch):
+    """A 128k-token group's ids may stay real (16 bytes a token); a real tensor of twice that is refused, and
+    an estimate's guard takes the cell's tokens: the baseline's N x (P+S), plus P."""
+    import harness.estimate.loop as loop
+    from harness.estimate.fake import real_limit
+
+    assert real_limit(1000) == 1 << 20 and real_limit(131072) == 16 * 131072
+    with fake_mode(), RealTensorGuard(real_limit(131072)), on_host():
+        torch.zeros(2 * 131072, dtype=torch.int64)  # ids and positions of every token: 2 MiB, allowed
+        with pytest.raises(RealTensorError, match=r"of 4\.0 MiB during the estimate \(limit 2\.0 MiB\)"):
+            torch.zeros(4 * 131072, dtype=torch.int64)
+    limits = []
+    monkeypatch.setattr(loop, "real_limit", lambda tokens: limits.append(tokens) or real_limit(tokens))
+    assert all(r["status"] == "ok" for r in estimate_cell(_cell()))
+    cell = _cell()
+    assert limits == [cell.n * (cell.prefix_len + cell.suffix_len) + cell.prefix_len]
+
+
 def test_refused_in_one_line_naming_the_op_and_the_cell(monkeypatch):
     # A fake mask inspected as if it had values: the estimate must refuse, not guess.
     import prefixflow.attention.split as split
