@@ -115,6 +115,7 @@ def test_fits_answers_as_the_search_does(tmp_path):
     (["--budget", "1GiB", "--min-len", "512", "--max-len", "256"], "--max-len"),
     (["--budget", "1GiB", "--variants", "nosuch"], "--variants"),
     (["--budget", "1GiB", "--variants", "prefixflow+"], "--variants"),
+    (["--budget", "1GiB", "--max-len", "300000"], "more than the model's max_seq_len=131072"),
 ])  # fmt: skip
 def test_bad_input_is_one_line_naming_the_option(tmp_path, args, named):
     res = _cli(tmp_path, *args)
