@@ -144,3 +144,24 @@ def test_fake_equals_real_auto_microbatch():
         abs(est["auto_per_token_bytes"] - real["auto_per_token_bytes"]) <= 0.01 * real["auto_per_token_bytes"]
     )
     assert abs(est["peak_mem_bytes"] - real["peak_mem_bytes"]) <= tolerance(real["peak_mem_bytes"])
+
+
+def test_peaks_grow_with_n_by_one_responses_inputs_alone():
+    """experiments/paper_fig11.yaml runs N=2b (two Phase-B microbatches of b) for the paper's N=16 and scales:
+    each phase's peak grows with N by exactly one response's inputs (ids, masks, advantages: resident the
+    whole step), the same bytes in every phase, for both AC policies, offload on and off, and every b."""
+    def peaks(n: int, b: int, ac: str, offload: bool) -> tuple[float, ...]:
+        (rec,) = estimate_cell(_cell(systems=("prefixflow",), n=n, microbatch=b, ac=ac, offload=offload,
+                                     dtype="bf16"))  # fmt: skip
+        assert rec["status"] == "ok", rec["error"]
+        return tuple(rec[f"peak_mem_phase_{p}_bytes"] for p in "abc")
+
+    deltas = set()
+    for ac, offload, b in (("selective", False, 1), ("none", True, 2)):
+        two, eight, sixteen = (peaks(n, b, ac, offload) for n in (2 * b, 8, 16))
+        per_response = {(e - t) / (8 - 2 * b) for e, t in zip(eight, two, strict=True)}
+        assert len(per_response) == 1, (ac, offload, b, two, eight)  # the same bytes in every phase
+        (delta,) = per_response
+        assert all(x - t == (16 - 2 * b) * delta for x, t in zip(sixteen, two, strict=True))  # linear in N
+        deltas.add(delta)
+    assert len(deltas) == 1 and 0 < deltas.pop() < 64 * 24  # the same for every policy: inputs, not activations
