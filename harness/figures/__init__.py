@@ -21,7 +21,7 @@ from .fig9 import figure9a, figure9a_concat, figure9a_split, figure9b
 from .fig10 import figure10a, figure10b, frontier_table
 from .fig11 import figure11
 from .multimodal import figure_multimodal, multimodal_table
-from .paper_scale import figure10a_paper, figure10b_paper
+from .paper_scale import figure10a_paper, figure10b_paper, figure11_paper
 from .smoke import smoke_overview
 from .tables import alignment_table, peer_table, speedup_table
 from .trees import tree_speedup, tree_tables, tree_time_memory
@@ -48,6 +48,7 @@ FIGURES: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {
     "fig10a": figure10a,
     "fig10a_paper": figure10a_paper,
     "fig10b_paper": figure10b_paper,
+    "fig11_paper": figure11_paper,
     "fig10b": figure10b,
     "fig11": figure11,
     "smoke": smoke_overview,

@@ -9,6 +9,7 @@ import pandas as pd
 import seaborn as sns
 
 from .common import (
+    ESTIMATE_METER,
     SkipFigure,
     flag,
     frontier_mask,
@@ -30,6 +31,8 @@ def budget_points(df: pd.DataFrame) -> pd.DataFrame:
     m = df[
         (df["system"] == "prefixflow") & ~frontier_mask(df) & df["microbatch"].notna() & ~flag(df, "compile")
     ]
+    if "mem_meter" in m.columns:  # estimates are Figure 11 at the paper's size (figure11_paper)
+        m = m[m["mem_meter"] != ESTIMATE_METER]
     if m.empty:
         return m
     m = m.assign(

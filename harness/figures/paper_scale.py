@@ -1,5 +1,5 @@
-"""Figures 10a and 10b at the paper's size: estimated Phase-B peaks (``results/paper_scale``) and capacity
-frontiers (``results/paper_frontier``) beside the paper's.
+"""Figures 10a, 10b and 11 at the paper's size: estimated Phase-B peaks (``results/paper_scale``), capacity
+frontiers (``results/paper_frontier``) and Figure 11's memory axis (``results/paper_fig11``) beside the paper's.
 
 The paper (§5.5, Figure 10a; Llama3-8B, TP2×CP4, 12,288 tokens, default SAC, PrefixFlow with offload, rank-max
 CUDA-allocated HBM) gives the baseline's Phase-B peak as one value, 64.7 GiB, and PrefixFlow's as four: 51.6,
@@ -32,7 +32,7 @@ from .fig10 import COLORS, fixed_total_peaks
 
 __all__ = [
     "PAPER_FIG10A_GIB", "PAPER_BASELINE_GIB", "PAPER_FIG10B", "paper_scale_table", "figure10a_paper",
-    "paper_frontier_table", "figure10b_paper",
+    "paper_frontier_table", "figure10b_paper", "PAPER_FIG11_GIB", "paper_fig11_table", "figure11_paper",
 ]  # fmt: skip
 
 PAPER_BASELINE_GIB = 64.7
@@ -44,6 +44,11 @@ PAPER_FIG10B = {
     ("prefix", "baseline"): 0, ("prefix", "prefixflow+offload"): 10752,
 }  # fmt: skip
 PAPER_BUDGET_GIB = 96.0
+# Figure 11 (P=10,240, S=4,096, N=16, offload on) at b=8: full recompute 91.25 GiB (fits), full save an
+# extrapolated 115.91 GiB (OOM); without offload both OOM. Offload shifts the points by 4.86 GiB.
+PAPER_FIG11_GIB = {("selective", True, 8): 91.25, ("none", True, 8): 115.91}
+PAPER_FIG11_N = 16
+POLICY = {"selective": "full recompute (SAC)", "none": "full save (AC none)"}
 
 
 def paper_scale_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -188,3 +193,61 @@ def figure10b_paper(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     )
     mark_revisions(fig, table, "Figure 10b (paper scale)")
     return [save(fig, out_dir, "fig10b_paper_scale")]
+
+
+def paper_fig11_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Figure 11's memory axis from the estimated ``paper_fig11`` cells: per (AC policy, offload, b) the
+    peaks at N=2b, scaled to the paper's N=16 by ``delta`` (one response's inputs: the N=4 against the N=2
+    cell at b=1; a test shows the peaks grow with N by that alone), whether the whole step fits 96 GiB, and
+    the paper's values. Empty without the delta pair."""
+    e = estimated(df)
+    if e.empty or "spec" not in e.columns:
+        return pd.DataFrame()
+    e = e[(e["spec"] == "paper_fig11") & (e["system"] == "prefixflow")]
+    e = e.assign(offload=e["offload"].astype(bool), b=e["microbatch"].astype(int))
+    pair = e[(e["b"] == 1) & (e["ac"] == "selective") & ~e["offload"]].set_index("n")
+    if not {2, 4} <= set(pair.index):
+        return pd.DataFrame()
+    delta = (pair.loc[4, "peak_mem_phase_b_bytes"] - pair.loc[2, "peak_mem_phase_b_bytes"]) / 2
+    cells = e[e["n"] == 2 * e["b"]]
+    keep = ["ac", "offload", "b", "n", "peak_mem_phase_b_bytes", "peak_mem_bytes", "git_rev"]
+    out = cells[[c for c in keep if c in cells.columns]].copy()
+    grow = (PAPER_FIG11_N - out["n"]) * delta
+    out["phase_b_gib"] = (out["peak_mem_phase_b_bytes"] + grow) / GIB
+    out["peak_gib"] = (out["peak_mem_bytes"] + grow) / GIB
+    out["fits_96gib"] = out["peak_gib"] <= PAPER_BUDGET_GIB
+    out["policy"] = out["ac"].map(POLICY)
+    keys = zip(out["ac"], out["offload"], out["b"], strict=True)
+    out["paper_gib"] = [PAPER_FIG11_GIB.get(k, np.nan) for k in keys]
+    out.attrs["delta_bytes"] = float(delta)
+    cols = ["policy", "ac", "offload", "b", "n", "phase_b_gib", "peak_gib", "fits_96gib", "paper_gib"]
+    cols += ["git_rev"] if "git_rev" in out.columns else []
+    return out[cols].sort_values(["ac", "offload", "b"]).reset_index(drop=True)
+
+
+def figure11_paper(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
+    """Phase-B peak (scaled to N=16) against b, one line per (AC policy, offload), with the 96 GiB budget and
+    the paper's b=8 points."""
+    table = paper_fig11_table(df)
+    if table.empty:
+        raise SkipFigure("no estimated Figure 11 cells with the N=4/N=2 delta pair (results/paper_fig11)")
+    theme()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for (ac, off), g in table.groupby(["ac", "offload"]):
+        ls = "-" if off else "--"
+        ax.plot(g["b"], g["phase_b_gib"], ls, marker="o", label=f"{POLICY[ac]}{', offload' if off else ''}")
+    paper = [(b, v, ac) for (ac, off, b), v in PAPER_FIG11_GIB.items()]
+    ax.scatter([p[0] for p in paper], [p[1] for p in paper], marker="D", color="black", zorder=3,
+               label="paper, offload (b=8)")  # fmt: skip
+    ax.axhline(PAPER_BUDGET_GIB, color="red", ls=":", lw=1, label="96 GiB")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+    ax.set_xlabel("responses per Phase-B microbatch b")
+    ax.set_ylabel("Phase-B peak at N=16, rank-max (GiB)")
+    ax.legend(fontsize=6)
+    fig.suptitle(
+        "Figure 11's memory axis at the paper's size, estimated: Llama3-8B, TP2xCP4, P=10240, S=4096, N=16",
+        fontsize=8,
+    )
+    mark_revisions(fig, table, "Figure 11 (paper scale)")
+    return [save(fig, out_dir, "fig11_paper_scale")]

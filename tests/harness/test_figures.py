@@ -272,7 +272,7 @@ def test_registry_is_complete():
     assert set(FIGURES) == {
         "fig6a", "fig6b", "fig6_sim", "fig7", "fig8a", "fig8b", "claim2_summary", "fig9a", "fig9a_concat",
         "fig9a_split", "fig9b", "fig10a", "fig10b", "fig11", "smoke", "trees_speedup", "trees_time_memory",
-        "multimodal", "fig7_verl", "fig8a_verl", "fig10a_paper", "fig10b_paper",
+        "multimodal", "fig7_verl", "fig8a_verl", "fig10a_paper", "fig10b_paper", "fig11_paper",
     }  # fmt: skip
 
 
@@ -472,3 +472,36 @@ def test_paper_frontier_table_reads_each_estimated_search_beside_the_papers_valu
     assert [p.name for p in figure10b_paper(df, tmp_path)] == ["fig10b_paper_scale.png"]
     with pytest.raises(SkipFigure):
         figure10b(df, tmp_path)  # measured probes only
+
+
+def test_paper_fig11_table_scales_each_n_2b_cell_to_n_16_by_the_measured_delta(tmp_path):
+    """Each (policy, offload, b) cell at N=2b gets (16 - 2b) x delta, delta being the N=4 minus the N=2 cell
+    at b=1 over 2; the whole step's scaled peak decides the 96 GiB fit; the CPU Figure 11 never reads them."""
+    from harness.figures.common import SkipFigure
+    from harness.figures.paper_scale import GIB as G
+    from harness.figures.paper_scale import figure11_paper, paper_fig11_table
+    from harness.records import ESTIMATE_METER
+
+    common = dict(spec="paper_fig11", mem_meter=ESTIMATE_METER, status="ok")
+    rows = []
+    for ac, save in (("selective", 0), ("none", 20)):
+        for off in (False, True):
+            for b in (1, 2, 4, 8):
+                phase_b = (40 + 6 * b + save - 5 * off) * G
+                rows.append(_rec("prefixflow", 10240, 4096, 2 * b, ac=ac, offload=off, microbatch=b,
+                                 peak_mem_phase_b_bytes=phase_b, peak_mem_bytes=phase_b + G,
+                                 cell_id=f"{ac}{off}{b}", **common))  # fmt: skip
+    delta = 2**20
+    rows.append(_rec("prefixflow", 10240, 4096, 4, ac="selective", offload=False, microbatch=1,
+                     peak_mem_phase_b_bytes=46 * G + 2 * delta, peak_mem_bytes=47 * G + 2 * delta,
+                     cell_id="delta", **common))  # fmt: skip
+    with pytest.raises(SkipFigure):
+        figure11_paper(pd.DataFrame(rows[:-1]), tmp_path)  # no delta pair: nothing is scaled by a guess
+    t = paper_fig11_table(pd.DataFrame(rows)).set_index(["ac", "offload", "b"])
+    assert len(t) == 16 and t.attrs["delta_bytes"] == delta
+    assert t.loc[("selective", True, 8), "phase_b_gib"] == 40 + 48 - 5  # N=16 already: nothing added
+    assert t.loc[("selective", False, 1), "phase_b_gib"] == pytest.approx(46 + 14 * delta / G)
+    assert bool(t.loc[("selective", True, 8), "fits_96gib"]) and not t.loc[("none", False, 8), "fits_96gib"]
+    assert t.loc[("none", True, 8), "paper_gib"] == 115.91 and np.isnan(t.loc[("none", True, 4), "paper_gib"])
+    assert [p.name for p in figure11_paper(pd.DataFrame(rows), tmp_path)] == ["fig11_paper_scale.png"]
+    assert budget_points(pd.DataFrame(rows)).empty  # estimates are not the CPU Figure 11's
