@@ -75,6 +75,9 @@ def estimate_systems(cell: Cell, device: torch.device, bench: Bench, memory_only
             report(f"building {name} on fake tensors ({cell.model.display}, {cell.dtype})")
             try:
                 run.contender, run.model = fake.build(name)
+            except ValueError as e:  # the model cannot take the layout (a TP degree, tied embeddings under PP)
+                fail(run, e, cell, device)
+                run.failure = ("error", f"cell {cell.cell_id}: {name}: {e}")
             except Exception as e:
                 fail(run, e, cell, device)
             runs.append(run)

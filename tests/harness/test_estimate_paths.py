@@ -97,6 +97,15 @@ def test_the_limit_grows_with_the_steps_tokens_by_their_index_bytes_only(monkeyp
     assert limits == [cell.n * (cell.prefix_len + cell.suffix_len) + cell.prefix_len]
 
 
+def test_a_layout_the_model_cannot_take_is_one_line_naming_the_cell():
+    from harness.spec.cell import Parallel
+
+    cell = _cell(parallel=Parallel(tp=4), systems=("baseline",))
+    (rec,) = estimate_cell(cell)
+    assert rec["status"] == "error" and "\n" not in rec["error"] and "Traceback" not in rec["error"]
+    assert rec["error"].startswith(f"cell {cell.cell_id}: baseline: tp=4 must divide the model's n_heads=2")
+
+
 def test_refused_in_one_line_naming_the_op_and_the_cell(monkeypatch):
     # A fake mask inspected as if it had values: the estimate must refuse, not guess.
     import prefixflow.attention.split as split
