@@ -1,5 +1,6 @@
-"""Figures 10a, 10b and 11 at the paper's size: estimated Phase-B peaks (``results/paper_scale``), capacity
-frontiers (``results/paper_frontier``) and Figure 11's memory axis (``results/paper_fig11``) beside the paper's.
+"""Figures 10a, 10b, 11 and Table 3's large settings at the paper's size, estimated: Phase-B peaks
+(``results/paper_scale``), capacity frontiers (``results/paper_frontier``), Figure 11's memory axis
+(``results/paper_fig11``) and per-rank peaks (``results/paper_table3``), beside the paper's.
 
 The paper (§5.5, Figure 10a; Llama3-8B, TP2×CP4, 12,288 tokens, default SAC, PrefixFlow with offload, rank-max
 CUDA-allocated HBM) gives the baseline's Phase-B peak as one value, 64.7 GiB, and PrefixFlow's as four: 51.6,
@@ -11,6 +12,7 @@ So 39.0 is matched to 6k/6k and 32.8 to 8k/4k, and 4k/8k has no paper value.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -33,6 +35,7 @@ from .fig10 import COLORS, fixed_total_peaks
 __all__ = [
     "PAPER_FIG10A_GIB", "PAPER_BASELINE_GIB", "PAPER_FIG10B", "paper_scale_table", "figure10a_paper",
     "paper_frontier_table", "figure10b_paper", "PAPER_FIG11_GIB", "paper_fig11_table", "figure11_paper",
+    "paper_table3_table",
 ]  # fmt: skip
 
 PAPER_BASELINE_GIB = 64.7
@@ -251,3 +254,37 @@ def figure11_paper(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     )
     mark_revisions(fig, table, "Figure 11 (paper scale)")
     return [save(fig, out_dir, "fig11_paper_scale")]
+
+
+def paper_table3_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Table 3's large settings from the estimated ``paper_table3`` cells: per model, layout and variant the
+    rank-max peak of each phase (GiB), the whole step's peak on every rank that ran, and the ratio of the
+    Phase-B peak to the baseline's of the same model and layout."""
+    e = estimated(df)
+    if e.empty or "spec" not in e.columns:
+        return pd.DataFrame()
+    e = e[e["spec"] == "paper_table3"]
+    if e.empty:
+        return pd.DataFrame()
+    e = e.assign(variant=e["system"].astype(str) + np.where(e["offload"].astype(bool), "+offload", ""))
+    rows = []
+    for r in e.to_dict("records"):
+        per_rank = r.get("peak_mem_bytes_per_rank")  # a JSON list in the records
+        per_rank = json.loads(per_rank) if isinstance(per_rank, str) else per_rank
+        rows.append({
+            "model": r["model"], "layout": r["parallel_layout"], "variant": r["variant"],
+            "split": split_label(r["prefix_len"], r["suffix_len"]),
+            **{f"phase_{p}_gib": (r.get(f"peak_mem_phase_{p}_bytes") or np.nan) / GIB for p in "abc"},
+            "ranks": r.get("estimate_ranks"),
+            "per_rank_gib": [round(float(x) / GIB, 2) for x in per_rank] if per_rank is not None else None,
+        })  # fmt: skip
+    out = pd.DataFrame(rows)
+    base = out[out["variant"] == "baseline"].set_index(["model", "layout"])["phase_b_gib"]
+    out["phase_b_vs_baseline"] = [
+        b / base.get((m, lay), np.nan)
+        for b, m, lay in zip(out["phase_b_gib"], out["model"], out["layout"], strict=True)
+    ]
+    order = {"baseline": 0, "prefixflow": 1, "prefixflow+offload": 2}
+    return out.sort_values(
+        ["model", "variant"], key=lambda c: c.map(order) if c.name == "variant" else c
+    ).reset_index(drop=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -505,3 +506,26 @@ def test_paper_fig11_table_scales_each_n_2b_cell_to_n_16_by_the_measured_delta(t
     assert t.loc[("none", True, 8), "paper_gib"] == 115.91 and np.isnan(t.loc[("none", True, 4), "paper_gib"])
     assert [p.name for p in figure11_paper(pd.DataFrame(rows), tmp_path)] == ["fig11_paper_scale.png"]
     assert budget_points(pd.DataFrame(rows)).empty  # estimates are not the CPU Figure 11's
+
+
+def test_paper_table3_table_gives_each_variants_phases_and_every_ranks_peak():
+    from harness.figures.common import split_label
+    from harness.figures.paper_scale import paper_table3_table
+    from harness.records import ESTIMATE_METER
+
+    common = dict(spec="paper_table3", mem_meter=ESTIMATE_METER, status="ok", model="qwen3-32b",
+                  parallel_layout="cp2-tp8-pp2", estimate_ranks="[0, 8, 16, 24]")  # fmt: skip
+    rows = [
+        _rec("baseline", 3072, 1024, 2, offload=False, peak_mem_phase_b_bytes=40 * GIB, cell_id="a",
+             peak_mem_bytes_per_rank=json.dumps([40 * GIB, 38 * GIB, 30 * GIB, 30 * GIB]), **common),
+        _rec("prefixflow", 3072, 1024, 2, offload=True, peak_mem_phase_a_bytes=20 * GIB,
+             peak_mem_phase_b_bytes=30 * GIB, peak_mem_phase_c_bytes=25 * GIB, cell_id="b",
+             peak_mem_bytes_per_rank=json.dumps([30 * GIB] * 4), **common),
+    ]  # fmt: skip
+    t = paper_table3_table(pd.concat([pd.DataFrame(rows), pd.DataFrame(all_records())], ignore_index=True))
+    t = t.set_index("variant")
+    assert list(t.index) == ["baseline", "prefixflow+offload"]  # the measured records are not read
+    assert t.loc["prefixflow+offload", "phase_b_vs_baseline"] == pytest.approx(0.75)
+    assert t.loc["baseline", "per_rank_gib"] == [40.0, 38.0, 30.0, 30.0]
+    assert np.isnan(t.loc["baseline", "phase_a_gib"])
+    assert t.loc["prefixflow+offload", "split"] == split_label(3072, 1024)
