@@ -28,7 +28,9 @@ from torch.utils.flop_counter import flop_registry
 
 from .work import Flops, causal_pairs
 
-__all__ = ["AttentionCounter", "KernelCounter", "MatmulCounter", "count_flops", "GEMM_OPS", "BATCHED_OPS"]
+__all__ = [
+    "AttentionCounter", "KernelCounter", "MatmulCounter", "count_flops", "op_flops", "GEMM_OPS", "BATCHED_OPS",
+]  # fmt: skip
 
 GEMM_OPS = ("mm", "addmm")
 BATCHED_OPS = ("bmm", "baddbmm")
@@ -59,10 +61,25 @@ class MatmulCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        packet = func.overloadpacket
-        if packet.__name__ in self.counts:
-            self.counts[packet.__name__] += int(flop_registry[packet](*args, **kwargs, out_val=out))
+        name = func.overloadpacket.__name__
+        if name in self.counts:
+            self.counts[name] += matmul_flops(func, args, kwargs, out)
         return out
+
+
+def attention_flops(name: str, args, kwargs) -> int:
+    """FLOPs of one fused SDPA call named ``name`` (0 for any other op): ``4·hd`` per (query, key) pair and
+    query head forward, twice that backward; ``Lq(Lq+1)/2`` pairs for a causal call with ``Lq = Lk``."""
+    for table, factor in ((_SDPA_FORWARD, 1), (_SDPA_BACKWARD, 2)):
+        if name in table:
+            causal_at = table[name]
+            q, k = (args[1], args[2]) if factor == 2 else (args[0], args[1])
+            is_causal = args[causal_at] if len(args) > causal_at else kwargs.get("is_causal", False)
+            b, h, lq, d = q.shape
+            lk = k.shape[2]
+            pairs = causal_pairs(lq) if bool(is_causal) and lq == lk else lq * lk
+            return factor * 4 * b * h * d * pairs
+    return 0
 
 
 class AttentionCounter(TorchDispatchMode):
@@ -75,22 +92,11 @@ class AttentionCounter(TorchDispatchMode):
         self.flops = 0
         self.calls = 0
 
-    def _count(self, q, k, is_causal: bool, factor: int) -> None:
-        b, h, lq, d = q.shape
-        lk = k.shape[2]
-        pairs = causal_pairs(lq) if is_causal and lq == lk else lq * lk
-        self.flops += factor * 4 * b * h * d * pairs
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        for table, factor in ((_SDPA_FORWARD, 1), (_SDPA_BACKWARD, 2)):
-            if name in table:
-                causal_at = table[name]
-                q, k = (args[1], args[2]) if factor == 2 else (args[0], args[1])
-                is_causal = args[causal_at] if len(args) > causal_at else kwargs.get("is_causal", False)
-                self._count(q, k, bool(is_causal), factor)
-                self.calls += factor == 1
+        self.flops += attention_flops(name, args, kwargs)
+        self.calls += name in _SDPA_FORWARD
         return func(*args, **kwargs)
 
 
@@ -108,28 +114,57 @@ class KernelCounter(TorchDispatchMode):
         self.conv = 0
         self.solve = 0
 
-    @staticmethod
-    def _conv(out_shape, weight_shape) -> int:
-        batch, c_out, *spatial = out_shape
-        return 2 * batch * c_out * math.prod(weight_shape[1:]) * math.prod(spatial)
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         out = func(*args, **kwargs)
-        if name == "convolution":
-            self.conv += self._conv(out.shape, args[1].shape)
-        elif name == "convolution_backward":
-            grad_out, weight, mask = args[0], args[2], args[10]
-            self.conv += (int(mask[0]) + int(mask[1])) * self._conv(grad_out.shape, weight.shape)
+        if name in ("convolution", "convolution_backward"):
+            self.conv += kernel_flops(name, args, kwargs, out)
         elif name == "linalg_solve_triangular":
-            a, b = args[0], args[1]
-            left = kwargs.get("left", args[3] if len(args) > 3 else True)
-            unit = kwargs.get("unitriangular", args[4] if len(args) > 4 else False)
-            n = a.shape[-1]
-            rhs = b.numel() // (b.shape[-2] if left else b.shape[-1])
-            self.solve += rhs * (n * (n - 1) + (0 if unit else n))
+            self.solve += kernel_flops(name, args, kwargs, out)
         return out
+
+
+def _conv(out_shape, weight_shape) -> int:
+    batch, c_out, *spatial = out_shape
+    return 2 * batch * c_out * math.prod(weight_shape[1:]) * math.prod(spatial)
+
+
+def kernel_flops(name: str, args, kwargs, out) -> int:
+    """FLOPs of one convolution (forward or backward) or triangular solve (:class:`KernelCounter`'s rules);
+    0 for any other op."""
+    if name == "convolution":
+        return _conv(out.shape, args[1].shape)
+    if name == "convolution_backward":
+        grad_out, weight, mask = args[0], args[2], args[10]
+        return (int(mask[0]) + int(mask[1])) * _conv(grad_out.shape, weight.shape)
+    if name == "linalg_solve_triangular":
+        a, b = args[0], args[1]
+        left = kwargs.get("left", args[3] if len(args) > 3 else True)
+        unit = kwargs.get("unitriangular", args[4] if len(args) > 4 else False)
+        n = a.shape[-1]
+        rhs = b.numel() // (b.shape[-2] if left else b.shape[-1])
+        return rhs * (n * (n - 1) + (0 if unit else n))
+    return 0
+
+
+def matmul_flops(func, args, kwargs, out) -> int:
+    """FLOPs of one GEMM or batched matmul by torch's ``flop_registry`` formula; 0 for any other op."""
+    packet = func.overloadpacket
+    if packet.__name__ in (*GEMM_OPS, *BATCHED_OPS):
+        return int(flop_registry[packet](*args, **kwargs, out_val=out))
+    return 0
+
+
+def op_flops(func, args, kwargs, out) -> int:
+    """The FLOPs this module counts for one op call: a matmul's, an SDPA call's, a convolution's or a
+    triangular solve's (pointwise ops, reductions and copies count 0)."""
+    name = func.overloadpacket.__name__
+    return (
+        matmul_flops(func, args, kwargs, out)
+        + attention_flops(name, args, kwargs)
+        + kernel_flops(name, args, kwargs, out)
+    )
 
 
 def count_flops(fn: Callable[[], object]) -> tuple[Flops, object]:

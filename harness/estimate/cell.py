@@ -80,6 +80,8 @@ def estimate_cell(cell: Cell, folder: str | Path | None = None) -> list[dict[str
         run = ran.get(rec["system"])
         if run is not None and run.memory is not None:
             rec["estimate_s"] = run.memory.get("estimate_s")
+            for key in ("modelled_time_s", "modelled_bytes"):  # the FLOP-counting step's ops on the H20
+                rec[key] = run.memory.get(key, math.nan)
         if run is not None and run.memory is not None:
             for phase, peak in run.memory.get("phase_peak_bytes", {}).items():
                 rec[f"peak_mem_phase_{phase.lower()}_bytes"] = float(peak)

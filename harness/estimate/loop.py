@@ -8,6 +8,7 @@ import time
 import torch
 
 from harness.costmodel.counting import count_flops
+from harness.costmodel.roofline import RooflineTimer
 from harness.estimate.fake import (
     FakePhaseMeter,
     RealTensorGuard,
@@ -98,12 +99,15 @@ def estimate_systems(cell: Cell, device: torch.device, bench: Bench, memory_only
                 started = time.perf_counter()
                 with collector_paused(not count), meter:
                     train = lambda: run.contender.step(model, inputs, cell, meter)  # noqa: E731
-                    if count:
-                        run.counted, stats = count_flops(train)
+                    if count:  # the same ops modelled on the H20 (harness.costmodel.roofline)
+                        with RooflineTimer() as roofline:
+                            run.counted, stats = count_flops(train)
                     else:
                         stats = train()
                 results = meter.results(extended=True)
                 results["estimate_s"] = time.perf_counter() - started
+                if count:
+                    results |= {"modelled_time_s": roofline.seconds, "modelled_bytes": roofline.bytes}
                 model.zero_grad(set_to_none=True)
             except Exception as e:
                 fail(run, e, cell, device)
@@ -121,5 +125,7 @@ def estimate_systems(cell: Cell, device: torch.device, bench: Bench, memory_only
         if fake.count_flops and not memory_only:
             for run in ready():
                 report(f"estimate {run.name}: FLOP-counting step")
-                step(run, count=True)
+                if (out := step(run, count=True)) is not None and run.memory is not None:
+                    run.memory["modelled_time_s"] = out[0]["modelled_time_s"]
+                    run.memory["modelled_bytes"] = out[0]["modelled_bytes"]
     return runs, inputs
