@@ -257,6 +257,11 @@ class Cell(StrictModel):
                 "use the single layout"
             )
         self._check_vision()
+        if self.offload and self.parallel.pp > 1:
+            raise ValueError(
+                f"offload: PrefixFlow's offload does not run under pipeline parallelism (this cell's layout is "
+                f"{self.parallel.label}); set offload false or pp 1"
+            )
         if self.microbatch == "auto" and (self.world_size > 1 or self.groups_per_step > 1):
             raise ValueError(
                 f"microbatch 'auto' runs on one process with one group per step; this cell's layout is "

@@ -172,3 +172,11 @@ def test_every_committed_spec_loads_under_every_preset(path):
     for preset in ("cpu", "paper"):
         spec = load_spec(path, preset=preset)
         assert expand(spec), f"{path.name} --preset {preset} has no cells"
+
+
+def test_offload_under_pipeline_parallelism_is_refused_before_anything_runs():
+    from harness.spec.cell import Cell, ModelSpec, Parallel
+
+    with pytest.raises(ValueError, match=r"offload: PrefixFlow's offload does not run under pipeline parallelism"):
+        Cell(spec="t", model=ModelSpec(name="llama3:debugmodel"), prefix_len=8, suffix_len=8, n=2, offload=True,
+             parallel=Parallel(pp=2), systems=("prefixflow",))  # fmt: skip
