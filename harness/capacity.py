@@ -18,6 +18,7 @@ from typing import Any
 import pandas as pd
 
 from harness.spec.cell import Cell, FrontierSearch, ModelSpec, Parallel
+from harness.spec.load import search_cells
 
 __all__ = ["FRONTIER_SPEC", "parse_size", "frontier_cells", "search_frontier"]
 
@@ -56,32 +57,13 @@ def frontier_cells(
     timeout_min: float = 120.0,
     **fields: Any,
 ) -> list[Cell]:
-    """One search cell per variant, as a spec's ``frontier:`` block makes them (``fields``: ``n``,
-    ``microbatch``, ``dtype``, ``ac``, ``layout``, ``loss``, ``seed``). Raises pydantic's ValidationError for
-    a bad field."""
-    if search.mode == "ratio":
-        prefix = max(1, min(search.min_len - 1, round(search.ratio * search.min_len)))
-        first = (prefix, search.min_len - prefix)
-    else:
-        first = (search.prefix_len, search.min_len)
-    return [
-        Cell(
-            spec=FRONTIER_SPEC,
-            model=model,
-            prefix_len=first[0],
-            suffix_len=first[1],
-            parallel=parallel or Parallel(),
-            offload=variant.endswith("+offload"),
-            systems=(variant.removesuffix("+offload"),),
-            device="cpu",
-            warmup=0,
-            repeats=1,
-            timeout_min=timeout_min,
-            frontier=search,
-            **fields,
-        )
-        for variant in variants
-    ]
+    """One search cell per variant, as a spec's ``frontier:`` block makes them (``search_cells``; ``fields``:
+    ``n``, ``microbatch``, ``dtype``, ``ac``, ``layout``, ``loss``, ``seed``). Raises pydantic's
+    ValidationError for a bad field."""
+    return search_cells(
+        search, variants, spec=FRONTIER_SPEC, model=model, parallel=parallel or Parallel(), device="cpu",
+        timeout_min=timeout_min, **fields,
+    )  # fmt: skip
 
 
 def search_frontier(

@@ -96,7 +96,6 @@ def frontier(
     whether one length fits), for a model and a layout, on fake tensors."""
     from harness.capacity import FRONTIER_SPEC, frontier_cells, parse_size, search_frontier
     from harness.contenders import available_contenders
-    from harness.run.frontier import probe_split
     from harness.run.progress import reporting
     from harness.safe_fs import UnsafePathError, check_writable
     from harness.sweep import spec_folder
@@ -119,7 +118,7 @@ def frontier(
             _fail(f"--variants: unknown system {name!r}; registered: {', '.join(known)} (SYSTEM+offload)")
     parallel = Parallel(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep)
     fields = dict(n=n, microbatch=microbatch, layout=layout.value, dtype=dtype.value, ac=ac.value)
-    longest = probe_split(search, search.max_len)
+    longest = search.split(search.max_len)
     for name in names:  # each variant's longest probe, checked as `run` checks a cell (model, positions)
         system, offload = name.removesuffix("+offload"), name.endswith("+offload")
         cell = checked_cell(

@@ -29,8 +29,9 @@ from .common import (
     save,
     split_label,
     theme,
+    variant,
 )
-from .fig10 import COLORS, fixed_total_peaks
+from .fig10 import COLORS, VARIANTS, fixed_total_peaks
 
 __all__ = [
     "PAPER_FIG10A_GIB", "PAPER_BASELINE_GIB", "PAPER_FIG10B", "paper_scale_table", "figure10a_paper",
@@ -115,6 +116,11 @@ def figure10a_paper(df: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     return [save(fig, out_dir, "fig10a_paper_scale")]
 
 
+def _variant_order(column: pd.Series) -> pd.Series:
+    """A sort key putting the ``variant`` column in Figure 10's order (other columns as they are)."""
+    return column.map({v: i for i, v in enumerate(VARIANTS)}) if column.name == "variant" else column
+
+
 def paper_frontier_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per estimated capacity-frontier search: its budget (GiB), mode (``ratio``: the searched length
     is P+S at a fixed split; ``prefix``: S behind a fixed P), variant, frontier (the largest fitting length),
@@ -125,7 +131,7 @@ def paper_frontier_table(df: pd.DataFrame) -> pd.DataFrame:
     p = df[frontier_mask(df) & (df["mem_meter"] == ESTIMATE_METER) & df["status"].isin(["ok", "oom"])]
     if p.empty:
         return pd.DataFrame()
-    p = p.assign(variant=p["system"].astype(str) + np.where(p["offload"].astype(bool), "+offload", ""))
+    p = p.assign(variant=variant(p))
     rows = []
     for sid, g in p.groupby("search_id"):
         first = g.iloc[0]
@@ -147,10 +153,7 @@ def paper_frontier_table(df: pd.DataFrame) -> pd.DataFrame:
     out["paper_96gib"] = [
         PAPER_FIG10B.get((m, v), np.nan) for m, v in zip(out["mode"], out["variant"], strict=True)
     ]
-    order = {"baseline": 0, "prefixflow": 1, "prefixflow+offload": 2}
-    out = out.sort_values(
-        ["mode", "budget_gib", "variant"], key=lambda c: c.map(order) if c.name == "variant" else c
-    )
+    out = out.sort_values(["mode", "budget_gib", "variant"], key=_variant_order)
     return out.reset_index(drop=True)
 
 
@@ -266,7 +269,7 @@ def paper_table3_table(df: pd.DataFrame) -> pd.DataFrame:
     e = e[e["spec"] == "paper_table3"]
     if e.empty:
         return pd.DataFrame()
-    e = e.assign(variant=e["system"].astype(str) + np.where(e["offload"].astype(bool), "+offload", ""))
+    e = e.assign(variant=variant(e))
     rows = []
     for r in e.to_dict("records"):
         per_rank = r.get("peak_mem_bytes_per_rank")  # a JSON list in the records
@@ -284,7 +287,4 @@ def paper_table3_table(df: pd.DataFrame) -> pd.DataFrame:
         b / base.get((m, lay), np.nan)
         for b, m, lay in zip(out["phase_b_gib"], out["model"], out["layout"], strict=True)
     ]
-    order = {"baseline": 0, "prefixflow": 1, "prefixflow+offload": 2}
-    return out.sort_values(
-        ["model", "variant"], key=lambda c: c.map(order) if c.name == "variant" else c
-    ).reset_index(drop=True)
+    return out.sort_values(["model", "variant"], key=_variant_order).reset_index(drop=True)

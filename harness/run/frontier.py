@@ -81,14 +81,6 @@ def bracketed_search(min_len: int, max_len: int, resolution: int, fits: Callable
     return lo
 
 
-def probe_split(search: FrontierSearch, length: int) -> tuple[int, int]:
-    """(prefix_len, suffix_len) of the probe at searched ``length``."""
-    if search.mode == "prefix":
-        return int(search.prefix_len), length
-    prefix = min(length - 1, max(1, round(search.ratio * length)))
-    return prefix, length - prefix
-
-
 def budget_of(search: FrontierSearch, device: torch.device | None) -> int:
     """The budget in bytes; on CUDA without one, the device's memory. ``device`` None: an estimate (fake
     tensors), which needs a budget as the CPU does."""
@@ -97,7 +89,9 @@ def budget_of(search: FrontierSearch, device: torch.device | None) -> int:
     if device is not None and device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     where = "on CPU" if device is not None else "in an estimate"
-    raise ValueError(f"a capacity-frontier search {where} needs frontier.budget_bytes (the live-bytes budget)")
+    raise ValueError(
+        f"a capacity-frontier search {where} needs frontier.budget_bytes (the live-bytes budget)"
+    )
 
 
 def refuse_ranks(cell: Cell) -> list[dict] | None:
@@ -155,7 +149,7 @@ def run_frontier(
     rows: list[dict[str, Any]] = []
 
     def fits(length: int) -> bool | None:
-        prefix, suffix = probe_split(search, length)
+        prefix, suffix = search.split(length)
         path = store / f"{_probe_id(sid, length)}.parquet"
         try:
             recs = read_records(path).to_dict("records")  # measured before a restart

@@ -180,6 +180,13 @@ class FrontierSearch(StrictModel):
             raise ValueError(f"max_len {self.max_len} < min_len {self.min_len}")
         return self
 
+    def split(self, length: int) -> tuple[int, int]:
+        """(prefix_len, suffix_len) of the probe at searched ``length`` (never an empty side)."""
+        if self.mode == "prefix":
+            return int(self.prefix_len), length
+        prefix = min(length - 1, max(1, round(self.ratio * length)))
+        return prefix, length - prefix
+
 
 def report_steps_for(steps: int) -> list[int]:
     """The paper's reported steps (1, 10, 20) that fall within ``steps``, plus the last step."""

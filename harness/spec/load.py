@@ -10,14 +10,13 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from harness.spec.cell import (
-    Cell,
-)
+from harness.spec.cell import Cell, FrontierSearch
 from harness.spec.checks import check_registries, describe_validation_error
 from harness.spec.schema import Alignment, Axes, Frontier, Spec
 
@@ -239,33 +238,38 @@ def _alignment_cells(spec: Spec, block: Alignment) -> list[Cell]:
     ]
 
 
-def _frontier_cells(spec: Spec, front: Frontier) -> list[Cell]:
-    """One search cell per variant; its lengths are the search's first probe (harness.run.frontier)."""
-    search = front.search()
-    if search.mode == "ratio":
-        prefix = max(1, min(search.min_len - 1, round(search.ratio * search.min_len)))
-        first = (prefix, search.min_len - prefix)
-    else:
-        first = (search.prefix_len, search.min_len)
-    model = front.model or spec.axes_blocks[0].models[0]
+def search_cells(search: FrontierSearch, variants: Sequence[str], **fields: Any) -> list[Cell]:
+    """One capacity-frontier search cell per variant (``SYSTEM``, or ``SYSTEM+offload`` for PrefixFlow with
+    offload); its lengths are the search's first probe (``harness.run.frontier``). ``fields``: the cell's
+    other fields (spec, model, n, layout, parallel ...)."""
+    prefix, suffix = search.split(search.min_len)
     return [
         Cell(
-            **_common(spec),
-            model=model,
-            prefix_len=first[0],
-            suffix_len=first[1],
-            n=front.n,
-            layout=front.layout,
-            microbatch=front.microbatch,
-            dtype=front.dtype,
-            ac=front.ac,
-            parallel=front.parallel,
+            prefix_len=prefix,
+            suffix_len=suffix,
             offload=variant.endswith("+offload"),
             systems=(variant.removesuffix("+offload"),),
             warmup=0,
             repeats=1,
-            timeout_min=front.timeout_min or spec.executor.timeout_min,
             frontier=search,
+            **fields,
         )
-        for variant in front.variants
+        for variant in variants
     ]
+
+
+def _frontier_cells(spec: Spec, front: Frontier) -> list[Cell]:
+    """A ``frontier:`` block's search cells (:func:`search_cells`), one per variant."""
+    return search_cells(
+        front.search(),
+        front.variants,
+        **_common(spec),
+        model=front.model or spec.axes_blocks[0].models[0],
+        n=front.n,
+        layout=front.layout,
+        microbatch=front.microbatch,
+        dtype=front.dtype,
+        ac=front.ac,
+        parallel=front.parallel,
+        timeout_min=front.timeout_min or spec.executor.timeout_min,
+    )

@@ -8,7 +8,7 @@ import pytest
 from harness.execute.executors import DebugExecutor
 from harness.records import cell_status, collect
 from harness.run.columns import base_record
-from harness.run.frontier import bracketed_search, probe_split, run_frontier
+from harness.run.frontier import bracketed_search, run_frontier
 from harness.spec.cell import Cell, FrontierSearch, ModelSpec
 from harness.spec.load import SpecError, expand, parse_spec
 from harness.sweep import run_sweep
@@ -77,9 +77,9 @@ def test_a_failed_probe_ends_the_search_with_the_best_so_far():
 
 
 def test_probe_split_modes():
-    assert probe_split(_search(), 1024) == (768, 256)
-    assert probe_split(_search(mode="prefix", ratio=None, prefix_len=500), 300) == (500, 300)
-    assert probe_split(_search(ratio=0.99), 8) == (7, 1)  # never an empty suffix
+    assert _search().split(1024) == (768, 256)
+    assert _search(mode="prefix", ratio=None, prefix_len=500).split(300) == (500, 300)
+    assert _search(ratio=0.99).split(8) == (7, 1)  # never an empty suffix
 
 
 def test_every_probe_is_recorded_over_budget_is_oom(tmp_path):
