@@ -69,10 +69,11 @@ def sweep(
         check_cell_sequences(expand(s, max_cells=max_cells))
     except ValueError as e:
         _fail(f"{spec}: {e}")
+    estimate = estimate or s.executor.kind == "estimate"
     if dry_run:
-        try:
-            p = plan(s, out, retry_failed, max_cells)
-        except SpecError as e:
+        try:  # SpecError, or a folder holding records of the other kind (estimated, measured)
+            p = plan(s, out, retry_failed, max_cells, estimate=estimate)
+        except ValueError as e:
             _fail(str(e))
         for problem in p.invalid:
             _warn(f"ignoring {problem}; the cell would run again")
@@ -114,7 +115,6 @@ def sweep(
             jobs_folder(spec_folder(out, s.name))
         except (OSError, UnsafePathError) as e:
             _fail(str(e))
-    estimate = estimate or s.executor.kind == "estimate"
     if estimate and executor is ExecutorKind.slurm:
         _fail(
             "--executor slurm: estimates run on this machine; use --executor local or debug with --estimate"

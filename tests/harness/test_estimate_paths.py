@@ -202,6 +202,12 @@ def test_sweep_estimate(tmp_path, how):
         ), measured.output
         again = runner.invoke(app, args)
         assert again.exit_code == 0 and "2 recorded, 0 to run" in again.output, again.output
+        # --dry-run plans as the sweep would: the estimates are done, and a measured plan is refused in one line
+        dry = runner.invoke(app, [*args, "--dry-run"])
+        assert dry.exit_code == 0 and dry.output.count("done (ok)") == 2, dry.output
+        dry = runner.invoke(app, ["sweep", str(spec), "--out", str(tmp_path / "out"), "--dry-run"])
+        assert dry.exit_code == 2 and "is recorded estimated; a measured sweep needs its own --out" in dry.output
+        assert "Traceback" not in dry.output
 
 
 def test_run_estimate_checks_the_sequences():
