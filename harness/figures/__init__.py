@@ -21,6 +21,7 @@ from .fig9 import figure9a, figure9a_concat, figure9a_split, figure9b
 from .fig10 import figure10a, figure10b, frontier_table
 from .fig11 import figure11
 from .multimodal import figure_multimodal, multimodal_table
+from .paper_fig9 import figure9_paper
 from .paper_scale import figure10a_paper, figure10b_paper, figure11_paper
 from .smoke import smoke_overview
 from .tables import alignment_table, peer_table, speedup_table
@@ -46,6 +47,7 @@ FIGURES: dict[str, Callable[[pd.DataFrame, Path], list[Path]]] = {
     "fig9a_split": figure9a_split,
     "fig9b": figure9b,
     "fig10a": figure10a,
+    "fig9a_paper": figure9_paper,
     "fig10a_paper": figure10a_paper,
     "fig10b_paper": figure10b_paper,
     "fig11_paper": figure11_paper,

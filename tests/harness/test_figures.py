@@ -273,7 +273,7 @@ def test_registry_is_complete():
     assert set(FIGURES) == {
         "fig6a", "fig6b", "fig6_sim", "fig7", "fig8a", "fig8b", "claim2_summary", "fig9a", "fig9a_concat",
         "fig9a_split", "fig9b", "fig10a", "fig10b", "fig11", "smoke", "trees_speedup", "trees_time_memory",
-        "multimodal", "fig7_verl", "fig8a_verl", "fig10a_paper", "fig10b_paper", "fig11_paper",
+        "multimodal", "fig7_verl", "fig8a_verl", "fig9a_paper", "fig10a_paper", "fig10b_paper", "fig11_paper",
     }  # fmt: skip
 
 
