@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from harness.spec.load import search_cells
 __all__ = ["FRONTIER_SPEC", "parse_size", "frontier_cells", "search_frontier"]
 
 FRONTIER_SPEC = "frontier"  # the records' spec name and their folder under OUT
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_SIZE = re.compile(r"^\s*([0-9]{1,20}(?:\.[0-9]{1,20})?)\s*([A-Za-z]{0,3})\s*$")
 _UNITS = {"": 1, "B": 1} | {
     name: base**power
     for power, letter in enumerate("KMGT", start=1)
@@ -33,19 +34,20 @@ _UNITS = {"": 1, "B": 1} | {
 
 def parse_size(text: str | int) -> int:
     """Bytes of a memory size: an integer, or a number with a unit (``96GiB``, ``80G``, ``512MiB``; K/M/G/T
-    and KiB/MiB/GiB/TiB are binary, as GPU memory is quoted; KB/MB/GB/TB decimal). Raises ValueError for
-    anything else, and for a size below one byte."""
+    and KiB/MiB/GiB/TiB are binary, as GPU memory is quoted; KB/MB/GB/TB decimal; up to 20 ASCII digits
+    either side of the point, rounded down to a byte). Raises ValueError for anything else, and for a size
+    below one byte or above 2**62."""
     if isinstance(text, int) and not isinstance(text, bool):
         size = text
     else:
         m = _SIZE.match(str(text))
         if m is None or m.group(2).upper() not in _UNITS:
             raise ValueError(
-                f"{text!r} is not a size: give bytes or a number with a unit (96GiB, 80G, 512MiB)"
+                f"{text!r:.60} is not a size: give bytes or a number with a unit (96GiB, 80G, 512MiB)"
             )
-        size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+        size = int(Fraction(m.group(1)) * _UNITS[m.group(2).upper()])  # exact: no float rounding or overflow
     if not 1 <= size <= 2**62:
-        raise ValueError(f"{text!r} is not a positive size (1 byte to 2**62 bytes)")
+        raise ValueError(f"{text!r:.60} is not a positive size (1 byte to 2**62 bytes)")
     return size
 
 
