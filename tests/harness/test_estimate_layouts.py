@@ -13,10 +13,9 @@ import json
 
 import pytest
 from support.estimate_layouts import LAYOUTS, TINY, layout_cell
-from support.parallel_launch import TESTS
+from support.torchrun_cases import launch_worker
 
 from harness.estimate.world import chosen_ranks, estimate_layout, estimate_ranks, representatives
-from harness.execute.local import run_local_ranks
 from harness.spec.cell import Cell
 
 SYSTEMS = ("baseline", "prefixflow")
@@ -29,10 +28,7 @@ def _tolerance(real: float) -> float:
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
     out = tmp_path_factory.mktemp("estimate-layouts") / "real.json"
-    proc = run_local_ranks(2, "support.estimate_layout_worker", [str(out)], timeout_s=600, extra_path=[TESTS])
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"ranks exited {proc.returncode}:\n{proc.stderr.decode(errors='replace')[-6000:]}")
-    return json.loads(out.read_text())
+    return launch_worker("support.estimate_layout_worker", 2, [str(out)], out, timeout=600)
 
 
 def _largest_unit_grad_bytes(cell: Cell) -> int:

@@ -18,24 +18,30 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def launch_cases(script: Path, nproc: int, out: Path, *args: str, timeout: float = 900) -> dict:
-    """Run ``script`` on ``nproc`` local ranks (``harness.execute.local_ranks``: loopback only); return rank 0's JSON
-    (raises with the ranks' output when the launch fails)."""
+def launch_worker(
+    target: str, nproc: int, argv: list[str], out: Path, *, timeout: float = 900, module: bool = True
+) -> dict:
+    """Run ``target`` (a module under tests/, or a script with ``module=False``) on ``nproc`` local ranks
+    (``harness.execute.local_ranks``: loopback only) with ``argv``; return the JSON rank 0 wrote to ``out``
+    (raises with the ranks' output when the launch fails). Every multi-rank test module launches through it."""
     from harness.execute.local import run_local_ranks
 
     proc = run_local_ranks(
-        nproc,
-        str(script),
-        [str(out), *args],
-        timeout_s=timeout,
-        module=False,
-        cwd=REPO,
-        extra_path=[REPO / "tests"],
+        nproc, target, argv, timeout_s=timeout, module=module, cwd=REPO, extra_path=[REPO / "tests"]
     )
+    return _rank0_json(proc, out, "ranks")
+
+
+def launch_cases(script: Path, nproc: int, out: Path, *args: str, timeout: float = 900) -> dict:
+    """Run ``script`` on ``nproc`` local ranks (:func:`launch_worker`); return rank 0's JSON."""
+    return launch_worker(str(script), nproc, [str(out), *args], out, timeout=timeout, module=False)
+
+
+def _rank0_json(proc, out: Path, what: str) -> dict:
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(
-            f"ranks failed ({proc.returncode}):\n{proc.stdout.decode(errors='replace')[-4000:]}\n"
-            f"{proc.stderr.decode(errors='replace')[-8000:]}"
+            f"{what} failed ({proc.returncode}):\n{(proc.stdout or b'').decode(errors='replace')[-4000:]}\n"
+            f"{(proc.stderr or b'').decode(errors='replace')[-8000:]}"
         )
     return json.loads(out.read_text())
 
@@ -60,12 +66,7 @@ def launch_torchrun(script: Path, nproc: int, out: Path, *args: str, timeout: fl
         str(script), str(out), *args,
     ]  # fmt: skip
     proc = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, timeout=timeout, check=False)
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(
-            f"torchrun ranks failed ({proc.returncode}):\n{proc.stdout.decode(errors='replace')[-4000:]}\n"
-            f"{proc.stderr.decode(errors='replace')[-8000:]}"
-        )
-    return json.loads(out.read_text())
+    return _rank0_json(proc, out, "torchrun ranks")
 
 
 def max_rel(got, want) -> float:

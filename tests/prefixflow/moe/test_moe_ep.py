@@ -10,12 +10,9 @@ Phase C's recomputation is detected.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from support.moe_ep_worker import CASES
-
-from harness.execute.local import run_local_ranks
+from support.torchrun_cases import launch_worker
 
 TOL = 1e-9
 TREE_TOL = 1e-12
@@ -27,13 +24,9 @@ GRADIENT_CASES = [name for name, _ in CASES if name not in CHECKS]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from support import TESTS
 
     out = tmp_path_factory.mktemp("moe_ep") / "moe_ep.json"
-    proc = run_local_ranks(2, "support.moe_ep_worker", [str(out)], timeout_s=1200, extra_path=[TESTS])
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"ranks exited {proc.returncode}:\n{proc.stderr.decode(errors='replace')[-6000:]}")
-    return json.loads(out.read_text())
+    return launch_worker("support.moe_ep_worker", 2, [str(out)], out, timeout=1200)
 
 
 @pytest.mark.parametrize("name", GRADIENT_CASES)
