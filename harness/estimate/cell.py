@@ -82,9 +82,6 @@ def estimate_cell(cell: Cell, folder: str | Path | None = None) -> list[dict[str
             rec["estimate_s"] = run.memory.get("estimate_s")
             for key in ("modelled_time_s", "modelled_bytes"):  # the FLOP-counting step's ops on the H20
                 rec[key] = run.memory.get(key, math.nan)
-        if run is not None and run.memory is not None:
-            for phase, peak in run.memory.get("phase_peak_bytes", {}).items():
-                rec[f"peak_mem_phase_{phase.lower()}_bytes"] = float(peak)
         if rec.get("status") == "ok":
             rec["mem_meter"] = FAKE_METER
         out.append(_finite_or_none(rec))

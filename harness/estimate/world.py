@@ -125,20 +125,13 @@ def estimate_layout(cell: Cell, ranks: list[int] | None = None) -> list[dict[str
     merged as a measured cell's ranks are (rank-max memory); the ``estimate_ranks`` column names the ranks."""
     ranks = chosen_ranks(cell) if ranks is None else ranks
     per_rank = estimate_ranks(cell, ranks)
-    phases: list[dict[str, float]] = [{} for _ in per_rank[0]]
     seconds = [0.0 for _ in per_rank[0]]
     for rows in per_rank:
         for i, rec in enumerate(rows):
-            memory = rec.get("memory") or {}
-            seconds[i] += memory.get("estimate_s") or 0.0
-            for phase, peak in memory.get("phase_peak_bytes", {}).items():
-                phases[i][phase] = max(phases[i].get(phase, 0.0), float(peak))
-    records = cell_records(cell, per_rank, per_rank_columns=True)
-    for rec, peaks, spent in zip(records, phases, seconds, strict=True):
+            seconds[i] += (rec.get("memory") or {}).get("estimate_s") or 0.0
+    records = cell_records(cell, per_rank, per_rank_columns=True)  # rank-max memory, every phase
+    for rec, spent in zip(records, seconds, strict=True):
         rec["estimate_ranks"] = json.dumps(ranks)
         rec["estimate_s"] = spent  # every chosen rank's metered step, one after another
         rec.pop("threads", None)
-        if rec.get("status") == "ok":
-            for phase, peak in peaks.items():
-                rec[f"peak_mem_phase_{phase.lower()}_bytes"] = peak
     return records

@@ -239,7 +239,8 @@ def merge_ranks(per_rank: list[list[dict[str, Any]]], per_rank_columns: bool = T
     """The cell's records from every rank's (rank 0's columns first). Each rank's record carries its timed
     ``samples`` and, on CPU, its metered step's ``memory``. Timed columns: per step the slowest rank's value,
     then the median over steps (``step_time_min_s``/``max_s``: the extremes of the per-step maxima). Memory:
-    the largest peak over ranks (from the metered step on CPU, the timed steps on CUDA). With
+    the largest peak over ranks (from the metered step on CPU, the timed steps on CUDA), of the step and of
+    each phase the step metered (``peak_mem_phase_<a|b|c|full>_bytes``). With
     ``per_rank_columns``, each rank's own median (``<col>_per_rank``, JSON) and their spread
     ``(max - min) / max`` too. A system that failed on any rank is failed with that rank's error."""
     merged = []
@@ -272,6 +273,11 @@ def merge_ranks(per_rank: list[list[dict[str, Any]]], per_rank_columns: bool = T
             out[col] = _max(own)
             if per_rank_columns and col in ("peak_mem_bytes", "peak_mem_phase_b_bytes"):
                 out[f"{col}_per_rank"], out[f"{col}_spread"] = _per_rank(own), _spread(own)
+        if meter != "none":  # every phase's peak (A, B, C, the baseline's full step), the largest over ranks
+            phases = {p for src in sources for s in src for p in s.get("phase_peak_bytes", {})}
+            for phase in sorted(phases):
+                peak = _max(s.get("phase_peak_bytes", {}).get(phase) for src in sources for s in src)
+                out[f"peak_mem_phase_{phase.lower()}_bytes"] = float(peak)
         if "first_step_s" in rec:
             out["first_step_s"] = _max(r.get("first_step_s") for r in rows)
         merged.append(out)

@@ -37,3 +37,18 @@ def test_only_the_loop_meters_and_repeats_steps():
 def test_the_check_sees_a_second_loop():
     injected = "for it in range(cell.warmup + cell.repeats):\n    meter = PhaseMeter(device)\n"
     assert _meter_sites(injected) == 2
+
+
+def test_ranks_merge_to_the_largest_peak_of_each_phase():
+    """``merge_ranks`` takes each phase's peak over ranks on its own: the step's largest phase differs by rank."""
+    from harness.run.loop import merge_ranks
+
+    def rank(a: float, b: float, c: float) -> list[dict]:
+        memory = {"mem_meter": "live-bytes", "peak_mem_bytes": max(a, b, c), "peak_mem_phase_b_bytes": b,
+                  "phase_peak_bytes": {"A": a, "B": b, "C": c}}  # fmt: skip
+        sample = {"step_time_s": 1.0, "phase_a_s": 0.1, "phase_b_s": 0.8, "phase_c_s": 0.1}
+        return [{"system": "prefixflow", "status": "ok", "samples": [sample], "memory": memory}]
+
+    (rec,) = merge_ranks([rank(10.0, 3.0, 4.0), rank(2.0, 7.0, 9.0)])
+    assert (rec["peak_mem_phase_a_bytes"], rec["peak_mem_phase_b_bytes"], rec["peak_mem_phase_c_bytes"]) == (10, 7, 9)
+    assert rec["peak_mem_bytes"] == 10 and rec["mem_meter"] == "live-bytes"
