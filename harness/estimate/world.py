@@ -71,12 +71,9 @@ def _forget_meshes() -> None:
 
 def rank_coordinates(cell: Cell) -> list[dict[str, int]]:
     """Every rank's coordinates in the dense mesh ``(pp, dp_replicate, dp_shard, cp, tp)``, by rank."""
-    shape = [getattr(cell.parallel, name) for name in DENSE_ORDER]
-    grid = torch.arange(cell.world_size).reshape(shape)
-    out: list[dict[str, int]] = [{} for _ in range(cell.world_size)]
-    for index in torch.cartesian_prod(*[torch.arange(n) for n in shape]).reshape(-1, len(shape)).tolist():
-        out[int(grid[tuple(index)])] = dict(zip(DENSE_ORDER, index, strict=True))
-    return out
+    shape = tuple(getattr(cell.parallel, name) for name in DENSE_ORDER)
+    axes = [c.tolist() for c in torch.unravel_index(torch.arange(cell.world_size), shape)]  # row-major, as the mesh
+    return [dict(zip(DENSE_ORDER, coords, strict=True)) for coords in zip(*axes, strict=True)]
 
 
 def _uniform_batch(cell: Cell) -> bool:
