@@ -36,19 +36,20 @@ class FakeBuild:
         self.bench, self.mode = bench, mode
         self.count_flops = bench.count_flops
 
-    def build(self, name: str):
-        staged = hasattr(self.bench, "parallelized")  # a layout's bench: made fake before it is parallelized
+    def fresh(self, name: str):
         device, self.bench.device = self.bench.device, META
         try:
             with on_host(), torch.device("meta"):  # meta tensors, outside the fake mode; then made fake
-                contender, model = self.bench.fresh(name) if staged else self.bench.build(name)
+                contender, model = self.bench.fresh(name)
         finally:
             self.bench.device = device
         materialise(model, self.mode)
         use_fake_tier(model)
-        if staged:  # under the mode: DTensor shards, FSDP's padded shards and hooks are fake too
-            contender, model = self.bench.parallelized(name, contender, model)
         return contender, model
+
+    def parallelized(self, name: str, contender, model):
+        # under the mode: DTensor shards, FSDP's padded shards and hooks are fake too
+        return self.bench.parallelized(name, contender, model)
 
     def inputs(self, runs: list[SystemRun]) -> list:
         with on_host():
@@ -75,7 +76,7 @@ def estimate_systems(cell: Cell, device: torch.device, bench: Bench, memory_only
             run = SystemRun(name)
             report(f"building {name} on fake tensors ({cell.model.display}, {cell.dtype})")
             try:
-                run.contender, run.model = fake.build(name)
+                run.contender, run.model = fake.parallelized(name, *fake.fresh(name))
             except ValueError as e:  # the model cannot take the layout (a TP degree, tied embeddings under PP)
                 fail(run, e, cell, device)
                 run.failure = ("error", f"cell {cell.cell_id}: {name}: {e}")

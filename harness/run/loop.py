@@ -99,8 +99,12 @@ class Bench(Protocol):
 
     count_flops: bool  # one untimed step per system under the FLOP counters (CPU and CUDA, not compiled)
 
-    def build(self, name: str) -> tuple[Any, torch.nn.Module]:
-        """The contender ``name`` and its fresh model (the same seed for every system)."""
+    def fresh(self, name: str) -> tuple[Any, torch.nn.Module]:
+        """The contender ``name`` and its fresh model (the same seed for every system), before any layout is
+        applied: an estimate builds it on the meta device and makes it fake here."""
+
+    def parallelized(self, name: str, contender: Any, model: torch.nn.Module) -> tuple[Any, torch.nn.Module]:
+        """The contender and ``model`` with the cell's layout applied on this rank (one rank: as they are)."""
 
     def inputs(self, runs: list[SystemRun]) -> list:
         """The step inputs every system trains on (built after the models: it may need their vocabulary)."""
@@ -129,7 +133,7 @@ def run_systems(
         run = SystemRun(name)
         report(f"building {name} ({cell.model.display}, {cell.dtype}, {device})")
         try:
-            run.contender, run.model = bench.build(name)
+            run.contender, run.model = bench.parallelized(name, *bench.fresh(name))
         except Exception as e:
             run.fail(e, device)
         runs.append(run)

@@ -157,15 +157,11 @@ class ParallelBench:
         self.columns: dict[str, dict[str, Any]] = {}
         self.shapes: dict[str, Any] = {}
 
-    def build(self, name: str):
-        return self.parallelized(name, *self.fresh(name))
-
     def fresh(self, name: str):
-        """The contender and its model before parallelization (an estimate makes it fake in between)."""
         return _fresh(name, self.cell, self.device)
 
     def parallelized(self, name: str, contender, model):
-        """``model`` parallelized on this rank, with its record columns."""
+        """``model`` parallelized on this rank; its record columns are the parallelized model's."""
         model = _parallelized(model, contender, self.cell, self.dims, self.mesh)
         self.columns[name] = model_columns(model, self.cell, name)
         self.shapes[name] = model_shape(model, self.cell)

@@ -38,11 +38,14 @@ class GroupBench:
         self.shapes: dict[str, Any] = {}
         self.budget: int | None = None
 
-    def build(self, name: str):
+    def fresh(self, name: str):
         contender, model = build_for(name, self.cell, self.device)
         self.columns[name] = model_columns(model, self.cell, name)
         self.shapes[name] = model_shape(model, self.cell)
         return contender, model
+
+    def parallelized(self, name: str, contender, model):
+        return contender, model  # one rank: no layout
 
     def inputs(self, runs: list[SystemRun]) -> list:
         first = runs[0]

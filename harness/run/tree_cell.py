@@ -64,10 +64,13 @@ class TreeBench:
         self.columns: dict[str, dict[str, Any]] = {}
         self.workload = None
 
-    def build(self, name: str):
+    def fresh(self, name: str):
         contender, model = build_for(name, self.cell, self.device)
         self.columns[name] = model_columns(model, self.cell, name)
         return contender, model
+
+    def parallelized(self, name: str, contender, model):
+        return contender, model  # one rank: no layout
 
     def inputs(self, runs: list[SystemRun]) -> list:
         self.workload = self.cell.tree.generate(vocab_size_of(runs[0].model))
